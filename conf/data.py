@@ -1,0 +1,36 @@
+"""Data configs: where the corpus comes from, how it is tokenized and packed."""
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass
+class DataConfig:
+    # Corpus kind: "stdlib" (this Python's standard-library sources, no download),
+    # "files" (local .txt/.py/.md, .jsonl/.json or .parquet files, a directory or a glob),
+    # "hub" (a `datasets` name or a path `datasets.load_dataset` understands).
+    name: str = "stdlib"
+    path: Optional[str] = None
+    text_field: str = "text"  # column holding the document text (jsonl/parquet/hub)
+    hub_split: str = "train"  # split of a hub dataset to read
+    seq_len: int = 256  # tokens per packed training sequence
+    vocab_size: int = 4096  # BPE vocabulary, special tokens included
+    tokenizer_path: Optional[str] = None  # an existing tokenizer.json instead of training one
+    val_fraction: float = 0.02  # documents held out for validation
+    max_documents: Optional[int] = None  # cap on documents read (None = all)
+    cache_dir: str = "~/.cache/flashtrain"  # tokenizers and packed datasets live here
+    split_seed: int = 1234  # seed of the train/validation document split
+
+
+@dataclass
+class StdlibDataConfig(DataConfig):
+    name: str = "stdlib"
+
+
+@dataclass
+class FilesDataConfig(DataConfig):
+    name: str = "files"  # needs data.path
+
+
+@dataclass
+class HubDataConfig(DataConfig):
+    name: str = "hub"  # needs data.path

@@ -1,0 +1,155 @@
+"""Model configs: the DeepSeek-V4.1-Flash architecture (SPEC.md §1-6, §11) at three sizes.
+
+`flash` is the published model; `small` is ~1-2B parameters for single-GPU benchmarks;
+`tiny` trains on a CPU in minutes. All three build the same module graph.
+"""
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class ModelConfig:
+    name: str = "flash"
+    vocab_size: Optional[int] = 129_280  # None = take the tokenizer's size
+    dim: int = 5120
+    n_layers: int = 40
+    norm_eps: float = 1e-6
+    init_std: float = 0.02
+
+    # --- CED and the CSA2 layer plan (§2, §3). The plan is derived from these numbers
+    # unless `compress_ratios` / `layer_modes` spell it out layer by layer.
+    n_encoder_layers: int = 20  # layers [0, n_encoder_layers) are the causal encoder
+    n_swa_layers: int = 2  # leading layers with window attention only
+    encoder_compress_ratio: int = 2  # m on encoder layers
+    decoder_compress_ratio: int = 1  # m on decoder layers
+    encoder_group: int = 6  # encoder groups: one Full layer, then Reuse layers
+    decoder_group: int = 4  # decoder groups: Full (first group) or Reindex, then Reuse
+    compress_ratios: Optional[list[int]] = None  # explicit per-layer m (0 = SWA only)
+    layer_modes: Optional[list[str]] = None  # explicit per-layer swa|full|reindex|reuse
+
+    # --- attention (CSA2)
+    n_heads: int = 64
+    kv_dim: int = 512  # the shared latent, used as both K and V (MQA)
+    rope_dim: int = 64  # trailing latent dims that carry RoPE
+    q_lora_rank: int = 1280
+    o_groups: int = 8
+    o_lora_rank: int = 1024
+    window: int = 128  # sliding-window keys per query, the query itself included
+    rope_theta: float = 10_000.0  # SWA-only layers
+    rope_theta_compressed: float = 160_000.0  # layers with a global (compressed) KV
+    rope_factor: float = 16.0  # YaRN, used when max_seq_len > original_seq_len
+    original_seq_len: int = 65_536
+    beta_fast: int = 32
+    beta_slow: int = 1
+    max_seq_len: int = 1_048_576
+    attn_impl: str = "sparse"  # sparse (gather the selected set) | dense (masked; reference)
+
+    # --- lightning indexer and the hierarchical candidate pool
+    index_heads: int = 32
+    index_dim: int = 128
+    index_topk: int = 512
+    pool_block: int = 8  # positions per block when building the layer-20 pool
+    pool_blocks: int = 2048  # blocks kept per query
+    indexer_loss_coef: float = 1.0  # KL of the indexer towards attention on the selected set
+
+    # --- KV precision (§4)
+    kv_quant: str = "off"  # off | qat
+
+    # --- MoE
+    n_routed_experts: int = 384
+    n_shared_experts: int = 1
+    n_activated_experts: int = 6
+    moe_inter_dim: int = 2304
+    route_scale: float = 1.5
+    swiglu_limit: float = 10.0
+    bias_update_speed: float = 1e-3  # aux-loss-free balancing step
+    seq_aux_alpha: float = 1e-4  # small sequence-wise balance loss (DeepSeek-V3)
+
+    # --- mHC (§6)
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+
+    # --- Engram (§5)
+    engram_layers: list[int] = field(default_factory=lambda: [1, 14])
+    engram_orders: list[int] = field(default_factory=lambda: [2, 3, 4])
+    engram_heads: int = 8
+    engram_dim: int = 256
+    engram_min_rows: int = 16_000_000  # each head's table size is the next unused prime above
+    engram_seed: int = 0
+
+
+@dataclass
+class TinyModelConfig(ModelConfig):
+    """CPU-sized: every component present, trains in minutes."""
+
+    name: str = "tiny"
+    vocab_size: Optional[int] = None
+    dim: int = 128
+    n_layers: int = 8
+    n_encoder_layers: int = 4
+    n_swa_layers: int = 1
+    encoder_group: int = 3
+    decoder_group: int = 2
+    n_heads: int = 4
+    kv_dim: int = 64
+    rope_dim: int = 16
+    q_lora_rank: int = 64
+    o_groups: int = 2
+    o_lora_rank: int = 64
+    max_seq_len: int = 4096
+    original_seq_len: int = 4096
+    attn_impl: str = "dense"  # same function as sparse (tested); faster on a CPU at this size
+    index_heads: int = 4
+    index_dim: int = 32
+    index_topk: int = 32
+    pool_blocks: int = 8
+    n_routed_experts: int = 8
+    n_activated_experts: int = 2
+    moe_inter_dim: int = 128
+    route_scale: float = 1.0
+    bias_update_speed: float = 1e-2  # short runs need faster balancing
+    engram_layers: list[int] = field(default_factory=lambda: [1, 3])
+    engram_heads: int = 2
+    engram_dim: int = 16
+    engram_min_rows: int = 1000
+
+
+@dataclass
+class SmallModelConfig(ModelConfig):
+    """About 1-2B parameters in total: fits one H200 with room for long sequences."""
+
+    name: str = "small"
+    vocab_size: Optional[int] = None
+    dim: int = 1024
+    n_layers: int = 16
+    n_encoder_layers: int = 8
+    n_swa_layers: int = 1
+    encoder_group: int = 3
+    decoder_group: int = 2
+    n_heads: int = 16
+    kv_dim: int = 512
+    rope_dim: int = 64
+    q_lora_rank: int = 512
+    o_groups: int = 4
+    o_lora_rank: int = 512
+    max_seq_len: int = 131_072
+    original_seq_len: int = 65_536
+    index_heads: int = 16
+    index_dim: int = 128
+    index_topk: int = 512
+    pool_blocks: int = 512
+    n_routed_experts: int = 32
+    n_activated_experts: int = 4
+    moe_inter_dim: int = 768
+    engram_layers: list[int] = field(default_factory=lambda: [1, 5])
+    engram_heads: int = 4
+    engram_dim: int = 64
+    engram_min_rows: int = 200_000
+
+
+@dataclass
+class FlashModelConfig(ModelConfig):
+    """The published DeepSeek-V4.1-Flash (SPEC.md §11)."""
+
+    name: str = "flash"

@@ -1,0 +1,23 @@
+"""Training-loop configs: steps, batch, checkpoints, precision, metrics."""
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 250  # optimizer steps
+    micro_batch_size: int = 8  # sequences per process per forward
+    grad_accum_steps: int = 1
+    grad_clip: float = 1.0  # max global grad norm (0 = off)
+    log_every: int = 10  # steps between metric rows
+    eval_every: int = 25  # steps between validation passes (0 = only at the end)
+    eval_batches: int = 4  # validation micro-batches per pass (0 = the whole split)
+    save_every: int = 50  # steps between checkpoints (0 = only at the end)
+    keep_last: int = 3  # complete checkpoints kept on disk
+    seed: int = 1234
+    resume: str = "auto"  # auto | none | <checkpoint dir>
+    zero_stage: int = 1  # DeepSpeed ZeRO stage (0-3)
+    precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
+    peak_flops: Optional[float] = None  # per device, for MFU; None = from the device
+    progress: bool = True  # progress bar with ETA on rank 0
+    torch_threads: Optional[int] = None  # CPU intra-op threads (None = torch default)
