@@ -1,0 +1,83 @@
+"""Parameter and FLOP accounting, read off a built model (the meta device is enough).
+
+Parameters fall into four kinds:
+  embedding  the token embedding: a lookup, no FLOPs
+  engram     Engram tables: lookups, counted apart from the backbone (SPEC §1)
+  routed     routed experts: a token touches n_activated / n_routed of them
+  dense      everything else, touched by every token
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from torch import nn
+
+from model.moe import RoutedExperts
+
+
+def _is_engram_table(module: nn.Module) -> bool:
+    return type(module).__name__ == "EngramTable"
+
+
+def parameter_kinds(model: nn.Module) -> dict[str, dict[str, int]]:
+    """{scope: {kind: count}}; scope is 'layers.<i>' / 'engrams.<i>' inside the stack, else the
+    top-level attribute name ('embed', 'head', 'norm')."""
+    out: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for mod_name, module in model.named_modules():
+        for p_name, p in module.named_parameters(recurse=False):
+            full = f"{mod_name}.{p_name}" if mod_name else p_name
+            parts = full.split(".")
+            scope = ".".join(parts[:2]) if parts[0] in ("layers", "engrams") else parts[0]
+            if _is_engram_table(module):
+                kind = "engram"
+            elif isinstance(module, RoutedExperts):
+                kind = "routed"
+            elif isinstance(module, nn.Embedding):
+                kind = "embedding"
+            else:
+                kind = "dense"
+            out[scope][kind] += p.numel()
+    return {k: dict(v) for k, v in out.items()}
+
+
+def active_matmul_params(model: nn.Module, layers: range | None = None, with_head: bool = True) -> float:
+    """Weights one token multiplies through in `layers` (default: all), experts at k/E."""
+    cfg = model.cfg
+    frac = cfg.n_activated_experts / cfg.n_routed_experts
+    layers = range(cfg.n_layers) if layers is None else layers
+    keep = {f"layers.{i}" for i in layers} | {f"engrams.{i}" for i in layers}
+    if with_head:
+        keep |= {"head", "norm"}
+    total = 0.0
+    for scope, kinds in parameter_kinds(model).items():
+        if scope in keep:
+            total += kinds.get("dense", 0) + frac * kinds.get("routed", 0)
+    return total
+
+
+def attention_flops_per_token(cfg, plan, seq_len: int) -> float:
+    """Forward FLOPs of attention scores and value mixing, plus indexer scoring, per token,
+    averaged over the positions of a causal sequence of seq_len tokens."""
+    t = torch.arange(1, seq_len + 1, dtype=torch.float64)  # keys visible to query t-1
+    window = t.clamp(max=cfg.window).mean().item()
+    total = 0.0
+    for spec in plan.layers:
+        keys = window
+        if spec.mode != "swa":
+            visible = torch.div(t, spec.compress_ratio, rounding_mode="floor")
+            keys += visible.clamp(max=cfg.index_topk).mean().item()
+            index_per_key = 2 * cfg.index_heads * cfg.index_dim
+            if spec.mode == "full":
+                total += index_per_key * visible.mean().item()
+            elif spec.mode == "reindex":
+                pool = cfg.pool_blocks * cfg.pool_block
+                total += index_per_key * visible.clamp(max=pool).mean().item()
+        total += 2 * 2 * cfg.n_heads * cfg.kv_dim * keys  # QK^T and PV
+    return total
+
+
+def train_flops_per_token(model: nn.Module, seq_len: int) -> float:
+    """Forward + backward (3x forward) model FLOPs per trained token."""
+    forward = 2 * active_matmul_params(model) + attention_flops_per_token(model.cfg, model.plan, seq_len)
+    return 3 * forward

@@ -1,0 +1,94 @@
+"""CSA2 attention math: one softmax over the selected global entries, the sliding window and
+a per-head sink logit, MQA over one shared latent (K = V).
+
+Two plain-PyTorch implementations of the same function:
+  sparse_attention  gathers each query's k selected entries and W window keys (the shape a
+                    kernel takes; memory O(T * (k + W)))
+  dense_attention   scores every key and masks to the same set (the reference the sparse
+                    path is tested against; memory O(T * (S + T)))
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+NEG_INF = float("-inf")
+
+
+def _softmax_with_sink(logits: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """logits [..., H, K] (fp32, -inf = masked), sink [H] -> probabilities [..., H, K]; the sink
+    takes part in the normalisation and is dropped."""
+    sink_col = sink.float().view(*([1] * (logits.dim() - 2)), -1, 1).expand(*logits.shape[:-1], 1)
+    return torch.cat((logits, sink_col), dim=-1).softmax(dim=-1)[..., :-1]
+
+
+def window_keys(win_kv: torch.Tensor, window: int) -> torch.Tensor:
+    """win_kv [B, T, C] -> [B, T, W, C]: keys t-W+1 .. t for every query t (zeros before 0)."""
+    padded = F.pad(win_kv, (0, 0, window - 1, 0))
+    return padded.unfold(1, window, 1).transpose(-1, -2)
+
+
+def window_valid(doc_start: torch.Tensor, window: int) -> torch.Tensor:
+    """[B, T, W] bool: key position t-W+1+w exists and lies in query t's document."""
+    T = doc_start.shape[1]
+    key_pos = torch.arange(T, device=doc_start.device).unsqueeze(-1) - (window - 1) \
+        + torch.arange(window, device=doc_start.device)  # [T, W]
+    return key_pos >= doc_start.unsqueeze(-1)
+
+
+def sparse_attention(q: torch.Tensor, win_kv: torch.Tensor, glob_kv: Optional[torch.Tensor],
+                     idx: Optional[torch.Tensor], doc_start: torch.Tensor, sink: torch.Tensor,
+                     scale: float, window: int):
+    """q [B, T, H, C]; win_kv [B, T, C]; glob_kv [B, S, C]; idx [B, T, k] entry ids (-1 = empty);
+    doc_start [B, T]; sink [H] -> (out [B, T, H, C], probabilities on idx [B, T, H, k] or None)."""
+    wk = window_keys(win_kv, window)  # [B, T, W, C]
+    logits = torch.einsum("bthc,btwc->bthw", q.float(), wk.float()) * scale
+    logits = logits.masked_fill(~window_valid(doc_start, window).unsqueeze(2), NEG_INF)
+    W = logits.shape[-1]
+    if glob_kv is not None:
+        B = q.shape[0]
+        gk = glob_kv[torch.arange(B, device=q.device)[:, None, None], idx.clamp(min=0)]  # [B, T, k, C]
+        g_logits = torch.einsum("bthc,btkc->bthk", q.float(), gk.float()) * scale
+        g_logits = g_logits.masked_fill((idx < 0).unsqueeze(2), NEG_INF)
+        logits = torch.cat((logits, g_logits), dim=-1)
+    p = _softmax_with_sink(logits, sink)
+    out = torch.einsum("bthw,btwc->bthc", p[..., :W], wk.float())
+    p_glob = None
+    if glob_kv is not None:
+        p_glob = p[..., W:]
+        out = out + torch.einsum("bthk,btkc->bthc", p_glob, gk.float())
+    return out.to(q.dtype), p_glob
+
+
+def dense_attention(q: torch.Tensor, win_kv: torch.Tensor, glob_kv: Optional[torch.Tensor],
+                    idx: Optional[torch.Tensor], doc_start: torch.Tensor, sink: torch.Tensor,
+                    scale: float, window: int):
+    """Same contract as `sparse_attention`, computed against every key with masks."""
+    B, T, H, _ = q.shape
+    t = torch.arange(T, device=q.device)
+    s = t.unsqueeze(0)
+    band = (s <= t.unsqueeze(1)) & (s > t.unsqueeze(1) - window)  # [T, T]
+    win_ok = band & (s >= doc_start.unsqueeze(-1))  # [B, T, T]
+    logits = torch.einsum("bthc,bsc->bths", q.float(), win_kv.float()) * scale
+    logits = logits.masked_fill(~win_ok.unsqueeze(2), NEG_INF)
+    if glob_kv is not None:
+        S = glob_kv.shape[1]
+        chosen = torch.zeros(B, T, S + 1, dtype=torch.bool, device=q.device)
+        chosen.scatter_(-1, torch.where(idx < 0, S, idx), True)  # column S swallows the -1 slots
+        g_logits = torch.einsum("bthc,bsc->bths", q.float(), glob_kv.float()) * scale
+        g_logits = g_logits.masked_fill(~chosen[..., :S].unsqueeze(2), NEG_INF)
+        logits = torch.cat((logits, g_logits), dim=-1)
+    p = _softmax_with_sink(logits, sink)
+    out = torch.einsum("bths,bsc->bthc", p[..., :T], win_kv.float())
+    p_glob = None
+    if glob_kv is not None:
+        pg = p[..., T:]
+        out = out + torch.einsum("bths,bsc->bthc", pg, glob_kv.float())
+        p_glob = pg.gather(-1, idx.clamp(min=0).unsqueeze(2).expand(B, T, H, -1))
+        p_glob = p_glob.masked_fill((idx < 0).unsqueeze(2), 0.0)
+    return out.to(q.dtype), p_glob
+
+
+ATTENTION_IMPLS = {"sparse": sparse_attention, "dense": dense_attention}

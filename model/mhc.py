@@ -1,0 +1,78 @@
+"""Manifold-constrained hyper-connections with the single-pass schedule (SPEC §6, §11).
+
+The residual is n parallel streams h [B, T, n, D]. Around every sub-layer (attention or
+MoE) three coefficient sets act:
+  pre  [n]     mixes the streams into the sub-layer input        x  = sum_s pre[s] h[s]
+  post [n]     spreads the sub-layer output back                 h' = post[d] y + ...
+  comb [n, n]  doubly stochastic stream mixing                   ... + sum_s comb[s, d] h[s]
+
+Single-pass mHC: a sub-layer computes (post, comb) for itself and `pre` for the NEXT
+sub-layer, all from its own input streams. So the input mix of sub-layer k+1 is known
+before sub-layer k's residual update runs, and a fused kernel can do update, next input
+mix and next coefficients in one read of the streams. The first sub-layer uses the
+one-hot pre-mix [1, 0, ..., 0].
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def sinkhorn_comb(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """[..., n, n] logits -> doubly stochastic matrix. Round 1 is a row softmax followed by a
+    column normalisation; each of the other `iters - 1` rounds normalises rows, then columns."""
+    comb = logits.softmax(dim=-1) + eps
+    comb = comb / comb.sum(dim=-2, keepdim=True)
+    for _ in range(iters - 1):
+        comb = comb / comb.sum(dim=-1, keepdim=True)
+        comb = comb / comb.sum(dim=-2, keepdim=True)
+    return comb
+
+
+class HyperConnection(nn.Module):
+    """Coefficients of one sub-layer, from one fp32 linear over the RMS-normalised streams."""
+
+    def __init__(self, dim: int, n_streams: int, sinkhorn_iters: int, eps: float):
+        super().__init__()
+        self.n, self.iters, self.eps = n_streams, sinkhorn_iters, eps
+        n_out = 2 * n_streams + n_streams * n_streams  # pre, post, comb
+        self.fn = nn.Parameter(torch.empty(n_out, n_streams * dim, dtype=torch.float32))
+        self.base = nn.Parameter(torch.zeros(n_out, dtype=torch.float32))
+        self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))  # pre, post, comb gains
+
+    def reset_parameters(self) -> None:
+        # keep the mixing logits O(0.1) at init: near-uniform comb, pre ~ 0.5, post ~ 1
+        nn.init.normal_(self.fn, std=0.1 / self.fn.shape[1] ** 0.5)
+        nn.init.zeros_(self.base)
+        nn.init.ones_(self.scale)
+
+    def forward(self, h: torch.Tensor):
+        """h [B, T, n, D] -> post [B, T, n], comb [B, T, n, n], next_pre [B, T, n] (fp32)."""
+        n = self.n
+        flat = h.flatten(-2).float()  # [B, T, n*D]
+        flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.eps)
+        mix = F.linear(flat, self.fn.float())  # [B, T, 2n + n*n]
+        base = self.base.float()
+        next_pre = torch.sigmoid(mix[..., :n] * self.scale[0] + base[:n]) + self.eps
+        post = 2 * torch.sigmoid(mix[..., n:2 * n] * self.scale[1] + base[n:2 * n])
+        comb_logits = (mix[..., 2 * n:] * self.scale[2] + base[2 * n:]).unflatten(-1, (n, n))
+        return post, sinkhorn_comb(comb_logits, self.iters, self.eps), next_pre
+
+
+def mix_streams(pre: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """Sub-layer input: pre [B, T, n], h [B, T, n, D] -> x [B, T, D]."""
+    return torch.einsum("bts,btsd->btd", pre.to(h.dtype), h)
+
+
+def update_streams(h: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """Residual update h'[d] = post[d] * y + sum_s comb[s, d] * h[s]."""
+    mixed = torch.einsum("btsd,btsc->btdc", comb.to(h.dtype), h)  # [B, T, n(dst), D]
+    return mixed + post.to(h.dtype).unsqueeze(-1) * y.unsqueeze(2)
+
+
+def initial_pre(h: torch.Tensor) -> torch.Tensor:
+    """One-hot pre-mix [1, 0, ..., 0] for the first sub-layer: [B, T, n]."""
+    pre = torch.zeros(h.shape[:3], dtype=torch.float32, device=h.device)
+    pre[..., 0] = 1.0
+    return pre

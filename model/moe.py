@@ -1,0 +1,132 @@
+"""Mixture of experts: 1 shared + N routed SwiGLU experts, dropless (SPEC §1, §11).
+
+Routing follows DeepSeek-V3 practice with V4's score function:
+  score = sqrt(softplus(W x))                         affinities [N, E]
+  chosen = top-k(score + bias)                        bias: auxiliary-loss-free balancing
+  weight = score[chosen] / sum(score[chosen]) * route_scale
+The bias shifts selection only and is updated from the observed load, never by gradients.
+A small sequence-wise balance loss is returned alongside.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """silu(min(gate, limit)) * clamp(up, -limit, limit); limit <= 0 disables the clamp."""
+    if limit > 0:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(-limit, limit)
+    return F.silu(gate) * up
+
+
+class SharedExpert(nn.Module):
+    """A dense SwiGLU MLP that every token passes through."""
+
+    def __init__(self, dim: int, inter_dim: int, limit: float):
+        super().__init__()
+        self.limit = limit
+        self.w1 = nn.Linear(dim, inter_dim, bias=False)  # gate
+        self.w3 = nn.Linear(dim, inter_dim, bias=False)  # up
+        self.w2 = nn.Linear(inter_dim, dim, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(clamped_swiglu(self.w1(x), self.w3(x), self.limit))
+
+
+class RoutedExperts(nn.Module):
+    """E experts stored as stacked weights [E, ...], so expert parallelism can shard dim 0."""
+
+    def __init__(self, n_experts: int, dim: int, inter_dim: int, limit: float):
+        super().__init__()
+        self.limit = limit
+        self.w1 = nn.Parameter(torch.empty(n_experts, inter_dim, dim))  # gate
+        self.w3 = nn.Parameter(torch.empty(n_experts, inter_dim, dim))  # up
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, inter_dim))  # down
+
+    @property
+    def n_experts(self) -> int:
+        return self.w1.shape[0]
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x [N, D] sorted by expert, counts[e] rows for local expert e -> [N, D]."""
+        outs = []
+        for e, rows in enumerate(torch.split(x, counts)):
+            if rows.shape[0] == 0:
+                continue
+            h = clamped_swiglu(rows @ self.w1[e].T, rows @ self.w3[e].T, self.limit)
+            outs.append(h @ self.w2[e].T)
+        return torch.cat(outs) if outs else x.new_zeros(0, x.shape[-1])
+
+
+class Router(nn.Module):
+    def __init__(self, dim: int, n_experts: int, topk: int, route_scale: float):
+        super().__init__()
+        self.topk, self.route_scale = topk, route_scale
+        self.weight = nn.Parameter(torch.empty(n_experts, dim))
+        # selection-only bias of auxiliary-loss-free balancing, and the load it is updated from
+        self.register_buffer("bias", torch.zeros(n_experts, dtype=torch.float32))
+        self.register_buffer("load", torch.zeros(n_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor):
+        """x [N, D] -> scores [N, E] (fp32), chosen [N, k], weights [N, k]."""
+        scores = torch.sqrt(F.softplus(F.linear(x.float(), self.weight.float())))
+        chosen = torch.topk(scores.detach() + self.bias, self.topk, dim=-1).indices
+        weights = scores.gather(-1, chosen)
+        weights = weights / weights.sum(-1, keepdim=True) * self.route_scale
+        if self.training:
+            self.load += torch.bincount(chosen.flatten(), minlength=scores.shape[-1]).float()
+        return scores, chosen, weights
+
+    @torch.no_grad()
+    def update_bias(self, speed: float) -> None:
+        """Raise the bias of under-loaded experts and lower it for over-loaded ones, then reset
+        the load counter. The caller all-reduces `load` first when data-parallel."""
+        if self.load.sum() > 0:
+            self.bias += speed * torch.sign(self.load.mean() - self.load)
+        self.load.zero_()
+
+
+class MoE(nn.Module):
+    def __init__(self, dim: int, n_routed: int, n_shared: int, topk: int, inter_dim: int,
+                 route_scale: float, limit: float, seq_aux_alpha: float):
+        super().__init__()
+        self.n_routed, self.topk, self.seq_aux_alpha = n_routed, topk, seq_aux_alpha
+        self.router = Router(dim, n_routed, topk, route_scale)
+        self.experts = RoutedExperts(n_routed, dim, inter_dim, limit)
+        self.shared = SharedExpert(dim, inter_dim * n_shared, limit) if n_shared > 0 else None
+
+    def dispatch(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Dropless routed compute: x [N, D], chosen/weights [N, k] -> [N, D]. Expert
+        parallelism replaces this method from outside (an all-to-all around the experts)."""
+        flat = chosen.flatten()
+        order = flat.argsort(stable=True)
+        token = order // self.topk
+        counts = torch.bincount(flat, minlength=self.n_routed).tolist()
+        y = self.experts(x[token], counts)  # [N*k, D], grouped by expert
+        y = y * weights.flatten()[order].unsqueeze(-1).to(y.dtype)
+        return torch.zeros_like(x).index_add_(0, token, y)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, D] -> (y [B, T, D], sequence-wise balance loss scalar)."""
+        B, T, D = x.shape
+        flat = x.reshape(B * T, D)
+        scores, chosen, weights = self.router(flat)
+        y = self.dispatch(flat, chosen, weights)
+        if self.shared is not None:
+            y = y + self.shared(flat)
+        return y.view(B, T, D), self.sequence_balance_loss(scores, chosen, B, T)
+
+    def sequence_balance_loss(self, scores, chosen, B: int, T: int) -> torch.Tensor:
+        """alpha * sum_e f_e P_e per sequence (DeepSeek-V3): f_e = E/(k T) * tokens routed to e,
+        P_e = mean over tokens of the normalised affinity."""
+        if self.seq_aux_alpha <= 0 or not self.training:
+            return scores.new_zeros(())
+        E = self.n_routed
+        hits = torch.zeros(B, E, device=scores.device).scatter_add_(
+            1, chosen.view(B, T * self.topk), torch.ones(B, T * self.topk, device=scores.device))
+        f = hits * E / (self.topk * T)
+        p = (scores / scores.sum(-1, keepdim=True)).view(B, T, E).mean(1)
+        return self.seq_aux_alpha * (f * p).sum(-1).mean()

@@ -1,0 +1,57 @@
+"""Rotary position embedding on the trailing `rope_dim` dims of a vector, with YaRN.
+
+Pairs are interleaved: (x[2i], x[2i+1]) rotate by angle pos * freq[i].
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def yarn_frequencies(dim: int, theta: float, factor: float, original_len: int,
+                     beta_fast: int, beta_slow: int) -> torch.Tensor:
+    """Inverse frequencies [dim/2]. High-frequency pairs keep theta's frequency, low-frequency
+    pairs are divided by `factor`, with a linear ramp between (YaRN's NTK-by-parts)."""
+    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    if factor <= 1.0:
+        return freqs.float()
+
+    def correction_dim(rotations: float) -> float:
+        # the pair index whose wavelength fits `rotations` times into original_len
+        return dim * math.log(original_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high = min(math.ceil(correction_dim(beta_slow)), dim // 2 - 1)
+    if high <= low:
+        high = low + 1e-3
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    keep = 1.0 - ramp  # 1: keep theta's frequency, 0: interpolate by factor
+    return (freqs / factor * (1 - keep) + freqs * keep).float()
+
+
+class Rotary(nn.Module):
+    """cos/sin for given positions; applied to the last `dim` channels of a tensor."""
+
+    def __init__(self, dim: int, theta: float, factor: float = 1.0, original_len: int = 0,
+                 beta_fast: int = 32, beta_slow: int = 1):
+        super().__init__()
+        self.dim = dim
+        inv_freq = yarn_frequencies(dim, theta, factor, original_len, beta_fast, beta_slow)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def angles(self, positions: torch.Tensor) -> torch.Tensor:
+        # positions [...] int -> angles [..., dim/2] fp32
+        return positions.float().unsqueeze(-1) * self.inv_freq
+
+    def forward(self, x: torch.Tensor, angles: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """Rotate x[..., -dim:]. `angles` broadcasts against x[..., -dim:] with its pair axis last
+        (e.g. [B, T, dim/2] -> insert a head axis before calling for [B, T, H, C])."""
+        rot = x[..., -self.dim:].float()
+        cos, sin = angles.cos(), angles.sin()
+        if inverse:
+            sin = -sin
+        even, odd = rot[..., 0::2], rot[..., 1::2]
+        out = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
+        return torch.cat((x[..., :-self.dim], out.to(x.dtype)), dim=-1)

@@ -1,0 +1,138 @@
+"""The DeepSeek-V4.1-Flash language model: CED layer stack with CSA2 attention, MoE, mHC
+residual streams and Engram memories (SPEC §1-6).
+
+Layers [0, n_encoder_layers) are the causal encoder, the rest the decoder. The decoder's
+single global KV is written by its first layer (a Full layer) from that layer's input,
+which is the encoder output H_20 after the mHC pre-mix and attention norm; every later
+decoder layer reads it. So a prompt's global KV needs only the encoder (CED prefill).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conf.model import ModelConfig
+from model.attention import CSA2Attention
+from model.engram import Engram
+from model.mhc import HyperConnection, initial_pre, mix_streams, update_streams
+from model.moe import MoE, RoutedExperts
+from model.plan import LayerSpec, build_layer_plan
+from model.runtime import AttentionRuntime
+
+
+@dataclass
+class ModelOutput:
+    loss: Optional[torch.Tensor] = None  # lm + balance + indexer losses
+    lm_loss: Optional[torch.Tensor] = None
+    balance_loss: Optional[torch.Tensor] = None
+    indexer_loss: Optional[torch.Tensor] = None
+    logits: Optional[torch.Tensor] = None  # [B, T, V] (only when no labels are given)
+
+
+class Block(nn.Module):
+    """One layer: attention and MoE sub-layers, each wrapped in single-pass mHC."""
+
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec):
+        super().__init__()
+        self.spec = spec
+        hc = dict(dim=cfg.dim, n_streams=cfg.hc_mult, sinkhorn_iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps)
+        self.attn_hc = HyperConnection(**hc)
+        self.attn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.attn = CSA2Attention(cfg, spec)
+        self.ffn_hc = HyperConnection(**hc)
+        self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.moe = MoE(cfg.dim, cfg.n_routed_experts, cfg.n_shared_experts, cfg.n_activated_experts,
+                       cfg.moe_inter_dim, cfg.route_scale, cfg.swiglu_limit, cfg.seq_aux_alpha)
+
+    def forward(self, h: torch.Tensor, pre: torch.Tensor, rt: AttentionRuntime):
+        """h [B, T, n, D] streams, pre [B, T, n] this layer's input mix -> (h', next pre)."""
+        post, comb, ffn_pre = self.attn_hc(h)
+        y = self.attn(self.attn_norm(mix_streams(pre, h)), rt)  # [B, T, D]
+        h = update_streams(h, y, post, comb)
+        post, comb, next_pre = self.ffn_hc(h)
+        y, balance = self.moe(self.ffn_norm(mix_streams(ffn_pre, h)))
+        rt.aux_losses.append(balance)
+        return update_streams(h, y, post, comb), next_pre
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, lookup_map: Optional[torch.Tensor] = None, lookup_pad_id: int = 0):
+        """lookup_map [V]: the tokenizer compression map that turns token ids into Engram lookup
+        ids (identity when None)."""
+        super().__init__()
+        if cfg.vocab_size is None:
+            raise ValueError("model.vocab_size is unset: the trainer fills it from the tokenizer")
+        self.cfg = cfg
+        self.plan = build_layer_plan(cfg)
+        V, D = cfg.vocab_size, cfg.dim
+        self.embed = nn.Embedding(V, D)
+        self.engrams = nn.ModuleDict({str(s.layer_id): Engram(cfg, s.layer_id, pad_id=lookup_pad_id)
+                                      for s in self.plan.layers if s.engram})
+        self.layers = nn.ModuleList(Block(cfg, spec) for spec in self.plan.layers)
+        self.norm = nn.RMSNorm(D, eps=cfg.norm_eps)
+        self.head = nn.Linear(D, V, bias=False)
+        if lookup_map is None:
+            lookup_map = torch.arange(V)
+        if lookup_map.shape != (V,):
+            raise ValueError(f"lookup map has shape {tuple(lookup_map.shape)}, expected ({V},)")
+        self.register_buffer("lookup_map", lookup_map.long())
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Normal(0, init_std) everywhere; projections that write into the residual streams get
+        init_std / sqrt(2 * n_layers) so the streams' variance does not grow with depth."""
+        std, out_std = self.cfg.init_std, self.cfg.init_std / (2 * self.cfg.n_layers) ** 0.5
+        for name, module in self.named_modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=out_std if name.endswith(("wo_b", "w2")) else std)
+            elif isinstance(module, nn.RMSNorm):
+                nn.init.ones_(module.weight)
+            elif isinstance(module, HyperConnection):
+                module.reset_parameters()
+            elif isinstance(module, RoutedExperts):
+                for w in (module.w1, module.w3):
+                    nn.init.normal_(w, std=std)
+                nn.init.normal_(module.w2, std=out_std)
+            elif isinstance(module, CSA2Attention):
+                nn.init.normal_(module.wo_a, std=std)
+                nn.init.zeros_(module.sink)
+            elif isinstance(module, Engram):
+                module.reset_parameters()
+        for layer in self.layers:
+            nn.init.normal_(layer.moe.router.weight, std=std)
+
+    def routers(self):
+        return [layer.moe.router for layer in self.layers]
+
+    def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                doc_ids: Optional[torch.Tensor] = None) -> ModelOutput:
+        """input_ids [B, T]; labels [B, T] (-100 = ignore); doc_ids [B, T] document index of each
+        position (attention never crosses documents). With labels: losses; without: logits."""
+        B, T = input_ids.shape
+        rt = AttentionRuntime(B, T, input_ids.device, doc_ids,
+                              with_indexer_loss=labels is not None and self.cfg.indexer_loss_coef > 0)
+        x = self.hidden(input_ids, rt)  # [B, T, D]
+        if labels is None:
+            return ModelOutput(logits=self.head(x).float())
+        logits = self.head(x).float()  # [B, T, V]
+        lm = F.cross_entropy(logits.view(B * T, -1), labels.reshape(B * T), ignore_index=-100)
+        balance = torch.stack(rt.aux_losses).sum() if rt.aux_losses else lm.new_zeros(())
+        indexer = torch.stack(rt.indexer_losses).mean() if rt.indexer_losses else lm.new_zeros(())
+        return ModelOutput(loss=lm + balance + indexer, lm_loss=lm, balance_loss=balance, indexer_loss=indexer)
+
+    def hidden(self, input_ids: torch.Tensor, rt: AttentionRuntime) -> torch.Tensor:
+        """input_ids [B, T] -> final normed hidden state [B, T, D]."""
+        h = self.embed(input_ids).unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1).contiguous()  # [B, T, n, D]
+        pre = initial_pre(h)
+        lookup = self.lookup_map[input_ids] if len(self.engrams) else None
+        for layer in self.layers:
+            engram = self.engrams[str(layer.spec.layer_id)] if layer.spec.engram else None
+            if engram is not None:
+                h = engram(h, lookup, rt.doc_start)
+            h, pre = layer(h, pre, rt)
+        return self.norm(mix_streams(pre, h))

@@ -1,0 +1,228 @@
+"""CSA2 reference tests: sparse == dense, the layer plan, Reuse/Reindex plumbing, the pool."""
+import dataclasses
+
+import pytest
+import torch
+
+from conf.model import FlashModelConfig, TinyModelConfig
+from model.csa import dense_attention, sparse_attention
+from model.indexer import candidate_pool, select_topk
+from model.plan import build_layer_plan
+from model.runtime import AttentionRuntime, document_starts
+from model.transformer import Transformer
+
+
+def tiny(**kw):
+    return dataclasses.replace(TinyModelConfig(vocab_size=97), **kw)
+
+
+# ---------------------------------------------------------------- plan
+def test_flash_layer_plan_matches_spec():
+    plan = build_layer_plan(FlashModelConfig())
+    modes = [s.mode for s in plan.layers]
+    assert modes[:2] == ["swa", "swa"]
+    assert [i for i, m in enumerate(modes) if m == "full"] == [2, 8, 14, 20]
+    assert [i for i, m in enumerate(modes) if m == "reindex"] == [24, 28, 32, 36]
+    assert plan.kv_sources == [2, 8, 14, 20]
+    assert plan.index_sources == [2, 8, 14, 20, 24, 28, 32, 36]
+    assert plan.pool_builders == [20]
+    assert [s.compress_ratio for s in plan.layers] == [0, 0] + [2] * 18 + [1] * 20
+    assert all(s.kv_source == 20 for s in plan.layers[20:])
+    assert plan[13].index_source == 8 and plan[27].index_source == 24 and plan[39].index_source == 36
+    assert [s.layer_id for s in plan.layers if s.engram] == [1, 14]
+
+
+def test_explicit_plan_and_bad_plans():
+    plan = build_layer_plan(tiny(layer_modes=["swa", "full", "reuse", "full", "reindex", "reuse", "full", "reuse"],
+                                 compress_ratios=[0, 2, 2, 1, 1, 1, 2, 2]))
+    assert plan.kv_sources == [1, 3, 6] and plan.pool_builders == [3]
+    with pytest.raises(ValueError, match="before any full layer"):
+        build_layer_plan(tiny(layer_modes=["swa", "reuse"] + ["full"] * 6, compress_ratios=[0] + [2] * 7))
+    with pytest.raises(ValueError, match="compress ratio"):
+        build_layer_plan(tiny(layer_modes=["swa", "full", "reuse"] + ["full"] * 5, compress_ratios=[0, 2, 1] + [2] * 5))
+
+
+# ---------------------------------------------------------------- sparse == dense
+def _random_case(B=2, T=40, H=3, C=16, m=2, k=6, window=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, C, generator=g, dtype=torch.float64)
+    win = torch.randn(B, T, C, generator=g, dtype=torch.float64)
+    S = T // m
+    glob = torch.randn(B, S, C, generator=g, dtype=torch.float64)
+    doc_ids = torch.zeros(B, T, dtype=torch.long)
+    doc_ids[-1, 17:] = 1  # the last row packs two documents
+    rt = AttentionRuntime(B, T, torch.device("cpu"), doc_ids)
+    scores = torch.randn(B, T, S, generator=g).masked_fill(~rt.visible(m), float("-inf"))
+    idx = select_topk(scores, k)
+    sink = torch.randn(H, generator=g)
+    return q, win, glob, idx, rt.doc_start, sink, window
+
+
+def test_sparse_attention_equals_dense_masked_attention():
+    q, win, glob, idx, doc_start, sink, window = _random_case()
+    assert (idx == -1).any() and (idx >= 0).any()  # both padding and real entries are exercised
+    for t in (q, win, glob):
+        t.requires_grad_(True)
+    out_s, p_s = sparse_attention(q, win, glob, idx, doc_start, sink, 0.25, window)
+    grads_s = torch.autograd.grad(out_s.square().sum(), (q, win, glob))
+    out_d, p_d = dense_attention(q, win, glob, idx, doc_start, sink, 0.25, window)
+    grads_d = torch.autograd.grad(out_d.square().sum(), (q, win, glob))
+    torch.testing.assert_close(out_s, out_d, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(p_s, p_d, rtol=1e-6, atol=1e-6)
+    for gs, gd in zip(grads_s, grads_d):
+        torch.testing.assert_close(gs, gd, rtol=1e-6, atol=1e-6)
+
+
+def test_attention_is_one_softmax_over_window_selection_and_sink():
+    """Hand-built check of the formula on one query: window keys, selected keys and the sink
+    share the normaliser."""
+    q, win, glob, idx, doc_start, sink, window = _random_case(B=1, T=30, H=2, C=4, k=3, window=5)
+    out, _ = sparse_attention(q, win, glob, idx, doc_start, sink, 0.5, window)
+    t = 29
+    keys = [win[0, s] for s in range(t - window + 1, t + 1)] + [glob[0, j] for j in idx[0, t].tolist() if j >= 0]
+    K = torch.stack(keys)  # [n, C]
+    for h in range(2):
+        logits = torch.cat((K @ q[0, t, h] * 0.5, sink[h].double().view(1)))
+        p = logits.softmax(0)[:-1]
+        torch.testing.assert_close(out[0, t, h], p @ K)
+
+
+def test_no_attention_across_documents():
+    q, win, glob, idx, doc_start, sink, window = _random_case()
+    out, _ = sparse_attention(q, win, glob, idx, doc_start, sink, 0.25, window)
+    # changing everything of document 0 in row 1 must not move document 1's outputs
+    win2, glob2 = win.clone(), glob.clone()
+    win2[1, :17] += 5.0
+    glob2[1, :9] += 5.0  # entries 0..8 cover tokens 0..17 (entry 8 straddles the boundary)
+    out2, _ = sparse_attention(q, win2, glob2, idx, doc_start, sink, 0.25, window)
+    torch.testing.assert_close(out[1, 17:], out2[1, 17:])
+    assert not torch.allclose(out[1, :17], out2[1, :17])
+
+
+def test_document_starts():
+    doc = torch.tensor([[0, 0, 1, 1, 1, 2], [0, 1, 1, 2, 2, 2]])
+    assert document_starts(doc).tolist() == [[0, 0, 2, 2, 2, 5], [0, 1, 1, 3, 3, 3]]
+
+
+# ---------------------------------------------------------------- indexer and pool
+def test_select_topk_sorted_padded_and_causal():
+    rt = AttentionRuntime(1, 12, torch.device("cpu"))
+    scores = torch.randn(1, 12, 6).masked_fill(~rt.visible(2), float("-inf"))
+    idx = select_topk(scores, 4)
+    assert idx.shape == (1, 12, 4)
+    for t in range(12):
+        row = idx[0, t]
+        real = row[row >= 0]
+        assert len(real) == min(4, (t + 1) // 2)
+        assert (real < (t + 1) // 2).all()  # visibility (t+1)//m
+        assert real.tolist() == sorted(real.tolist())
+        assert (row[len(real):] == -1).all()  # padding after the real entries
+
+
+def test_candidate_pool_keeps_newest_block_and_top_blocks():
+    T = 64
+    rt = AttentionRuntime(1, T, torch.device("cpu"))
+    scores = torch.full((1, T, T), -5.0).masked_fill(~rt.visible(1), float("-inf"))
+    scores[0, :, 3] = 10.0  # block 0 is the best
+    scores[0, :, 20] = 9.0  # block 2 second
+    pool = candidate_pool(scores.masked_fill(~rt.visible(1), float("-inf")), rt.newest_visible(1), 8, 2)
+    t = 63  # newest block 7 forced, then the best block 0
+    assert sorted(set(pool[0, t].tolist())) == list(range(0, 8)) + list(range(56, 64))
+    t = 30  # newest block 3 forced + block 0 (block 2 is third)
+    assert sorted(p for p in pool[0, t].tolist() if p >= 0) == list(range(0, 8)) + list(range(24, 31))
+    assert (pool[0, 30] > 30).sum() == 0
+
+
+def _run_with_runtime(model, x, doc_ids=None):
+    captured = {}
+    orig = AttentionRuntime.__init__
+
+    def init(self, *a, **kw):
+        orig(self, *a, **kw)
+        captured["rt"] = self
+
+    AttentionRuntime.__init__ = init
+    try:
+        model(x, doc_ids=doc_ids)
+    finally:
+        AttentionRuntime.__init__ = orig
+    return captured["rt"]
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    torch.manual_seed(0)
+    cfg = tiny(engram_layers=[], index_topk=8, pool_blocks=3, pool_block=4, window=16)
+    return Transformer(cfg).eval()
+
+
+def test_reuse_reads_source_indices_and_only_full_layers_allocate_kv(tiny_model):
+    x = torch.randint(0, 97, (2, 64), generator=torch.Generator().manual_seed(1))
+    seen = {}
+    hooks = []
+    for layer in tiny_model.layers:
+        def hook(mod, args, out, layer_id=layer.spec.layer_id):
+            seen[layer_id] = {"topk": dict(args[1].topk), "kv": set(args[1].kv)}
+        hooks.append(layer.attn.register_forward_hook(hook))
+    rt = _run_with_runtime(tiny_model, x)
+    for h in hooks:
+        h.remove()
+    plan = tiny_model.plan
+    assert set(rt.kv) == set(plan.kv_sources) == set(rt.index_k)
+    assert set(rt.topk) == set(plan.index_sources)
+    for spec in plan.layers:
+        if spec.mode in ("reuse", "reindex"):
+            before = seen[spec.layer_id - 1]["kv"] if spec.layer_id else set()
+            assert seen[spec.layer_id]["kv"] == before  # wrote no KV of its own
+        if spec.mode == "reuse":
+            # the indices it attended with are its source's, object for object
+            assert seen[spec.layer_id]["topk"][spec.index_source] is rt.topk[spec.index_source]
+            assert spec.layer_id not in rt.topk
+
+
+def test_reindex_selects_only_inside_the_pool(tiny_model):
+    x = torch.randint(0, 97, (2, 64), generator=torch.Generator().manual_seed(2))
+    rt = _run_with_runtime(tiny_model, x)
+    (builder,) = tiny_model.plan.pool_builders
+    pool = rt.pool[builder]
+    reindex = [s.layer_id for s in tiny_model.plan.layers if s.mode == "reindex"]
+    assert reindex and pool.shape[-1] == 12
+    for layer in reindex:
+        idx = rt.topk[layer]
+        inside = (idx.unsqueeze(-1) == pool.unsqueeze(-2)).any(-1)
+        assert (inside | (idx < 0)).all()
+    # queries late in the sequence have more visible entries than the pool holds
+    visible = rt.visible(1)[0, -1].sum().item()
+    assert visible > 12
+
+
+def test_position_dropped_from_pool_is_unreachable(tiny_model):
+    """Give one early position the highest index score a Reindex layer could assign, but keep it
+    out of layer 20's (here: the decoder Full layer's) pool: the Reindex layer never selects it."""
+    model = tiny_model
+    (builder,) = model.plan.pool_builders
+    reindex = next(s.layer_id for s in model.plan.layers if s.mode == "reindex")
+    x = torch.randint(0, 97, (1, 64), generator=torch.Generator().manual_seed(3))
+    rt = _run_with_runtime(model, x)
+    last_pool = set(rt.pool[builder][0, -1].tolist())
+    target = next(p for p in range(64) if p not in last_pool)  # dropped for the last query
+    # boost the Reindex score of `target` so that it would win wherever it is a candidate
+    import model.attention as attn_mod
+
+    orig_index_scores_at = attn_mod.index_scores_at
+
+    def scores_at(q, w, k, cand):
+        s = orig_index_scores_at(q, w, k, cand)
+        return s.masked_fill(cand == target, 1e9)  # would win if it were a candidate
+
+    attn_mod.index_scores_at = scores_at
+    try:
+        rt2 = _run_with_runtime(model, x)
+    finally:
+        attn_mod.index_scores_at = orig_index_scores_at
+    dropped = ~(rt2.pool[builder][0] == target).any(-1) & rt2.visible(1)[0, :, target]
+    assert dropped.any()
+    assert not (rt2.topk[reindex][0][dropped] == target).any()
+    kept = (rt2.pool[builder][0] == target).any(-1)
+    if kept.any():  # where it is in the pool, the boost makes it selected
+        assert (rt2.topk[reindex][0][kept] == target).any(-1).all()

@@ -1,0 +1,124 @@
+"""MoE routing and mHC reference tests."""
+import torch
+
+from model.mhc import HyperConnection, initial_pre, mix_streams, sinkhorn_comb, update_streams
+from model.moe import MoE, Router, clamped_swiglu
+
+
+# ---------------------------------------------------------------- MoE
+def test_router_respects_topk_and_scores():
+    torch.manual_seed(0)
+    r = Router(dim=16, n_experts=8, topk=3, route_scale=2.0)
+    torch.nn.init.normal_(r.weight)
+    x = torch.randn(50, 16)
+    scores, chosen, weights = r(x)
+    expected = torch.sqrt(torch.nn.functional.softplus(x @ r.weight.T))
+    torch.testing.assert_close(scores, expected)
+    assert chosen.shape == (50, 3)
+    assert all(len(set(row)) == 3 for row in chosen.tolist())  # k distinct experts
+    # without bias the chosen experts are the k highest scores
+    assert torch.equal(chosen.sort(-1).values, scores.topk(3, -1).indices.sort(-1).values)
+    torch.testing.assert_close(weights.sum(-1), torch.full((50,), 2.0))  # normalised x route scale
+
+
+def test_bias_changes_selection_only():
+    torch.manual_seed(1)
+    r = Router(dim=16, n_experts=8, topk=2, route_scale=1.0)
+    torch.nn.init.normal_(r.weight)
+    x = torch.randn(40, 16)
+    scores0, chosen0, _ = r(x)
+    r.bias[5] = 100.0  # force expert 5 into every selection
+    scores1, chosen1, weights1 = r(x)
+    torch.testing.assert_close(scores0, scores1)  # affinities untouched
+    assert (chosen1 == 5).any(-1).all()
+    # weights are the unbiased scores of the chosen experts, normalised
+    expected = scores1.gather(-1, chosen1)
+    torch.testing.assert_close(weights1, expected / expected.sum(-1, keepdim=True))
+    assert not r.bias.requires_grad and "bias" not in dict(r.named_parameters())
+
+
+def test_bias_update_moves_towards_balance():
+    r = Router(dim=4, n_experts=4, topk=1, route_scale=1.0)
+    r.load.copy_(torch.tensor([10.0, 0.0, 5.0, 5.0]))
+    r.update_bias(0.1)
+    torch.testing.assert_close(r.bias, torch.tensor([-0.1, 0.1, 0.0, 0.0]))
+    assert r.load.sum() == 0  # counters reset after the update
+
+
+def test_moe_dispatch_equals_per_token_loop():
+    torch.manual_seed(2)
+    moe = MoE(dim=8, n_routed=6, n_shared=1, topk=2, inter_dim=12, route_scale=1.5, limit=10.0,
+              seq_aux_alpha=0.0).double()
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+    y, _ = moe(x)
+    flat = x.view(-1, 8)
+    scores, chosen, weights = moe.router(flat)
+    ref = moe.shared(flat)
+    e = moe.experts
+    for n in range(flat.shape[0]):
+        for slot in range(2):
+            i = chosen[n, slot]
+            h = clamped_swiglu(e.w1[i] @ flat[n], e.w3[i] @ flat[n], 10.0)
+            ref[n] += weights[n, slot] * (e.w2[i] @ h)
+    torch.testing.assert_close(y.view(-1, 8), ref)
+
+
+def test_clamped_swiglu():
+    gate = torch.tensor([20.0, -3.0, 1.0])
+    up = torch.tensor([50.0, -40.0, 2.0])
+    out = clamped_swiglu(gate, up, 10.0)
+    silu = lambda v: v / (1 + torch.exp(-v))
+    torch.testing.assert_close(out, torch.stack([silu(torch.tensor(10.0)) * 10, silu(torch.tensor(-3.0)) * -10,
+                                                 silu(torch.tensor(1.0)) * 2]))
+
+
+def test_sequence_balance_loss_formula():
+    moe = MoE(dim=4, n_routed=4, n_shared=0, topk=1, inter_dim=4, route_scale=1.0, limit=0, seq_aux_alpha=0.5)
+    scores = torch.tensor([[1.0, 1.0, 1.0, 1.0], [3.0, 1.0, 0.0, 0.0]])  # B=1, T=2
+    chosen = torch.tensor([[0], [0]])
+    # f_0 = 4/(1*2) * 2 = 4, others 0; P_0 = mean(1/4, 3/4) = 0.5 -> 0.5 * 4 * 0.5 = 1.0
+    torch.testing.assert_close(moe.sequence_balance_loss(scores, chosen, 1, 2), torch.tensor(1.0))
+
+
+# ---------------------------------------------------------------- mHC
+def test_comb_is_doubly_stochastic():
+    """20 rounds reach 1e-5 for logits of the size mHC produces (std <= ~0.7); much sharper
+    logits converge more slowly (columns are exact after every round, rows lag)."""
+    torch.manual_seed(3)
+    logits = torch.randn(1000, 4, 4) * 0.5
+    comb = sinkhorn_comb(logits, iters=20, eps=1e-6)
+    torch.testing.assert_close(comb.sum(-1), torch.ones(1000, 4), atol=1e-5, rtol=0)
+    torch.testing.assert_close(comb.sum(-2), torch.ones(1000, 4), atol=1e-5, rtol=0)
+    assert (comb > 0).all()
+    sharp = torch.randn(1000, 4, 4) * 3
+    err = [(sinkhorn_comb(sharp, n, 1e-6).sum(-1) - 1).abs().max() for n in (1, 5, 20)]
+    assert err[0] > err[1] > err[2]
+
+
+def test_hyper_connection_coefficients_and_update():
+    torch.manual_seed(4)
+    hc = HyperConnection(dim=8, n_streams=4, sinkhorn_iters=20, eps=1e-6)
+    hc.reset_parameters()
+    torch.nn.init.normal_(hc.fn, std=0.08)  # mixing logits of std ~0.5
+    h = torch.randn(2, 3, 4, 8)
+    post, comb, pre = hc(h)
+    assert post.shape == (2, 3, 4) and comb.shape == (2, 3, 4, 4) and pre.shape == (2, 3, 4)
+    assert ((post > 0) & (post < 2)).all() and (pre > 0).all() and (pre < 1 + 1e-5).all()
+    torch.testing.assert_close(comb.sum(-1), torch.ones(2, 3, 4), atol=1e-5, rtol=0)
+    torch.testing.assert_close(comb.sum(-2), torch.ones(2, 3, 4), atol=1e-5, rtol=0)
+    y = torch.randn(2, 3, 8)
+    new = update_streams(h, y, post, comb)
+    b, t, dst = 1, 2, 3
+    expected = post[b, t, dst] * y[b, t] + sum(comb[b, t, src, dst] * h[b, t, src] for src in range(4))
+    torch.testing.assert_close(new[b, t, dst], expected)
+    x = mix_streams(pre, h)
+    torch.testing.assert_close(x[b, t], sum(pre[b, t, s] * h[b, t, s] for s in range(4)))
+
+
+def test_initial_pre_is_one_hot():
+    h = torch.randn(2, 3, 4, 5)
+    pre = initial_pre(h)
+    assert pre[..., 0].eq(1).all() and pre[..., 1:].eq(0).all()
+    torch.testing.assert_close(mix_streams(pre, h), h[:, :, 0])
