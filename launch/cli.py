@@ -1,0 +1,159 @@
+"""`flashtrain <stage> [hydra overrides]`, also `python -m launch <stage> ...`.
+
+The config is composed with Hydra's compose API from the structured configs in `conf/`, so
+every override is type-checked against its dataclass. Config mistakes and bad inputs end in
+one line on stderr and exit code 2; `hydra.run.dir=DIR` places the whole run under DIR.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+EXIT_USER_ERROR = 2
+
+USAGE = """usage: flashtrain <stage> [key=value ...] [--cfg]
+
+Stages:
+{stages}
+
+Overrides are Hydra syntax: model=small trainer.max_steps=100 hydra.run.dir=runs/a
+--cfg prints the composed config and exits."""
+
+
+def _fail(message: str) -> int:
+    print(f"flashtrain: error: {message}", file=sys.stderr)
+    return EXIT_USER_ERROR
+
+
+def describe_config_error(exc: BaseException) -> str:
+    """One line from Hydra/OmegaConf's multi-line errors, naming the offending key."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    chain, e = [], exc
+    while e is not None and e not in chain:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    for err in chain:
+        if isinstance(err, OmegaConfBaseException) and getattr(err, "full_key", None):
+            first = str(err).strip().splitlines()[0]
+            if "not in" in first or "not found" in first:
+                return f"unknown config key '{err.full_key}' ({first})"
+            return f"bad value for '{err.full_key}': {first}"
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    if lines and "Could not find" in lines[0] and "Available options" in str(exc):
+        options = [ln for ln in lines[1:] if not ln.startswith("Available")]
+        return f"{lines[0]} (available: {', '.join(options)})"
+    return " ".join(lines[:2]) if lines else type(exc).__name__
+
+
+def compose(stage: str, overrides: list[str]):
+    """Compose the stage's config. Returns (job config without the hydra node, run dir)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf, open_dict
+
+    GlobalHydra.instance().clear()
+    with initialize(version_base=None, config_path=None):
+        cfg = hydra_compose(config_name=stage, overrides=overrides, return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)  # lets ${now:...} and ${hydra:...} resolve
+    run_dir = Path(str(cfg.hydra.run.dir))
+    with open_dict(cfg):
+        del cfg["hydra"]
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise MissingValue(missing)
+    OmegaConf.resolve(cfg)
+    return cfg, run_dir
+
+
+class MissingValue(Exception):
+    def __init__(self, keys: list[str]):
+        super().__init__(", ".join(keys))
+        self.keys = keys
+
+
+def launch_children(nproc: int, argv: list[str], run_dir: Path, master_addr: str, master_port: int) -> int:
+    """launcher=local with nproc > 1: one process per rank on this machine."""
+    import subprocess
+
+    from trainer.distributed import free_port
+
+    port = master_port or free_port()
+    cmd = [sys.executable, "-m", "launch", *argv, f"hydra.run.dir={run_dir}"]
+    print(f"flashtrain: launching {nproc} local processes (MASTER={master_addr}:{port}): {' '.join(cmd)}",
+          file=sys.stderr)
+    procs = []
+    for rank in range(nproc):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR=master_addr, MASTER_PORT=str(port))
+        procs.append(subprocess.Popen(cmd, env=env))
+    # a rank that dies would leave the others blocked in a collective: stop them all
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = [c for c in codes if c not in (None, 0)]
+        if failed or all(c == 0 for c in codes):
+            break
+        time.sleep(0.5)
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        p.wait()
+    return failed[0] if failed else 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    from launch.stages import all_stages
+
+    stages = all_stages()
+    usage = USAGE.format(stages="\n".join(f"  {s.name:<14}{s.help}" for s in stages.values()))
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage)
+        return 0 if argv else EXIT_USER_ERROR
+    stage_name, overrides = argv[0], argv[1:]
+    if stage_name not in stages:
+        return _fail(f"unknown stage '{stage_name}' (available: {', '.join(stages)})")
+    print_cfg = "--cfg" in overrides
+    overrides = [o for o in overrides if o != "--cfg"]
+
+    import conf
+    from conf.errors import UserError
+
+    conf.register({name: s.config for name, s in stages.items()})
+    try:
+        cfg, run_dir = compose(stage_name, overrides)
+    except MissingValue as e:
+        return _fail(f"missing required value for {', '.join(repr(k) for k in e.keys)}")
+    except Exception as e:  # Hydra/OmegaConf composition errors
+        return _fail(describe_config_error(e))
+
+    from omegaconf import OmegaConf
+
+    config_yaml = OmegaConf.to_yaml(cfg)
+    if print_cfg:
+        print(config_yaml, end="")
+        return 0
+    try:
+        typed = OmegaConf.to_object(cfg)
+    except Exception as e:
+        return _fail(describe_config_error(e))
+
+    launcher = typed.launcher
+    if launcher.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        return launch_children(launcher.nproc, argv, run_dir, launcher.master_addr, launcher.master_port)
+
+    try:
+        stages[stage_name].run(typed, run_dir, config_yaml)
+    except UserError as e:
+        return _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

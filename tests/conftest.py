@@ -1,0 +1,73 @@
+"""Test session setup: offline tracking and hub access, GPU tests skipped without a GPU, and
+helpers that run the CLI as a user would (a subprocess per run)."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# Set before anything imports datasets/wandb (they read these once, at import).
+os.environ.update(WANDB_MODE="offline", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1",
+                  TOKENIZERS_PARALLELISM="false", WANDB_SILENT="true")
+
+REPO = Path(__file__).resolve().parents[1]
+
+# A small, fast pretraining setup shared by the end-to-end tests.
+FAST = ["model=tiny", "data.seq_len=128", "trainer.micro_batch_size=4", "trainer.log_every=1",
+        "trainer.eval_every=0", "trainer.eval_batches=2", "trainer.progress=false", "logger=none",
+        "optim.warmup_steps=2"]
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def data_cache(tmp_path_factory) -> Path:
+    """One tokenizer/packed-data cache for the whole session (built by the first run)."""
+    return tmp_path_factory.mktemp("flashtrain-cache")
+
+
+@pytest.fixture(scope="session")
+def port_base():
+    """Distinct MASTER_PORTs per CLI run, so runs never collide."""
+    counter = iter(range(29600 + (os.getpid() % 200) * 10, 65000))
+    return lambda: next(counter)
+
+
+def cli_env(port: int) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+               PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
+    return env
+
+
+@pytest.fixture
+def flashtrain(data_cache, port_base):
+    """Run `python -m launch <args>` to completion: returns CompletedProcess (text)."""
+
+    def run(*args: str, timeout: float = 600, cache: bool = True) -> subprocess.CompletedProcess:
+        extra = [f"data.cache_dir={data_cache}"] if cache else []
+        return subprocess.run([sys.executable, "-m", "launch", *args, *extra], cwd=REPO, env=cli_env(port_base()),
+                              capture_output=True, text=True, timeout=timeout)
+
+    return run
+
+
+@pytest.fixture
+def flashtrain_popen(data_cache, port_base):
+    def start(*args: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "launch", *args, f"data.cache_dir={data_cache}"],
+                                cwd=REPO, env=cli_env(port_base()), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+
+    return start

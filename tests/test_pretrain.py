@@ -1,0 +1,151 @@
+"""End-to-end pretraining through the CLI: training, exact resume after SIGKILL, bad input."""
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import FAST
+
+
+def rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in rows(run_dir) if "loss" in r}
+
+
+def test_tiny_pretraining_learns_and_writes_a_run(flashtrain, tmp_path):
+    run = tmp_path / "run"
+    p = flashtrain("pretrain", *FAST, f"hydra.run.dir={run}", "trainer.max_steps=30", "trainer.eval_every=10",
+                   "trainer.save_every=10", "trainer.keep_last=2", "optim.lr=3e-3", "logger=wandb")
+    assert p.returncode == 0, p.stderr[-3000:]
+    metrics = rows(run)
+    train = [r for r in metrics if "loss" in r]
+    assert [r["step"] for r in train] == list(range(1, 31))
+    for key in ("loss", "lr", "tokens_per_s", "grad_norm", "mfu", "flops_per_token", "moe_max_over_mean"):
+        assert all(key in r for r in train), key
+    val = [r["val_loss"] for r in metrics if "val_loss" in r]
+    assert len(val) == 3 and val[-1] < val[0] - 0.2, val  # 30 small steps: a clear but small drop
+    first, last = [r["loss"] for r in train[:5]], [r["loss"] for r in train[-5:]]
+    assert sum(last) < 0.85 * sum(first), (first, last)
+    assert (run / "config.yaml").read_text().startswith("stage: pretrain")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.is_dir()) == ["step_00000020",
+                                                                                  "step_00000030"]
+    assert (run / "checkpoints" / "latest").read_text() == "step_00000030"
+    assert list((run / "wandb").glob("offline-run-*")), "offline W&B run missing"
+
+
+def _kill_after_checkpoint(proc, ckpt_root: Path, tag: str, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    latest = ckpt_root / "latest"
+    while time.time() < deadline:
+        if latest.exists() and latest.read_text() == tag:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return
+        if proc.poll() is not None:
+            pytest.fail(f"run ended before it could be killed:\n{proc.stdout.read()[-3000:]}")
+        time.sleep(0.02)
+    proc.kill()
+    pytest.fail("checkpoint never appeared")
+
+
+def test_exact_resume_after_sigkill(flashtrain, flashtrain_popen, tmp_path):
+    """2N steps straight == N steps, SIGKILL, resume to 2N: bitwise-identical losses after N."""
+    n = 5
+    common = [*FAST, f"trainer.max_steps={2 * n}", f"trainer.save_every={n}", "trainer.eval_every=5"]
+    straight = tmp_path / "straight"
+    p = flashtrain("pretrain", *common, f"hydra.run.dir={straight}")
+    assert p.returncode == 0, p.stderr[-3000:]
+
+    killed = tmp_path / "killed"
+    proc = flashtrain_popen("pretrain", *common, f"hydra.run.dir={killed}")
+    _kill_after_checkpoint(proc, killed / "checkpoints", f"step_{n:08d}")
+    assert proc.returncode == -signal.SIGKILL
+    p = flashtrain("pretrain", *common, f"hydra.run.dir={killed}", "trainer.resume=auto")
+    assert p.returncode == 0, p.stderr[-3000:]
+
+    a, b = train_losses(straight), train_losses(killed)
+    assert sorted(b) == list(range(1, 2 * n + 1))  # rows past the checkpoint from the killed run dropped
+    for step in range(n + 1, 2 * n + 1):
+        assert a[step] == b[step], (step, a[step], b[step])  # bitwise: JSON floats round-trip exactly
+    val_a = [r["val_loss"] for r in rows(straight) if "val_loss" in r]
+    val_b = [r["val_loss"] for r in rows(killed) if "val_loss" in r]
+    assert val_a == val_b
+
+
+def test_resume_keeps_wandb_run_id(flashtrain, tmp_path):
+    run = tmp_path / "run"
+    args = [*FAST, "logger=wandb", "trainer.save_every=2", f"hydra.run.dir={run}"]
+    assert flashtrain("pretrain", *args, "trainer.max_steps=2").returncode == 0
+    p = flashtrain("pretrain", *args, "trainer.max_steps=4")
+    assert p.returncode == 0, p.stderr[-3000:]
+    ids = {d.name.rsplit("-", 1)[-1] for d in (run / "wandb").glob("offline-run-*")}
+    assert len(list((run / "wandb").glob("offline-run-*"))) == 2 and len(ids) == 1
+
+
+# ---------------------------------------------------------------- bad input
+def _one_line_error(p, *needles: str) -> None:
+    assert p.returncode == 2, (p.returncode, p.stderr[-3000:])
+    errors = [ln for ln in p.stderr.splitlines() if ln.startswith("flashtrain: error:")]
+    assert len(errors) == 1, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+
+
+@pytest.fixture(scope="module")
+def run_with_checkpoint(tmp_path_factory):
+    return tmp_path_factory.mktemp("precious")
+
+
+def _checkpoint_files(run: Path) -> dict[str, int]:
+    root = run / "checkpoints"
+    return {str(p.relative_to(root)): p.stat().st_size for p in root.rglob("*") if p.is_file()} if root.exists() else {}
+
+
+@pytest.mark.parametrize("override, needles", [
+    ("trainer.max_stepz=3", ["trainer.max_stepz"]),
+    ("trainer.max_steps=abc", ["trainer.max_steps", "abc"]),
+    ("model=huge", ["model/huge", "tiny"]),
+    ("data.seq_len=???", ["missing required value", "data.seq_len"]),
+    ("data=files", ["data.path"]),
+    ("data=files data.path=/nonexistent/corpus", ["/nonexistent/corpus"]),
+])
+def test_bad_input_one_line_and_nothing_lost(flashtrain, tmp_path, override, needles):
+    run = tmp_path / "run"
+    ckpt = run / "checkpoints" / "step_00000001"
+    ckpt.mkdir(parents=True)
+    (ckpt / "weights.pt").write_bytes(b"x" * 100)  # stands for an earlier run's checkpoint
+    before = _checkpoint_files(run)
+    p = flashtrain("pretrain", *FAST, f"hydra.run.dir={run}", *override.split())
+    _one_line_error(p, *needles)
+    assert _checkpoint_files(run) == before
+
+
+def test_empty_corpus(flashtrain, tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "empty.txt").write_text("")
+    p = flashtrain("pretrain", *FAST, f"hydra.run.dir={tmp_path / 'run'}", "data=files", f"data.path={corpus}")
+    _one_line_error(p, str(corpus))
+
+
+def test_corrupt_latest_checkpoint_falls_back(flashtrain, tmp_path):
+    run = tmp_path / "run"
+    args = [*FAST, f"hydra.run.dir={run}", "trainer.save_every=2", "trainer.keep_last=5"]
+    assert flashtrain("pretrain", *args, "trainer.max_steps=4").returncode == 0
+    latest = run / "checkpoints" / "step_00000004"
+    weights = next(latest.glob("mp_rank_*_model_states.pt"))
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # a torn write
+    p = flashtrain("pretrain", *args, "trainer.max_steps=6")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "step_00000004" in p.stderr and "unusable" in p.stderr
+    assert (run / "checkpoints" / "step_00000004.corrupt").is_dir()  # kept for inspection, not deleted
+    steps = [r["step"] for r in rows(run) if "loss" in r]
+    assert steps == [1, 2, 3, 4, 5, 6]  # resumed from step 2; steps 3-4 were re-run
+    assert (run / "checkpoints" / "latest").read_text() == "step_00000006"

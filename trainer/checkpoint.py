@@ -1,0 +1,202 @@
+"""Atomic, verified checkpoints around DeepSpeed's own save/load.
+
+Layout under <run>/checkpoints/:
+  step_00000100/              one complete checkpoint (DeepSpeed files + ours + manifest.json)
+  latest                      the tag of the newest complete checkpoint (written last)
+  .tmp_step_00000200/         a save in progress; never read, removed by the next save
+  step_00000300.corrupt/      a checkpoint that failed verification, kept for inspection
+
+A save writes everything into a temp directory, writes a manifest with the size and sha256
+of every file, renames the directory into place and only then updates `latest`. A process
+killed at any moment therefore leaves either the previous state or a complete new one.
+Resuming verifies manifests newest-first and falls back past anything incomplete or corrupt.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from conf.errors import UserError
+from trainer.distributed import barrier, broadcast_object
+
+MANIFEST = "manifest.json"
+LATEST = "latest"
+TRAINER_STATE = "trainer_state.pt"
+TAG_PREFIX = "step_"
+
+
+class CheckpointError(UserError):
+    """A checkpoint the user asked for cannot be used."""
+
+
+def tag_for(step: int) -> str:
+    return f"{TAG_PREFIX}{step:08d}"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_tree(root: Path) -> None:
+    for path in sorted(root.rglob("*")):
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_manifest(ckpt: Path, step: int) -> None:
+    files = {str(p.relative_to(ckpt)): {"size": p.stat().st_size, "sha256": _sha256(p)}
+             for p in sorted(ckpt.rglob("*")) if p.is_file() and p.name != MANIFEST}
+    _write_atomic(ckpt / MANIFEST, json.dumps({"step": step, "files": files}, indent=1))
+
+
+def verify(ckpt: Path) -> Optional[str]:
+    """None when the checkpoint is complete and intact, else what is wrong with it."""
+    try:
+        manifest = json.loads((ckpt / MANIFEST).read_text())
+    except FileNotFoundError:
+        return "no manifest (incomplete save)"
+    except (OSError, ValueError) as e:
+        return f"unreadable manifest ({e})"
+    for rel, meta in manifest.get("files", {}).items():
+        path = ckpt / rel
+        if not path.is_file():
+            return f"missing file {rel}"
+        if path.stat().st_size != meta["size"]:
+            return f"{rel} has {path.stat().st_size} bytes, manifest says {meta['size']}"
+        if _sha256(path) != meta["sha256"]:
+            return f"{rel} fails its checksum"
+    if not manifest.get("files"):
+        return "empty manifest"
+    return None
+
+
+def _quarantine(ckpt: Path) -> None:
+    target, n = ckpt.with_name(ckpt.name + ".corrupt"), 1
+    while target.exists():
+        target, n = ckpt.with_name(f"{ckpt.name}.corrupt{n}"), n + 1
+    ckpt.rename(target)
+
+
+class CheckpointManager:
+    def __init__(self, root: Path, keep_last: int, rank: int):
+        self.root, self.keep_last, self.rank = Path(root), max(keep_last, 1), rank
+        if rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+        barrier()
+
+    # ------------------------------------------------------------------ save
+    def save(self, engine, step: int, trainer_state: dict[str, Any], rank_state: dict[str, Any]) -> Path:
+        """Collective: every rank calls it. trainer_state is written by rank 0, rank_state
+        (RNG streams) by every rank."""
+        tag = tag_for(step)
+        tmp_root = self.root / f".tmp_{tag}"
+        if self.rank == 0:
+            for stale in self.root.glob(".tmp_*"):
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp_root.mkdir(parents=True)
+        barrier()
+        engine.save_checkpoint(str(tmp_root), tag=tag, save_latest=False)
+        staged = tmp_root / tag
+        staged.mkdir(parents=True, exist_ok=True)
+        torch.save(rank_state, staged / f"rank_{self.rank:05d}_state.pt")
+        if self.rank == 0:
+            torch.save(trainer_state, staged / TRAINER_STATE)
+        barrier()
+        final = self.root / tag
+        if self.rank == 0:
+            _fsync_tree(staged)
+            write_manifest(staged, step)
+            if final.exists():  # a checkpoint of this step from a run that was later rolled back
+                shutil.rmtree(final)
+            os.replace(staged, final)
+            shutil.rmtree(tmp_root, ignore_errors=True)
+            _write_atomic(self.root / LATEST, tag)
+            self._prune(keep=final)
+        barrier()
+        return final
+
+    def _prune(self, keep: Path) -> None:
+        complete = self.checkpoints()
+        for old in complete[:-self.keep_last]:
+            if old != keep:
+                shutil.rmtree(old, ignore_errors=True)
+
+    # ------------------------------------------------------------------ find
+    def checkpoints(self) -> list[Path]:
+        """Checkpoint directories, oldest first (complete or not)."""
+        if not self.root.is_dir():
+            return []
+        dirs = [p for p in self.root.iterdir()
+                if p.is_dir() and p.name.startswith(TAG_PREFIX) and p.name[len(TAG_PREFIX):].isdigit()]
+        return sorted(dirs, key=lambda p: int(p.name[len(TAG_PREFIX):]))
+
+    def find_latest_valid(self) -> Optional[Path]:
+        """Newest checkpoint that verifies. Corrupt ones are named in a warning and renamed to
+        *.corrupt so that no later save or prune can touch them. Collective."""
+        chosen = None
+        if self.rank == 0:
+            for ckpt in reversed(self.checkpoints()):
+                problem = verify(ckpt)
+                if problem is None:
+                    chosen = str(ckpt)
+                    break
+                warnings.warn(f"checkpoint {ckpt} is unusable: {problem}; falling back to an older one",
+                              stacklevel=2)
+                _quarantine(ckpt)
+        chosen = broadcast_object(chosen)
+        return Path(chosen) if chosen else None
+
+    def resolve(self, resume: str) -> Optional[Path]:
+        """trainer.resume: 'auto' (newest valid here, else start fresh), 'none', or a path to a
+        checkpoint directory or to a run's checkpoints/ directory."""
+        if resume == "none":
+            return None
+        if resume == "auto":
+            return self.find_latest_valid()
+        path = Path(resume).expanduser()
+        if (path / MANIFEST).exists() or path.name.startswith(TAG_PREFIX):
+            if not path.is_dir():
+                raise CheckpointError(f"trainer.resume={resume}: no such checkpoint directory")
+            problem = verify(path)
+            if problem:
+                raise CheckpointError(f"trainer.resume={resume}: checkpoint is unusable: {problem}")
+            return path
+        if path.is_dir():
+            found = CheckpointManager(path, self.keep_last, self.rank).find_latest_valid()
+            if found is None:
+                raise CheckpointError(f"trainer.resume={resume}: no complete checkpoint in that directory")
+            return found
+        raise CheckpointError(f"trainer.resume={resume}: no such checkpoint or directory")
+
+    # ------------------------------------------------------------------ load
+    def load(self, engine, ckpt: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Restore DeepSpeed state from `ckpt`; return (trainer_state, this rank's rank_state)."""
+        load_path, _ = engine.load_checkpoint(str(ckpt.parent), tag=ckpt.name,
+                                              load_optimizer_states=True, load_lr_scheduler_states=True)
+        if load_path is None:
+            raise CheckpointError(f"DeepSpeed could not load {ckpt}")
+        trainer_state = torch.load(ckpt / TRAINER_STATE, map_location="cpu", weights_only=False)
+        rank_file = ckpt / f"rank_{self.rank:05d}_state.pt"
+        rank_state = torch.load(rank_file, map_location="cpu", weights_only=False) if rank_file.exists() else {}
+        return trainer_state, rank_state

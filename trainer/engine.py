@@ -1,0 +1,53 @@
+"""The DeepSpeed engine: ZeRO stage, precision, accumulation and clipping from config."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from conf.errors import ConfigError
+from conf.trainer import TrainerConfig
+from trainer.distributed import DistInfo
+
+
+def resolve_precision(cfg: TrainerConfig, device: torch.device) -> str:
+    if cfg.precision not in ("auto", "fp32", "bf16"):
+        raise ConfigError(f"trainer.precision={cfg.precision!r}: expected auto, fp32 or bf16")
+    if cfg.precision == "auto":
+        return "bf16" if device.type == "cuda" else "fp32"
+    return cfg.precision
+
+
+def deepspeed_config(cfg: TrainerConfig, precision: str) -> dict[str, Any]:
+    if cfg.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"trainer.zero_stage={cfg.zero_stage}: expected 0-3")
+    return {
+        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+        "gradient_accumulation_steps": cfg.grad_accum_steps,
+        "gradient_clipping": cfg.grad_clip,
+        "zero_optimization": {"stage": cfg.zero_stage},
+        "bf16": {"enabled": precision == "bf16"},
+        "steps_per_print": 2**31 - 1,  # we log ourselves
+        "wall_clock_breakdown": False,
+    }
+
+
+def keep_fp32_buffers(model: nn.Module) -> None:
+    """bf16 engines cast floating buffers too; MoE balancing counters must stay fp32 (bf16
+    cannot count past 256 exactly)."""
+    for router in model.routers():
+        router.bias.data = router.bias.data.float()
+        router.load.data = router.load.data.float()
+
+
+def build_engine(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, cfg: TrainerConfig,
+                 dist: DistInfo):
+    import deepspeed
+
+    precision = resolve_precision(cfg, dist.device)
+    model.to(dist.device)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                           config=deepspeed_config(cfg, precision))
+    keep_fp32_buffers(engine.module)
+    return engine, precision

@@ -1,0 +1,239 @@
+"""The pretraining loop: data -> model -> DeepSpeed engine -> steps, evals, checkpoints, metrics."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from conf.errors import ConfigError
+from conf.pretrain import PretrainConfig
+from data import DistributedBatchLoader, build_datasets
+from model.accounting import train_flops_per_token
+from model.engram import build_compression_map
+from model.transformer import Transformer
+from optim import build_optimizer, lr_multiplier
+from trainer.checkpoint import CheckpointManager
+from trainer.distributed import DistInfo, all_reduce_sum_, init_distributed
+from trainer.engine import build_engine
+from trainer.metrics import MetricsLog, device_peak_flops, moe_balance
+from trainer.progress import Progress
+from trainer.tracking import build_tracker
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    if not state:
+        return
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def build_model(cfg: PretrainConfig, tokenizer) -> Transformer:
+    model_cfg = cfg.model
+    if model_cfg.vocab_size is None:
+        model_cfg = dataclasses.replace(model_cfg, vocab_size=tokenizer.vocab_size)
+    elif model_cfg.vocab_size < tokenizer.vocab_size:
+        raise ConfigError(f"model.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's "
+                          f"{tokenizer.vocab_size}")
+    lookup, pad = None, 0
+    if model_cfg.engram_layers:
+        lookup, _ = build_compression_map(tokenizer.tokenizer)
+        if lookup.numel() < model_cfg.vocab_size:  # ids past the tokenizer (padding) map to themselves
+            extra = torch.arange(lookup.numel(), model_cfg.vocab_size) - lookup.numel() + int(lookup.max()) + 1
+            lookup = torch.cat((lookup, extra))
+        pad = int(lookup[tokenizer.pad_id])
+    return Transformer(model_cfg, lookup_map=lookup, lookup_pad_id=pad)
+
+
+class Trainer:
+    def __init__(self, cfg: PretrainConfig, run_dir: Path, config_yaml: str):
+        self.cfg, self.run_dir, self.config_yaml = cfg, Path(run_dir), config_yaml
+        tc = cfg.trainer
+        if tc.max_steps <= 0:
+            raise ConfigError(f"trainer.max_steps={tc.max_steps}: must be positive")
+        self.dist: DistInfo = init_distributed()
+        if tc.torch_threads:
+            torch.set_num_threads(tc.torch_threads)
+        if self.dist.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(config_yaml)
+
+        seed_everything(tc.seed)  # identical initial weights on every rank
+        self.train_ds, self.val_ds, self.tokenizer = build_datasets(cfg.data)
+        self.model = build_model(cfg, self.tokenizer)
+        optimizer = build_optimizer(self.model, cfg.optim)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(cfg.optim, tc.max_steps))
+        self.engine, self.precision = build_engine(self.model, optimizer, scheduler, tc, self.dist)
+        self.scheduler = scheduler
+        d = self.dist
+        self.loader = DistributedBatchLoader(self.train_ds, tc.micro_batch_size, d.rank, d.world_size, tc.seed)
+        self.val_loader = DistributedBatchLoader(self.val_ds, tc.micro_batch_size, d.rank, d.world_size,
+                                                 tc.seed, shuffle=False)
+        self.ckpts = CheckpointManager(self.run_dir / "checkpoints", tc.keep_last, d.rank)
+        self.step, self.tokens_seen, run_id = 0, 0, None
+        resume_from = self.ckpts.resolve(tc.resume)
+        if resume_from is not None:
+            trainer_state, rank_state = self.ckpts.load(self.engine, resume_from)
+            self.loader.load_state_dict(trainer_state["data"])
+            set_rng_state(rank_state.get("rng", {}))
+            self.step, self.tokens_seen = trainer_state["step"], trainer_state["tokens_seen"]
+            run_id = trainer_state.get("wandb_run_id")
+        self.resumed_from = resume_from
+        container = OmegaConf.to_container(OmegaConf.create(config_yaml), resolve=True)
+        self.tracker = build_tracker(cfg.logger, self.run_dir, container, run_id, d.rank)
+        self.metrics = MetricsLog(self.run_dir / "metrics.jsonl",
+                                  self.step if resume_from is not None else None, d.is_main)
+        self.tokens_per_step = tc.micro_batch_size * cfg.data.seq_len * tc.grad_accum_steps * d.world_size
+        self.flops_per_token = train_flops_per_token(self.model, cfg.data.seq_len)
+        self.peak_flops, self.peak_source = device_peak_flops(d.device, tc.peak_flops)
+        if d.is_main:
+            self._announce()
+
+    def _announce(self) -> None:
+        m, d = self.model, self.dist
+        total = sum(p.numel() for p in m.parameters())
+        start = f"resuming from {self.resumed_from}" if self.resumed_from else "starting fresh"
+        print(f"flashtrain: run {self.run_dir} | model {m.cfg.name}: {total / 1e6:.2f}M params, "
+              f"{len(m.plan)} layers ({m.plan.describe()}) | {d.world_size} x {d.device.type} {self.precision} "
+              f"| {self.tokens_per_step} tokens/step | peak {self.peak_flops / 1e12:.3g} TFLOP/s "
+              f"({self.peak_source}) | {start} at step {self.step}", flush=True)
+
+    # ------------------------------------------------------------------ one step
+    def _batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v.to(self.dist.device, non_blocking=True) for k, v in batch.items()}
+
+    def train_step(self) -> dict[str, float]:
+        tc, engine = self.cfg.trainer, self.engine
+        sums = torch.zeros(3, dtype=torch.float64)  # lm, balance, indexer losses
+        grad_norm: Optional[float] = None
+        for _ in range(tc.grad_accum_steps):
+            out = engine(**self._batch(self.loader.next_batch()))
+            engine.backward(out.loss)
+            if engine.is_gradient_accumulation_boundary() and tc.zero_stage == 0:
+                grad_norm = self._grad_norm()  # ZeRO-0 clips without reporting the norm
+            engine.step()
+            sums += torch.stack([out.lm_loss.detach(), out.balance_loss.detach(),
+                                 out.indexer_loss.detach()]).double().cpu()
+        if grad_norm is None:
+            norm = engine.get_global_grad_norm()
+            grad_norm = float(norm) if norm is not None else float("nan")
+        all_reduce_sum_(sums)
+        sums /= tc.grad_accum_steps * self.dist.world_size
+        balance = self._update_router_biases()
+        self.step += 1
+        self.tokens_seen += self.tokens_per_step
+        return {"loss": sums[0].item(), "balance_loss": sums[1].item(), "indexer_loss": sums[2].item(),
+                "grad_norm": grad_norm, **balance}
+
+    def _grad_norm(self) -> float:
+        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+        return torch.linalg.vector_norm(torch.stack([g.float().norm() for g in grads])).item() if grads else 0.0
+
+    @torch.no_grad()
+    def _update_router_biases(self) -> dict[str, float]:
+        """Aux-loss-free balancing from the step's global expert load."""
+        routers = self.engine.module.routers()
+        for r in routers:
+            all_reduce_sum_(r.load)
+        balance = moe_balance([r.load for r in routers])
+        for r in routers:
+            r.update_bias(self.cfg.model.bias_update_speed)
+        return balance
+
+    # ------------------------------------------------------------------ eval
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        self.engine.eval()
+        total = torch.zeros(2, dtype=torch.float64)  # summed token loss, token count
+        for batch in self.val_loader.eval_batches(self.cfg.trainer.eval_batches):
+            batch = self._batch(batch)
+            n = (batch["labels"] != -100).sum()
+            out = self.engine(**batch)
+            total += torch.stack([out.lm_loss.double() * n, n.double()]).cpu()
+        self.engine.train()
+        all_reduce_sum_(total)
+        val_loss = (total[0] / total[1].clamp(min=1)).item()
+        return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
+
+    # ------------------------------------------------------------------ checkpoint
+    def save(self) -> None:
+        trainer_state = {"step": self.step, "tokens_seen": self.tokens_seen, "data": self.loader.state_dict(),
+                         "wandb_run_id": self.tracker.run_id, "config": self.config_yaml}
+        self.ckpts.save(self.engine, self.step, trainer_state, {"rng": rng_state()})
+
+    # ------------------------------------------------------------------ loop
+    def log(self, row: dict[str, Any]) -> None:
+        self.metrics.write(row)
+        self.tracker.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
+
+    def fit(self) -> dict[str, Any]:
+        tc = self.cfg.trainer
+        progress = Progress(tc.max_steps, self.step, enabled=self.dist.is_main and tc.progress)
+        last: dict[str, Any] = {}
+        window_tokens, window_time = 0, 0.0
+        saved_at = evaluated_at = self.step if self.resumed_from is not None else -1
+        while self.step < tc.max_steps:
+            start = time.perf_counter()
+            row = self.train_step()
+            window_time += time.perf_counter() - start
+            window_tokens += self.tokens_per_step
+            progress.update(row["loss"])
+            if self.step % tc.log_every == 0 or self.step == tc.max_steps:
+                tps = window_tokens / max(window_time, 1e-9)
+                row.update(step=self.step, lr=self.scheduler.get_last_lr()[0], tokens_per_s=tps,
+                           tokens_seen=self.tokens_seen, flops_per_token=self.flops_per_token,
+                           mfu=self.flops_per_token * tps / (self.peak_flops * self.dist.world_size))
+                self.log(row)
+                last.update(row)
+                window_tokens, window_time = 0, 0.0
+            if (tc.eval_every and self.step % tc.eval_every == 0) or self.step == tc.max_steps:
+                val = self.evaluate()
+                self.log({"step": self.step, **val})
+                progress.note(f"step {self.step}: val_loss {val['val_loss']:.4f}")
+                last.update(val)
+                evaluated_at = self.step
+            if (tc.save_every and self.step % tc.save_every == 0) or self.step == tc.max_steps:
+                self.save()
+                saved_at = self.step
+        if evaluated_at != self.step:  # resumed at or past max_steps: still report
+            last.update(self.evaluate())
+        if saved_at != self.step:
+            self.save()
+        progress.close()
+        return last
+
+    def close(self) -> None:
+        self.tracker.finish()
+        if dist.is_initialized():
+            dist.barrier()
+
+
+def run_pretrain(cfg: PretrainConfig, run_dir: Path, config_yaml: str) -> dict[str, Any]:
+    trainer = Trainer(cfg, run_dir, config_yaml)
+    try:
+        return trainer.fit()
+    finally:
+        trainer.close()
