@@ -144,8 +144,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     except Exception as e:
         return _fail(describe_config_error(e))
 
-    launcher = typed.launcher
-    if launcher.nproc > 1 and "WORLD_SIZE" not in os.environ:
+    launcher = getattr(typed, "launcher", None)  # stages that run processes have one
+    if launcher is not None and launcher.nproc > 1 and "WORLD_SIZE" not in os.environ:
         return launch_children(launcher.nproc, argv, run_dir, launcher.master_addr, launcher.master_port)
 
     try:

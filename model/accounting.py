@@ -81,3 +81,42 @@ def train_flops_per_token(model: nn.Module, seq_len: int) -> float:
     """Forward + backward (3x forward) model FLOPs per trained token."""
     forward = 2 * active_matmul_params(model) + attention_flops_per_token(model.cfg, model.plan, seq_len)
     return 3 * forward
+
+
+def ced_kv_writer_params(model: nn.Module) -> int:
+    """Parameters the CED prefill runs in the first decoder layer to write the decoder's
+    global KV from the encoder output: its attention mHC coefficients, attention norm,
+    compressor and index keys (SPEC §2)."""
+    first = model.cfg.n_encoder_layers
+    if first >= model.cfg.n_layers:
+        return 0
+    prefix = (f"layers.{first}.attn_hc.", f"layers.{first}.attn_norm.", f"layers.{first}.attn.compressor.",
+              f"layers.{first}.attn.index_key.")
+    return sum(p.numel() for n, p in model.named_parameters() if n.startswith(prefix))
+
+
+def model_summary(model: nn.Module) -> dict[str, float]:
+    """The numbers SPEC §1/§4 state for the model: parameters by kind, active parameters of
+    the CED prefill (encoder layers + the decoder KV writer) and of decode (every layer and
+    the head), and global-KV bytes per token from the cache layout."""
+    from model.kv_layout import GlobalKVLayout, window_kv_bytes
+
+    cfg = model.cfg
+    totals: dict[str, int] = defaultdict(int)
+    for kinds in parameter_kinds(model).values():
+        for kind, n in kinds.items():
+            totals[kind] += n
+    engram = totals.get("engram", 0)
+    backbone = sum(totals.values()) - engram
+    return {
+        "total_params": backbone,  # the backbone: Engram tables are counted apart (SPEC §1)
+        "engram_params": engram,
+        "all_params": backbone + engram,
+        "embedding_params": totals.get("embedding", 0),
+        "routed_expert_params": totals.get("routed", 0),
+        "active_prefill_params": active_matmul_params(model, range(cfg.n_encoder_layers), with_head=False)
+        + ced_kv_writer_params(model),
+        "active_decode_params": active_matmul_params(model),
+        "kv_bytes_per_token": GlobalKVLayout.of(cfg, model.plan).bytes_per_token(),
+        "window_kv_bytes_per_sequence": window_kv_bytes(cfg, cfg.n_layers),
+    }

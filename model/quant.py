@@ -249,10 +249,19 @@ def unpack_fp8(codes: Tensor, scales: Tensor, dtype: torch.dtype = torch.float32
     return _unpack("fp8", codes, scales, dtype)
 
 
-def bytes_per_vector(fmt: str, dim: int) -> int:
-    """Storage bytes of one packed ``dim``-vector: the value bytes plus one scale byte per block."""
+def empty_packed(fmt: str, leading: tuple[int, ...], dim: int,
+                 device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
+    """Uninitialised storage for ``leading`` packed ``dim``-vectors: the (codes, scales) pair that
+    ``pack_<fmt>`` returns for such a tensor. Cache buffers are allocated with this."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; expected one of {sorted(FORMATS)}")
     f = FORMATS[fmt]
     _check_dim(fmt, dim, f.block)
-    return dim * f.value_bits // 8 + dim // f.block * SCALE_BYTES
+    codes = torch.empty(*leading, dim * f.value_bits // 8, dtype=torch.uint8, device=device)
+    scales = torch.empty(*leading, dim // f.block * SCALE_BYTES, dtype=torch.uint8, device=device)
+    return codes, scales
+
+
+def bytes_per_vector(fmt: str, dim: int) -> int:
+    """Storage bytes of one packed ``dim``-vector: the value bytes plus one scale byte per block."""
+    return sum(t.numel() for t in empty_packed(fmt, (1,), dim, device="meta"))

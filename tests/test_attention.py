@@ -226,3 +226,27 @@ def test_position_dropped_from_pool_is_unreachable(tiny_model):
     kept = (rt2.pool[builder][0] == target).any(-1)
     if kept.any():  # where it is in the pool, the boost makes it selected
         assert (rt2.topk[reindex][0][kept] == target).any(-1).all()
+
+
+# ---------------------------------------------------------------- KV QAT
+def test_qat_stores_exactly_what_the_cache_packs_and_passes_gradients():
+    from model.quant import pack_kv_fp4, pack_mxfp4, unpack_kv_fp4, unpack_mxfp4
+
+    torch.manual_seed(0)
+    model = Transformer(tiny(engram_layers=[], kv_quant="qat", kv_dim=64, index_dim=32))
+    x = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(4))
+    rt = _run_with_runtime(model, x)
+    for layer in model.plan.kv_sources:
+        kv, ik = rt.kv[layer].detach(), rt.index_k[layer].detach()
+        assert torch.equal(unpack_kv_fp4(*pack_kv_fp4(kv)), kv)  # already on the FP4 grid
+        assert torch.equal(unpack_mxfp4(*pack_mxfp4(ik)), ik)
+    out = model(x[:, :-1], labels=x[:, 1:])
+    out.loss.backward()
+    for layer in model.plan.kv_sources:
+        g = model.layers[layer].attn.compressor.wkv.weight.grad
+        assert g is not None and g.abs().sum() > 0  # the straight-through estimator lets it through
+    off = Transformer(tiny(engram_layers=[], kv_quant="off", kv_dim=64, index_dim=32))
+    off.load_state_dict(model.state_dict())
+    rt_off = _run_with_runtime(off, x)
+    layer = model.plan.kv_sources[0]
+    assert not torch.equal(rt_off.kv[layer], rt.kv[layer])  # qat really changes the stored values

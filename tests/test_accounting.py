@@ -1,0 +1,60 @@
+"""The `flash` config is the published model: SPEC §1 and §4 numbers from a meta-device build."""
+import json
+import subprocess
+import sys
+
+import torch
+
+from conf.model import FlashModelConfig
+from model.kv_layout import GlobalKVLayout
+from model.plan import build_layer_plan
+from tests.conftest import REPO, cli_env
+
+
+def test_inspect_flash_matches_spec(port_base):
+    p = subprocess.run([sys.executable, "-m", "launch", "inspect", "model=flash", "inspect.json=true"],
+                       cwd=REPO, env=cli_env(port_base()), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    s = json.loads(p.stdout.strip().splitlines()[-1])
+    assert abs(s["total_params"] / 552e9 - 1) < 0.02, s
+    assert abs(s["engram_params"] / 196.1e9 - 1) < 0.01, s
+    assert abs(s["active_prefill_params"] / 8e9 - 1) < 0.05, s
+    assert abs(s["active_decode_params"] / 16e9 - 1) < 0.05, s
+    assert s["kv_bytes_per_token"] == 890
+    assert s["build_seconds"] < 60
+
+
+def test_kv_layout_bytes_follow_the_plan_and_formats():
+    cfg = FlashModelConfig()
+    layout = GlobalKVLayout.of(cfg, build_layer_plan(cfg))
+    assert layout.sources == ((2, 2), (8, 2), (14, 2), (20, 1))
+    buffers = layout.allocate(1000, device="meta")
+    per_entry = {name: t.shape[-1] for name, t in buffers[20].items()}
+    # 512 E2M1 values in 256 bytes + 32 E4M3 scales; 128 E2M1 in 64 bytes + 4 E8M0 scales
+    assert per_entry == {"kv_codes": 256, "kv_scales": 32, "index_k_codes": 64, "index_k_scales": 4}
+    assert buffers[2]["kv_codes"].shape[1] == 500 and buffers[20]["kv_codes"].shape[1] == 1000
+    # a plan with one more m=2 owner costs half an entry (178 bytes) more per token
+    modes = [s.mode for s in build_layer_plan(cfg).layers]
+    modes[3] = "full"
+    plan = build_layer_plan(FlashModelConfig(layer_modes=modes))
+    assert GlobalKVLayout.of(cfg, plan).bytes_per_token() == 890 + 178
+
+
+def test_flash_builds_on_meta_with_the_published_shapes():
+    with torch.device("meta"):
+        from model.transformer import Transformer
+
+        model = Transformer(FlashModelConfig())
+    attn = model.layers[20].attn
+    assert tuple(attn.wq_a.weight.shape) == (1280, 5120)
+    assert tuple(attn.wq_b.weight.shape) == (64 * 512, 1280)
+    assert tuple(attn.wo_a.shape) == (8, 1024, 4096)
+    assert tuple(attn.wo_b.weight.shape) == (5120, 8192)
+    assert tuple(attn.index_query.wq_b.weight.shape) == (32 * 128, 1280)
+    assert tuple(attn.index_key.wk.weight.shape) == (128, 512)
+    assert attn.compressor.wgate is None and model.layers[2].attn.compressor.wgate is not None
+    assert model.layers[21].attn.compressor is None and model.layers[24].attn.index_key is None
+    moe = model.layers[0].moe
+    assert tuple(moe.experts.w1.shape) == (384, 2304, 5120) and moe.router.topk == 6
+    assert tuple(model.engrams["1"].proj.weight.shape) == (5 * 5120, 3 * 8 * 256)
+    assert model.layers[0].attn_hc.fn.shape == (4 + 4 + 16, 4 * 5120)
