@@ -1,0 +1,163 @@
+"""Muon: momentum SGD whose update is orthogonalised by a Newton-Schulz iteration.
+
+A parameter is viewed as a batch of matrices ("blocks", see `muon_blocks`), and each block's update
+is replaced by (approximately) its polar factor U V^T, so every direction the update spans moves by
+the same amount. Blocks:
+  [out, in]   heads = 1   one matrix
+  [out, in]   heads = h   [h, out/h, in]: head-wise Muon. Rows are head-major (row h*C + c belongs to
+                          head h), the layout of `wq_b` [H*C, R] whose output is unflattened to (H, C).
+  [G, A, B]   heads = 1   G matrices as stored: grouped `wo_a`, MoE experts `w1/w3` [E, I, D], `w2` [E, D, I]
+  [G, A, B]   heads = h   [G*h, A/h, B]
+Head count is the param-group option `heads` (default 1), shared by every parameter of the group:
+make one group per head count, e.g.
+    Muon([{"params": [attn.wq_b.weight], "heads": n_heads}, {"params": other_matrices}], lr=...)
+
+Vectors and scalars (norms, biases, gains) do not belong here: Muon rejects parameters that are not
+2-D or 3-D. The optimiser is purely local and deterministic, so a data-parallel wrapper can hand each
+rank the whole parameters it owns.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+NS_COEFFS = (3.4445, -4.7750, 2.0315)  # quintic (a, b, c): fast rise of small singular values
+RMS_MODES = ("moonlight", "fixed")
+MOONLIGHT_RMS = 0.2  # Moonlight's update RMS, matched to AdamW's typical update RMS
+
+
+def newton_schulz(G: torch.Tensor, steps: int = 5, eps: float = 1e-7,
+                  compute_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[..., A, B] -> [..., A, B], each matrix mapped to approximately its polar factor U V^T.
+
+    The coefficients trade convergence for speed: singular values end up roughly in [0.7, 1.2],
+    which is all Muon needs (ones below ~1e-3 of the Frobenius norm stay short after 5 steps). `compute_dtype` defaults to bfloat16 on CUDA, float32 elsewhere;
+    the result has G's dtype. An all-zero matrix maps to zeros.
+    """
+    if G.dim() < 2:
+        raise ValueError(f"newton_schulz needs [..., A, B], got shape {tuple(G.shape)}")
+    if compute_dtype is None:
+        compute_dtype = torch.bfloat16 if G.is_cuda else torch.float32
+    a, b, c = NS_COEFFS
+    tall = G.size(-2) > G.size(-1)
+    X = G.to(compute_dtype)
+    if tall:
+        X = X.mT  # run on the wide side: the Gram matrix S is then the smaller one
+    # Frobenius norm >= spectral norm, so singular values start in [0, 1], inside the iteration's basin
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) + eps)
+    for _ in range(steps):
+        S = X @ X.mT  # [..., min(A, B), min(A, B)]
+        X = a * X + (b * S + c * (S @ S)) @ X
+    if tall:
+        X = X.mT
+    return X.to(G.dtype)
+
+
+def _check_shape(shape: torch.Size, heads: int) -> None:
+    if len(shape) not in (2, 3):
+        raise ValueError(f"Muon needs a 2-D or 3-D parameter, got shape {tuple(shape)}")
+    if not isinstance(heads, int) or heads < 1:
+        raise ValueError(f"heads={heads!r}: expected an int >= 1")
+    if shape[-2] % heads:
+        raise ValueError(f"shape {tuple(shape)}: {shape[-2]} rows not divisible by heads={heads}")
+
+
+def muon_blocks(t: torch.Tensor, heads: int = 1) -> torch.Tensor:
+    """[out, in] or [G, A, B] -> [N, A/heads, B], the batch of matrices Muon orthogonalises.
+
+    A view when t is contiguous. Raises ValueError for other ranks or a row count not divisible by heads.
+    """
+    _check_shape(t.shape, heads)
+    return t.reshape(-1, t.size(-2) // heads, t.size(-1))
+
+
+def muon_direction(u: torch.Tensor, heads: int = 1, ns_steps: int = 5, rms_mode: str = "moonlight",
+                   target_rms: float = 0.18) -> torch.Tensor:
+    """Orthogonalised and scaled update for the momentum update u; same shape and dtype as u.
+
+    moonlight: O * 0.2 * sqrt(max(A, B)). An orthogonal A x B block has RMS 1/sqrt(max(A, B)),
+               so the update RMS is ~0.2 whatever the shape.
+    fixed:     each block rescaled to RMS exactly target_rms (an all-zero block stays zero).
+    """
+    if rms_mode not in RMS_MODES:
+        raise ValueError(f"rms_mode={rms_mode!r}: expected one of {RMS_MODES}")
+    ortho = newton_schulz(muon_blocks(u, heads), ns_steps)  # [N, A, B]
+    if rms_mode == "moonlight":
+        ortho = ortho * (MOONLIGHT_RMS * math.sqrt(max(ortho.shape[-2:])))
+    else:
+        rms = ortho.float().square().mean(dim=(-2, -1), keepdim=True).sqrt()  # [N, 1, 1]
+        scale = target_rms / rms.clamp_min(torch.finfo(torch.float32).tiny)
+        ortho = (ortho.float() * scale).to(ortho.dtype)
+    return ortho.reshape(u.shape)
+
+
+def _check_group(group: dict[str, Any]) -> None:
+    """ValueError for a bad option or a parameter the group's `heads` cannot split."""
+    if not group["lr"] >= 0.0:
+        raise ValueError(f"lr={group['lr']}: expected >= 0")
+    if not 0.0 <= group["momentum"] < 1.0:
+        raise ValueError(f"momentum={group['momentum']}: expected in [0, 1)")
+    if not isinstance(group["ns_steps"], int) or group["ns_steps"] < 1:
+        raise ValueError(f"ns_steps={group['ns_steps']!r}: expected an int >= 1")
+    if not group["weight_decay"] >= 0.0:
+        raise ValueError(f"weight_decay={group['weight_decay']}: expected >= 0")
+    if group["rms_mode"] not in RMS_MODES:
+        raise ValueError(f"rms_mode={group['rms_mode']!r}: expected one of {RMS_MODES}")
+    if not group["target_rms"] > 0.0:
+        raise ValueError(f"target_rms={group['target_rms']}: expected > 0")
+    for p in group["params"]:
+        _check_shape(p.shape, group["heads"])
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon over whole 2-D / 3-D parameters; one state tensor (`momentum_buffer`) per parameter.
+
+    Per parameter: buf = momentum * buf + grad; u = grad + momentum * buf (Nesterov) or buf;
+    p *= 1 - lr * weight_decay; p -= lr * muon_direction(u, heads, ...).
+    Group options: lr, momentum, nesterov, ns_steps, weight_decay, rms_mode, target_rms, heads.
+    """
+
+    def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], lr: float = 1e-3,
+                 momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5, weight_decay: float = 0.0,
+                 rms_mode: str = "moonlight", target_rms: float = 0.18, heads: int = 1):
+        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
+                        weight_decay=weight_decay, rms_mode=rms_mode, target_rms=target_rms, heads=heads)
+        _check_group({**defaults, "params": []})
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        try:
+            _check_group(self.param_groups[-1])
+        except ValueError:
+            self.param_groups.pop()  # leave the optimiser as it was
+            raise
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = p.grad
+                if g.is_sparse:
+                    raise RuntimeError("Muon does not support sparse gradients (use Sinkhorn for tables)")
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                buf = state["momentum_buffer"]
+                buf.mul_(mu).add_(g)
+                u = g.add(buf, alpha=mu) if group["nesterov"] else buf
+                d = muon_direction(u, group["heads"], group["ns_steps"], group["rms_mode"], group["target_rms"])
+                if wd != 0.0:
+                    p.mul_(1.0 - lr * wd)  # decoupled: independent of the gradient's scale
+                p.add_(d, alpha=-lr)
+        return loss
