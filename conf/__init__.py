@@ -7,13 +7,13 @@ from conf.data import FilesDataConfig, HubDataConfig, StdlibDataConfig
 from conf.launcher import LocalLauncherConfig
 from conf.logger import NoLoggerConfig, WandbLoggerConfig
 from conf.model import FlashModelConfig, SmallModelConfig, TinyModelConfig
-from conf.optim import AdamWConfig
+from conf.optim import AdamWConfig, MuonConfig
 from conf.trainer import TrainerConfig
 
 GROUPS = {
     "model": {"tiny": TinyModelConfig, "small": SmallModelConfig, "flash": FlashModelConfig},
     "data": {"stdlib": StdlibDataConfig, "files": FilesDataConfig, "hub": HubDataConfig},
-    "optim": {"adamw": AdamWConfig},
+    "optim": {"adamw": AdamWConfig, "muon": MuonConfig},
     "trainer": {"default": TrainerConfig},
     "logger": {"wandb": WandbLoggerConfig, "none": NoLoggerConfig},
     "launcher": {"local": LocalLauncherConfig},

@@ -86,10 +86,10 @@ class TinyModelConfig(ModelConfig):
     name: str = "tiny"
     vocab_size: Optional[int] = None
     dim: int = 128
-    n_layers: int = 8
-    n_encoder_layers: int = 4
+    n_layers: int = 6  # swa, full, reuse | full, reuse, reindex: every mode, CED split 3/3
+    n_encoder_layers: int = 3
     n_swa_layers: int = 1
-    encoder_group: int = 3
+    encoder_group: int = 2
     decoder_group: int = 2
     n_heads: int = 4
     kv_dim: int = 64
@@ -109,7 +109,7 @@ class TinyModelConfig(ModelConfig):
     moe_inter_dim: int = 128
     route_scale: float = 1.0
     bias_update_speed: float = 1e-2  # short runs need faster balancing
-    engram_layers: list[int] = field(default_factory=lambda: [1, 3])
+    engram_layers: list[int] = field(default_factory=lambda: [1, 2])
     engram_heads: int = 2
     engram_dim: int = 16
     engram_min_rows: int = 1000

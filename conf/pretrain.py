@@ -15,7 +15,7 @@ PRETRAIN_DEFAULTS = [
     "_self_",
     {"model": "tiny"},
     {"data": "stdlib"},
-    {"optim": "adamw"},
+    {"optim": "muon"},  # SPEC §7: Muon + Sinkhorn + AdamW
     {"trainer": "default"},
     {"logger": "wandb"},
     {"launcher": "local"},

@@ -10,7 +10,7 @@ class TrainerConfig:
     grad_accum_steps: int = 1
     grad_clip: float = 1.0  # max global grad norm (0 = off)
     log_every: int = 10  # steps between metric rows
-    eval_every: int = 25  # steps between validation passes (0 = only at the end)
+    eval_every: int = 20  # steps between validation passes (0 = only at the end)
     eval_batches: int = 4  # validation micro-batches per pass (0 = the whole split)
     save_every: int = 50  # steps between checkpoints (0 = only at the end)
     keep_last: int = 3  # complete checkpoints kept on disk

@@ -18,6 +18,7 @@ from torch import nn
 from conf.model import ModelConfig
 from model.attention import CSA2Attention
 from model.engram import Engram
+from model.indexer import IndexQuery
 from model.mhc import HyperConnection, initial_pre, mix_streams, update_streams
 from model.moe import MoE, RoutedExperts
 from model.plan import LayerSpec, build_layer_plan
@@ -108,6 +109,16 @@ class Transformer(nn.Module):
 
     def routers(self):
         return [layer.moe.router for layer in self.layers]
+
+    def head_splits(self) -> dict[str, int]:
+        """Projections whose output rows are per-head blocks: name -> heads (for head-wise Muon)."""
+        splits = {}
+        for name, module in self.named_modules():
+            if isinstance(module, CSA2Attention):
+                splits[f"{name}.wq_b.weight"] = module.n_heads
+            elif isinstance(module, IndexQuery):
+                splits[f"{name}.wq_b.weight"] = module.n_heads
+        return splits
 
     def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 doc_ids: Optional[torch.Tensor] = None) -> ModelOutput:

@@ -1,32 +1,38 @@
-"""Optimisers and schedules. `build_optimizer` routes parameters to optimisers by rule."""
+"""Optimisers and schedules. `build_optimizer` routes parameters to Muon, Sinkhorn or AdamW by
+rule (see `optim.routing`) and returns one optimiser for the engine."""
 from __future__ import annotations
+
+from collections import defaultdict
 
 import torch
 from torch import nn
 
 from conf.errors import ConfigError
 from conf.optim import OptimConfig
+from optim.composite import CompositeOptimizer
+from optim.routing import route_parameters, routing_table
 from optim.schedule import lr_multiplier
 
-__all__ = ["build_optimizer", "lr_multiplier", "param_groups"]
-
-OPTIMIZERS = ("adamw",)
+__all__ = ["CompositeOptimizer", "build_optimizer", "lr_multiplier", "route_parameters", "routing_table"]
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Matrices and tables decay; vectors and scalars (norms, biases, sinks, mHC gains) do not."""
-    decay, no_decay = [], []
-    for _, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        (decay if p.dim() >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
-              {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
-    return [g for g in groups if g["params"]]
-
-
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    if cfg.name not in OPTIMIZERS:
-        raise ConfigError(f"optim.name={cfg.name!r}: expected one of {OPTIMIZERS}")
-    return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr,
-                             betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
+def build_optimizer(model: nn.Module, cfg: OptimConfig, zero_stage: int = 0, rank: int = 0,
+                    world_size: int = 1, verbose: bool = False) -> torch.optim.Optimizer:
+    """AdamW everywhere: a plain torch AdamW that DeepSpeed's ZeRO (any stage) partitions.
+    Any Muon or Sinkhorn route: a CompositeOptimizer, which needs whole parameters, so
+    DeepSpeed must not partition it: zero_stage 0 replicates it, 1 shards it by parameter
+    (flashtrain's own ZeRO-1); ZeRO-2/3 are refused."""
+    routes = route_parameters(model, cfg)
+    if verbose:
+        print(f"flashtrain: optimizer routing (optim={cfg.name})\n{routing_table(routes)}", flush=True)
+    if all(r.optimizer == "adamw" for r in routes):
+        groups: dict[tuple, list] = defaultdict(list)
+        for r in routes:
+            groups[(r.lr_mult, r.weight_decay)].append(r.param)
+        return torch.optim.AdamW([{"params": ps, "lr": cfg.lr * mult, "weight_decay": wd}
+                                  for (mult, wd), ps in groups.items()],
+                                 lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    if zero_stage not in (0, 1):
+        raise ConfigError(f"trainer.zero_stage={zero_stage} with optim={cfg.name}: Muon and Sinkhorn need "
+                          "whole matrices, which ZeRO-2/3 split; use zero_stage=1 (state sharded by parameter)")
+    return CompositeOptimizer(routes, cfg, rank, world_size, shard=zero_stage == 1)

@@ -32,14 +32,21 @@ def test_flash_layer_plan_matches_spec():
     assert [s.layer_id for s in plan.layers if s.engram] == [1, 14]
 
 
+def test_tiny_plan_has_every_mode():
+    plan = build_layer_plan(tiny())
+    assert [s.mode for s in plan.layers] == ["swa", "full", "reuse", "full", "reuse", "reindex"]
+    assert [s.compress_ratio for s in plan.layers] == [0, 2, 2, 1, 1, 1]
+    assert plan.pool_builders == [3] and plan[5].kv_source == 3 and plan[4].index_source == 3
+
+
 def test_explicit_plan_and_bad_plans():
-    plan = build_layer_plan(tiny(layer_modes=["swa", "full", "reuse", "full", "reindex", "reuse", "full", "reuse"],
+    plan = build_layer_plan(tiny(n_layers=8, layer_modes=["swa", "full", "reuse", "full", "reindex", "reuse", "full", "reuse"],
                                  compress_ratios=[0, 2, 2, 1, 1, 1, 2, 2]))
     assert plan.kv_sources == [1, 3, 6] and plan.pool_builders == [3]
     with pytest.raises(ValueError, match="before any full layer"):
-        build_layer_plan(tiny(layer_modes=["swa", "reuse"] + ["full"] * 6, compress_ratios=[0] + [2] * 7))
+        build_layer_plan(tiny(n_layers=8, layer_modes=["swa", "reuse"] + ["full"] * 6, compress_ratios=[0] + [2] * 7))
     with pytest.raises(ValueError, match="compress ratio"):
-        build_layer_plan(tiny(layer_modes=["swa", "full", "reuse"] + ["full"] * 5, compress_ratios=[0, 2, 1] + [2] * 5))
+        build_layer_plan(tiny(n_layers=8, layer_modes=["swa", "full", "reuse"] + ["full"] * 5, compress_ratios=[0, 2, 1] + [2] * 5))
 
 
 # ---------------------------------------------------------------- sparse == dense

@@ -66,18 +66,19 @@ def test_tiny_primes_are_consecutive():
     primes = engram_table_primes(cfg)
     per_layer = len(cfg.engram_orders) * cfg.engram_heads
     expected = primes_after(cfg.engram_min_rows, 2 * per_layer)
-    assert primes == {1: expected[:per_layer], 3: expected[per_layer:]}
+    first, second = cfg.engram_layers
+    assert primes == {first: expected[:per_layer], second: expected[per_layer:]}
 
 
 # --------------------------------------------------------------------------- hashing
 def test_addresses_match_reference_hash():
     cfg = TinyModelConfig()
     pad = 7
-    engram = Engram(cfg, 3, pad_id=pad)
+    engram = Engram(cfg, cfg.engram_layers[1], pad_id=pad)
     mult = engram.multipliers.tolist()
     assert all(m % 2 == 1 and 0 < m < 2**31 for m in engram.multipliers.flatten().tolist())
     per_layer = len(cfg.engram_orders) * cfg.engram_heads
-    primes = primes_after(cfg.engram_min_rows, 2 * per_layer)[per_layer:]  # layer 3 is the second layer
+    primes = primes_after(cfg.engram_min_rows, 2 * per_layer)[per_layer:]  # the second Engram layer
 
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 2**20, (2, 9), generator=gen)
@@ -97,7 +98,7 @@ def test_addresses_deterministic_and_in_range():
     a, b = Engram(cfg, 1), Engram(cfg, 1)
     assert torch.equal(a.multipliers, b.multipliers)
     assert torch.equal(a.addresses(ids), b.addresses(ids))
-    assert not torch.equal(a.multipliers, Engram(cfg, 3).multipliers)  # drawn per layer
+    assert not torch.equal(a.multipliers, Engram(cfg, cfg.engram_layers[1]).multipliers)  # drawn per layer
 
     primes = engram_table_primes(cfg)[1]
     addr = a.addresses(ids)  # [3, 50, O*H]
@@ -202,10 +203,10 @@ def test_meta_build_flash_size():
 def test_meta_then_materialise_matches_direct_build():
     cfg = TinyModelConfig()
     with torch.device("meta"):
-        engram = Engram(cfg, 3, pad_id=2)
+        engram = Engram(cfg, cfg.engram_layers[1], pad_id=2)
     engram.to_empty(device="cpu")
     engram.reset_parameters()
-    direct = Engram(cfg, 3, pad_id=2)
+    direct = Engram(cfg, cfg.engram_layers[1], pad_id=2)
     for name in ("multipliers", "primes", "offsets"):
         assert torch.equal(getattr(engram, name), getattr(direct, name)), name
     ids = torch.randint(0, 100, (1, 10))

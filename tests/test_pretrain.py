@@ -31,7 +31,7 @@ def test_tiny_pretraining_learns_and_writes_a_run(flashtrain, tmp_path):
     val = [r["val_loss"] for r in metrics if "val_loss" in r]
     assert len(val) == 3 and val[-1] < val[0] - 0.2, val  # 30 small steps: a clear but small drop
     first, last = [r["loss"] for r in train[:5]], [r["loss"] for r in train[-5:]]
-    assert sum(last) < 0.85 * sum(first), (first, last)
+    assert sum(last) < 0.9 * sum(first), (first, last)
     assert (run / "config.yaml").read_text().startswith("stage: pretrain")
     assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.is_dir()) == ["step_00000020",
                                                                                   "step_00000030"]
@@ -54,10 +54,14 @@ def _kill_after_checkpoint(proc, ckpt_root: Path, tag: str, timeout: float = 300
     pytest.fail("checkpoint never appeared")
 
 
-def test_exact_resume_after_sigkill(flashtrain, flashtrain_popen, tmp_path):
-    """2N steps straight == N steps, SIGKILL, resume to 2N: bitwise-identical losses after N."""
+@pytest.mark.parametrize("optim", ["adamw", "muon"])
+def test_exact_resume_after_sigkill(flashtrain, flashtrain_popen, tmp_path, optim):
+    """2N steps straight == N steps, SIGKILL, resume to 2N: bitwise-identical losses after N.
+    AdamW state lives in DeepSpeed's ZeRO-1 checkpoint; Muon + Sinkhorn + AdamW state in
+    flashtrain's own per-rank files."""
     n = 5
-    common = [*FAST, f"trainer.max_steps={2 * n}", f"trainer.save_every={n}", "trainer.eval_every=5"]
+    common = [*FAST, f"trainer.max_steps={2 * n}", f"trainer.save_every={n}", "trainer.eval_every=5",
+              f"optim={optim}"]
     straight = tmp_path / "straight"
     p = flashtrain("pretrain", *common, f"hydra.run.dir={straight}")
     assert p.returncode == 0, p.stderr[-3000:]

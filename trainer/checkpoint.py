@@ -190,13 +190,20 @@ class CheckpointManager:
         raise CheckpointError(f"trainer.resume={resume}: no such checkpoint or directory")
 
     # ------------------------------------------------------------------ load
-    def load(self, engine, ckpt: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    def load(self, engine, ckpt: Path, load_optimizer_states: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
         """Restore DeepSpeed state from `ckpt`; return (trainer_state, this rank's rank_state)."""
         load_path, _ = engine.load_checkpoint(str(ckpt.parent), tag=ckpt.name,
-                                              load_optimizer_states=True, load_lr_scheduler_states=True)
+                                              load_optimizer_states=load_optimizer_states,
+                                              load_lr_scheduler_states=True)
         if load_path is None:
             raise CheckpointError(f"DeepSpeed could not load {ckpt}")
         trainer_state = torch.load(ckpt / TRAINER_STATE, map_location="cpu", weights_only=False)
         rank_file = ckpt / f"rank_{self.rank:05d}_state.pt"
         rank_state = torch.load(rank_file, map_location="cpu", weights_only=False) if rank_file.exists() else {}
         return trainer_state, rank_state
+
+    def all_rank_states(self, ckpt: Path) -> list[dict[str, Any]]:
+        """Every rank's rank_state of `ckpt` (sharded optimiser state is merged from these, so
+        the world size may change between save and load)."""
+        return [torch.load(f, map_location="cpu", weights_only=False)
+                for f in sorted(ckpt.glob("rank_*_state.pt"))]

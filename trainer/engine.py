@@ -19,15 +19,15 @@ def resolve_precision(cfg: TrainerConfig, device: torch.device) -> str:
     return cfg.precision
 
 
-def deepspeed_config(cfg: TrainerConfig, precision: str) -> dict[str, Any]:
-    if cfg.zero_stage not in (0, 1, 2, 3):
-        raise ConfigError(f"trainer.zero_stage={cfg.zero_stage}: expected 0-3")
+def deepspeed_config(cfg: TrainerConfig, zero_stage: int, bf16_master: bool) -> dict[str, Any]:
+    if zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"trainer.zero_stage={zero_stage}: expected 0-3")
     return {
         "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
         "gradient_accumulation_steps": cfg.grad_accum_steps,
         "gradient_clipping": cfg.grad_clip,
-        "zero_optimization": {"stage": cfg.zero_stage},
-        "bf16": {"enabled": precision == "bf16"},
+        "zero_optimization": {"stage": zero_stage},
+        "bf16": {"enabled": bf16_master},
         "steps_per_print": 2**31 - 1,  # we log ourselves
         "wall_clock_breakdown": False,
     }
@@ -42,12 +42,19 @@ def keep_fp32_buffers(model: nn.Module) -> None:
 
 
 def build_engine(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, cfg: TrainerConfig,
-                 dist: DistInfo):
+                 dist: DistInfo, whole_param_optimizer: bool):
+    """DeepSpeed engine. An optimiser that needs whole parameters (Muon/Sinkhorn) runs on an
+    unpartitioned engine (ZeRO-0) with fp32 master weights; bf16 then comes from autocast,
+    because DeepSpeed's bf16 optimiser wrapper flattens parameters too.
+    Returns (engine, precision, autocast dtype or None)."""
     import deepspeed
 
     precision = resolve_precision(cfg, dist.device)
+    zero_stage = 0 if whole_param_optimizer else cfg.zero_stage
+    bf16_master = precision == "bf16" and not whole_param_optimizer
     model.to(dist.device)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                           config=deepspeed_config(cfg, precision))
+                                           config=deepspeed_config(cfg, zero_stage, bf16_master))
     keep_fp32_buffers(engine.module)
-    return engine, precision
+    autocast = torch.bfloat16 if precision == "bf16" and whole_param_optimizer else None
+    return engine, precision, autocast

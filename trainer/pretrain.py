@@ -19,7 +19,7 @@ from data import DistributedBatchLoader, build_datasets
 from model.accounting import train_flops_per_token
 from model.engram import build_compression_map
 from model.transformer import Transformer
-from optim import build_optimizer, lr_multiplier
+from optim import CompositeOptimizer, build_optimizer, lr_multiplier
 from trainer.checkpoint import CheckpointManager
 from trainer.distributed import DistInfo, all_reduce_sum_, init_distributed
 from trainer.engine import build_engine
@@ -84,11 +84,15 @@ class Trainer:
         seed_everything(tc.seed)  # identical initial weights on every rank
         self.train_ds, self.val_ds, self.tokenizer = build_datasets(cfg.data)
         self.model = build_model(cfg, self.tokenizer)
-        optimizer = build_optimizer(self.model, cfg.optim)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(cfg.optim, tc.max_steps))
-        self.engine, self.precision = build_engine(self.model, optimizer, scheduler, tc, self.dist)
-        self.scheduler = scheduler
         d = self.dist
+        self.optimizer = build_optimizer(self.model, cfg.optim, tc.zero_stage, d.rank, d.world_size,
+                                         verbose=d.is_main)
+        self.lr_multiplier = lr_multiplier(cfg.optim, tc.max_steps)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.lr_multiplier)
+        # Muon/Sinkhorn keep their own (name-keyed, possibly sharded) state: saved per rank by us
+        self.own_optimizer_state = isinstance(self.optimizer, CompositeOptimizer)
+        self.engine, self.precision, self.autocast = build_engine(
+            self.model, self.optimizer, self.scheduler, tc, d, whole_param_optimizer=self.own_optimizer_state)
         self.loader = DistributedBatchLoader(self.train_ds, tc.micro_batch_size, d.rank, d.world_size, tc.seed)
         self.val_loader = DistributedBatchLoader(self.val_ds, tc.micro_batch_size, d.rank, d.world_size,
                                                  tc.seed, shuffle=False)
@@ -96,7 +100,13 @@ class Trainer:
         self.step, self.tokens_seen, run_id = 0, 0, None
         resume_from = self.ckpts.resolve(tc.resume)
         if resume_from is not None:
-            trainer_state, rank_state = self.ckpts.load(self.engine, resume_from)
+            trainer_state, rank_state = self.ckpts.load(self.engine, resume_from,
+                                                        load_optimizer_states=not self.own_optimizer_state)
+            if self.own_optimizer_state:
+                shards = [s["optimizer"] for s in self.ckpts.all_rank_states(resume_from)]
+                self.optimizer.load_state_dict(CompositeOptimizer.merge_state_dicts(shards))
+            for group in self.optimizer.param_groups:  # the lr of the step the checkpoint stopped at
+                group["lr"] = group["initial_lr"] * self.lr_multiplier(self.scheduler.last_epoch)
             self.loader.load_state_dict(trainer_state["data"])
             set_rng_state(rank_state.get("rng", {}))
             self.step, self.tokens_seen = trainer_state["step"], trainer_state["tokens_seen"]
@@ -122,6 +132,10 @@ class Trainer:
               f"({self.peak_source}) | {start} at step {self.step}", flush=True)
 
     # ------------------------------------------------------------------ one step
+    def _autocast(self):
+        return torch.autocast(self.dist.device.type, dtype=self.autocast or torch.bfloat16,
+                              enabled=self.autocast is not None)
+
     def _batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.dist.device, non_blocking=True) for k, v in batch.items()}
 
@@ -130,9 +144,10 @@ class Trainer:
         sums = torch.zeros(3, dtype=torch.float64)  # lm, balance, indexer losses
         grad_norm: Optional[float] = None
         for _ in range(tc.grad_accum_steps):
-            out = engine(**self._batch(self.loader.next_batch()))
+            with self._autocast():
+                out = engine(**self._batch(self.loader.next_batch()))
             engine.backward(out.loss)
-            if engine.is_gradient_accumulation_boundary() and tc.zero_stage == 0:
+            if engine.is_gradient_accumulation_boundary() and engine.zero_optimization_stage() == 0:
                 grad_norm = self._grad_norm()  # ZeRO-0 clips without reporting the norm
             engine.step()
             sums += torch.stack([out.lm_loss.detach(), out.balance_loss.detach(),
@@ -171,7 +186,8 @@ class Trainer:
         for batch in self.val_loader.eval_batches(self.cfg.trainer.eval_batches):
             batch = self._batch(batch)
             n = (batch["labels"] != -100).sum()
-            out = self.engine(**batch)
+            with self._autocast():
+                out = self.engine(**batch)
             total += torch.stack([out.lm_loss.double() * n, n.double()]).cpu()
         self.engine.train()
         all_reduce_sum_(total)
@@ -182,7 +198,10 @@ class Trainer:
     def save(self) -> None:
         trainer_state = {"step": self.step, "tokens_seen": self.tokens_seen, "data": self.loader.state_dict(),
                          "wandb_run_id": self.tracker.run_id, "config": self.config_yaml}
-        self.ckpts.save(self.engine, self.step, trainer_state, {"rng": rng_state()})
+        rank_state = {"rng": rng_state()}
+        if self.own_optimizer_state:
+            rank_state["optimizer"] = self.optimizer.state_dict()
+        self.ckpts.save(self.engine, self.step, trainer_state, rank_state)
 
     # ------------------------------------------------------------------ loop
     def log(self, row: dict[str, Any]) -> None:
