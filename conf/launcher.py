@@ -7,7 +7,7 @@ class LauncherConfig:
     name: str = "local"
     nproc: int = 1  # processes on this machine
     master_addr: str = "127.0.0.1"
-    master_port: int = 29500
+    master_port: int = 0  # 0: a free port on this machine
 
 
 @dataclass

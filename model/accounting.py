@@ -13,11 +13,8 @@ from collections import defaultdict
 import torch
 from torch import nn
 
+from model.engram import EngramTable
 from model.moe import RoutedExperts
-
-
-def _is_engram_table(module: nn.Module) -> bool:
-    return type(module).__name__ == "EngramTable"
 
 
 def parameter_kinds(model: nn.Module) -> dict[str, dict[str, int]]:
@@ -29,7 +26,7 @@ def parameter_kinds(model: nn.Module) -> dict[str, dict[str, int]]:
             full = f"{mod_name}.{p_name}" if mod_name else p_name
             parts = full.split(".")
             scope = ".".join(parts[:2]) if parts[0] in ("layers", "engrams") else parts[0]
-            if _is_engram_table(module):
+            if isinstance(module, EngramTable):
                 kind = "engram"
             elif isinstance(module, RoutedExperts):
                 kind = "routed"

@@ -70,6 +70,15 @@ class CompositeOptimizer(torch.optim.Optimizer):
         groups = [g for o in self.optimizers.values() for g in o.param_groups]
         super().__init__(groups or [{"params": []}], {})
 
+    def enable_sparse_table_grads(self, model: torch.nn.Module) -> int:
+        """Give Engram tables routed to Sinkhorn sparse row gradients, so a step costs the rows a
+        batch touched rather than a pass over the whole table. Returns how many tables."""
+        sinkhorn = {id(r.param) for r in self.routes if r.optimizer == "sinkhorn"}
+        tables = [m for m in model.modules() if type(m).__name__ == "EngramTable" and id(m.weight) in sinkhorn]
+        for table in tables:
+            table.sparse_grad = True
+        return len(tables)
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
         loss = closure() if closure is not None else None

@@ -43,11 +43,14 @@ def port_base():
     return lambda: next(counter)
 
 
-def cli_env(port: int) -> dict[str, str]:
+def cli_env(port: int, single_process: bool = True) -> dict[str, str]:
+    """The environment of a CLI run: one process with its own MASTER_PORT, or (for the local
+    launcher) no process-group variables at all, so the CLI starts its ranks itself."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-               PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    if single_process:
+        env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     return env
 
 
@@ -57,7 +60,9 @@ def flashtrain(data_cache, port_base):
 
     def run(*args: str, timeout: float = 600, cache: bool = True) -> subprocess.CompletedProcess:
         extra = [f"data.cache_dir={data_cache}"] if cache else []
-        return subprocess.run([sys.executable, "-m", "launch", *args, *extra], cwd=REPO, env=cli_env(port_base()),
+        single = not any(a.startswith("launcher.nproc=") and a != "launcher.nproc=1" for a in args)
+        return subprocess.run([sys.executable, "-m", "launch", *args, *extra], cwd=REPO,
+                              env=cli_env(port_base(), single_process=single),
                               capture_output=True, text=True, timeout=timeout)
 
     return run

@@ -91,6 +91,8 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.lr_multiplier)
         # Muon/Sinkhorn keep their own (name-keyed, possibly sharded) state: saved per rank by us
         self.own_optimizer_state = isinstance(self.optimizer, CompositeOptimizer)
+        if self.own_optimizer_state:
+            self.optimizer.enable_sparse_table_grads(self.model)
         self.engine, self.precision, self.autocast = build_engine(
             self.model, self.optimizer, self.scheduler, tc, d, whole_param_optimizer=self.own_optimizer_state)
         self.loader = DistributedBatchLoader(self.train_ds, tc.micro_batch_size, d.rank, d.world_size, tc.seed)
