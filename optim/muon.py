@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from optim.base import CheckedOptimizer
+
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # quintic (a, b, c): fast rise of small singular values
 RMS_MODES = ("moonlight", "fixed")
 MOONLIGHT_RMS = 0.2  # Moonlight's update RMS, matched to AdamW's typical update RMS
@@ -112,7 +114,7 @@ def _check_group(group: dict[str, Any]) -> None:
         _check_shape(p.shape, group["heads"])
 
 
-class Muon(torch.optim.Optimizer):
+class Muon(CheckedOptimizer):
     """Muon over whole 2-D / 3-D parameters; one state tensor (`momentum_buffer`) per parameter.
 
     Per parameter: buf = momentum * buf + grad; u = grad + momentum * buf (Nesterov) or buf;
@@ -120,21 +122,14 @@ class Muon(torch.optim.Optimizer):
     Group options: lr, momentum, nesterov, ns_steps, weight_decay, rms_mode, target_rms, heads.
     """
 
+    check_group = staticmethod(_check_group)
+
     def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], lr: float = 1e-3,
                  momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5, weight_decay: float = 0.0,
                  rms_mode: str = "moonlight", target_rms: float = 0.18, heads: int = 1):
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
                         weight_decay=weight_decay, rms_mode=rms_mode, target_rms=target_rms, heads=heads)
-        _check_group({**defaults, "params": []})
         super().__init__(params, defaults)
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        super().add_param_group(param_group)
-        try:
-            _check_group(self.param_groups[-1])
-        except ValueError:
-            self.param_groups.pop()  # leave the optimiser as it was
-            raise
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:

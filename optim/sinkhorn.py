@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from optim.base import CheckedOptimizer
+
 
 def sinkhorn_balance(U: torch.Tensor, iters: int = 11, tau: float = 1e-3, eps: float = 1e-12) -> torch.Tensor:
     """[rows, cols] -> [rows, cols] (U's dtype, computed in fp32): kept rows RMS 1, columns balanced.
@@ -63,7 +65,7 @@ def _check_group(group: dict[str, Any]) -> None:
             raise ValueError(f"Sinkhorn needs 2-D [rows, cols] parameters, got shape {tuple(p.shape)}")
 
 
-class Sinkhorn(torch.optim.Optimizer):
+class Sinkhorn(CheckedOptimizer):
     """Sinkhorn-balanced momentum over whole 2-D tables; dense or sparse-COO row gradients.
 
     Per parameter: buf = momentum * buf + grad; u = grad + momentum * buf (Nesterov) or buf;
@@ -71,21 +73,14 @@ class Sinkhorn(torch.optim.Optimizer):
     Group options: lr, momentum, nesterov, gamma, iters, tau, weight_decay.
     """
 
+    check_group = staticmethod(_check_group)
+
     def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], lr: float = 1e-3,
                  momentum: float = 0.95, nesterov: bool = True, gamma: float = 0.18, iters: int = 11,
                  tau: float = 1e-3, weight_decay: float = 0.0):
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, gamma=gamma, iters=iters, tau=tau,
                         weight_decay=weight_decay)
-        _check_group({**defaults, "params": []})
         super().__init__(params, defaults)
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        super().add_param_group(param_group)
-        try:
-            _check_group(self.param_groups[-1])
-        except ValueError:
-            self.param_groups.pop()  # leave the optimiser as it was
-            raise
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
