@@ -4,7 +4,7 @@ ConfigStore, group by group."""
 from __future__ import annotations
 
 from conf.data import FilesDataConfig, HubDataConfig, StdlibDataConfig
-from conf.launcher import LocalLauncherConfig
+from conf.launcher import LocalLauncherConfig, MultinodeLauncherConfig, RayLauncherConfig, SlurmLauncherConfig
 from conf.logger import NoLoggerConfig, WandbLoggerConfig
 from conf.model import FlashModelConfig, SmallModelConfig, TinyModelConfig
 from conf.optim import AdamWConfig, MuonConfig
@@ -16,7 +16,8 @@ GROUPS = {
     "optim": {"adamw": AdamWConfig, "muon": MuonConfig},
     "trainer": {"default": TrainerConfig},
     "logger": {"wandb": WandbLoggerConfig, "none": NoLoggerConfig},
-    "launcher": {"local": LocalLauncherConfig},
+    "launcher": {"local": LocalLauncherConfig, "multinode": MultinodeLauncherConfig, "slurm": SlurmLauncherConfig,
+                 "ray": RayLauncherConfig},
 }
 
 

@@ -16,8 +16,9 @@ class TrainerConfig:
     keep_last: int = 3  # complete checkpoints kept on disk
     seed: int = 1234
     resume: str = "auto"  # auto | none | <checkpoint dir>
-    zero_stage: int = 1  # DeepSpeed ZeRO stage (0-3)
-    precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
+    zero_stage: int = 1  # ZeRO stage: DeepSpeed's for optim=adamw; 0/1 for Muon or expert parallelism
+    expert_parallel: int = 1  # EP degree: experts sharded over groups of this many ranks (world = DP x EP)
+    precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16 | fp64 (numerical checks)
     peak_flops: Optional[float] = None  # per device, for MFU; None = from the device
     progress: bool = True  # progress bar with ETA on rank 0
     torch_threads: Optional[int] = None  # CPU intra-op threads (None = torch default)

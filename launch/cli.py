@@ -6,9 +6,7 @@ one line on stderr and exit code 2; `hydra.run.dir=DIR` places the whole run und
 """
 from __future__ import annotations
 
-import os
 import sys
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -77,36 +75,6 @@ class MissingValue(Exception):
         self.keys = keys
 
 
-def launch_children(nproc: int, argv: list[str], run_dir: Path, master_addr: str, master_port: int) -> int:
-    """launcher=local with nproc > 1: one process per rank on this machine."""
-    import subprocess
-
-    from trainer.distributed import free_port
-
-    port = master_port or free_port()
-    cmd = [sys.executable, "-m", "launch", *argv, f"hydra.run.dir={run_dir}"]
-    print(f"flashtrain: launching {nproc} local processes (MASTER={master_addr}:{port}): {' '.join(cmd)}",
-          file=sys.stderr)
-    procs = []
-    for rank in range(nproc):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR=master_addr, MASTER_PORT=str(port))
-        procs.append(subprocess.Popen(cmd, env=env))
-    # a rank that dies would leave the others blocked in a collective: stop them all
-    while True:
-        codes = [p.poll() for p in procs]
-        failed = [c for c in codes if c not in (None, 0)]
-        if failed or all(c == 0 for c in codes):
-            break
-        time.sleep(0.5)
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    for p in procs:
-        p.wait()
-    return failed[0] if failed else 0
-
-
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     from launch.stages import all_stages
@@ -124,6 +92,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     import conf
     from conf.errors import UserError
+    from launch.launchers import launch, needs_launch
 
     conf.register({name: s.config for name, s in stages.items()})
     try:
@@ -145,8 +114,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         return _fail(describe_config_error(e))
 
     launcher = getattr(typed, "launcher", None)  # stages that run processes have one
-    if launcher is not None and launcher.nproc > 1 and "WORLD_SIZE" not in os.environ:
-        return launch_children(launcher.nproc, argv, run_dir, launcher.master_addr, launcher.master_port)
+    if launcher is not None and needs_launch(launcher):
+        try:
+            return launch(launcher, argv, run_dir)
+        except UserError as e:
+            return _fail(str(e))
 
     try:
         stages[stage_name].run(typed, run_dir, config_yaml)

@@ -15,6 +15,7 @@ from torch import nn
 from conf.model import ModelConfig
 from model.csa import ATTENTION_IMPLS
 from model.indexer import IndexKey, IndexQuery, candidate_pool, index_scores, index_scores_at, select_topk
+from model.numerics import wide
 from model.plan import LayerSpec
 from model.quant import fake_quant_fp8, fake_quant_kv_fp4
 from model.rope import Rotary
@@ -42,8 +43,8 @@ class Compressor(nn.Module):
             B, T, C = kv.shape
             S = T // m
             kv = kv[:, :S * m].view(B, S, m, C)
-            gate = self.wgate(x[:, :S * m]).view(B, S, m, C).float().softmax(dim=2)
-            kv = (kv.float() * gate).sum(2).to(x.dtype)
+            gate = wide(self.wgate(x[:, :S * m]).view(B, S, m, C)).softmax(dim=2)
+            kv = (wide(kv) * gate).sum(2).to(x.dtype)
         return self.norm(kv)
 
 
@@ -151,7 +152,9 @@ def indexer_kl(p_glob: torch.Tensor, idx: torch.Tensor, iq: torch.Tensor, iw: to
                keys: torch.Tensor) -> torch.Tensor:
     """KL(attention || indexer) on the selected set: the target is the attention mass on the
     selected entries, summed over heads and L1-normalised (DeepSeek-V3.2's sparse stage).
-    p_glob [B, T, H, k] attention probabilities at idx [B, T, k]."""
+    p_glob [B, T, H, k] attention probabilities at idx [B, T, k]. Averaged over all B*T queries
+    (those without a selected entry add 0), so the loss is additive over sequences and a batch
+    split across data-parallel ranks sees the same total."""
     target = p_glob.detach().sum(2)  # [B, T, k]
     mass = target.sum(-1)
     rows = mass > 0  # queries that attended to at least one selected entry
@@ -160,4 +163,4 @@ def indexer_kl(p_glob: torch.Tensor, idx: torch.Tensor, iq: torch.Tensor, iw: to
     target = target[rows] / mass[rows].unsqueeze(-1)
     log_q = F.log_softmax(index_scores_at(iq, iw, keys, idx)[rows], dim=-1)
     kl = torch.where(target > 0, target * (target.clamp(min=1e-30).log() - log_q), 0.0)
-    return kl.sum(-1).mean()
+    return kl.sum() / rows.numel()

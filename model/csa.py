@@ -14,13 +14,15 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from model.numerics import wide
+
 NEG_INF = float("-inf")
 
 
 def _softmax_with_sink(logits: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
     """logits [..., H, K] (fp32, -inf = masked), sink [H] -> probabilities [..., H, K]; the sink
     takes part in the normalisation and is dropped."""
-    sink_col = sink.float().view(*([1] * (logits.dim() - 2)), -1, 1).expand(*logits.shape[:-1], 1)
+    sink_col = wide(sink).view(*([1] * (logits.dim() - 2)), -1, 1).expand(*logits.shape[:-1], 1)
     return torch.cat((logits, sink_col), dim=-1).softmax(dim=-1)[..., :-1]
 
 
@@ -44,21 +46,21 @@ def sparse_attention(q: torch.Tensor, win_kv: torch.Tensor, glob_kv: Optional[to
     """q [B, T, H, C]; win_kv [B, T, C]; glob_kv [B, S, C]; idx [B, T, k] entry ids (-1 = empty);
     doc_start [B, T]; sink [H] -> (out [B, T, H, C], probabilities on idx [B, T, H, k] or None)."""
     wk = window_keys(win_kv, window)  # [B, T, W, C]
-    logits = torch.einsum("bthc,btwc->bthw", q.float(), wk.float()) * scale
+    logits = torch.einsum("bthc,btwc->bthw", wide(q), wide(wk)) * scale
     logits = logits.masked_fill(~window_valid(doc_start, window).unsqueeze(2), NEG_INF)
     W = logits.shape[-1]
     if glob_kv is not None:
         B = q.shape[0]
         gk = glob_kv[torch.arange(B, device=q.device)[:, None, None], idx.clamp(min=0)]  # [B, T, k, C]
-        g_logits = torch.einsum("bthc,btkc->bthk", q.float(), gk.float()) * scale
+        g_logits = torch.einsum("bthc,btkc->bthk", wide(q), wide(gk)) * scale
         g_logits = g_logits.masked_fill((idx < 0).unsqueeze(2), NEG_INF)
         logits = torch.cat((logits, g_logits), dim=-1)
     p = _softmax_with_sink(logits, sink)
-    out = torch.einsum("bthw,btwc->bthc", p[..., :W], wk.float())
+    out = torch.einsum("bthw,btwc->bthc", p[..., :W], wide(wk))
     p_glob = None
     if glob_kv is not None:
         p_glob = p[..., W:]
-        out = out + torch.einsum("bthk,btkc->bthc", p_glob, gk.float())
+        out = out + torch.einsum("bthk,btkc->bthc", p_glob, wide(gk))
     return out.to(q.dtype), p_glob
 
 
@@ -71,21 +73,21 @@ def dense_attention(q: torch.Tensor, win_kv: torch.Tensor, glob_kv: Optional[tor
     s = t.unsqueeze(0)
     band = (s <= t.unsqueeze(1)) & (s > t.unsqueeze(1) - window)  # [T, T]
     win_ok = band & (s >= doc_start.unsqueeze(-1))  # [B, T, T]
-    logits = torch.einsum("bthc,bsc->bths", q.float(), win_kv.float()) * scale
+    logits = torch.einsum("bthc,bsc->bths", wide(q), wide(win_kv)) * scale
     logits = logits.masked_fill(~win_ok.unsqueeze(2), NEG_INF)
     if glob_kv is not None:
         S = glob_kv.shape[1]
         chosen = torch.zeros(B, T, S + 1, dtype=torch.bool, device=q.device)
         chosen.scatter_(-1, torch.where(idx < 0, S, idx), True)  # column S swallows the -1 slots
-        g_logits = torch.einsum("bthc,bsc->bths", q.float(), glob_kv.float()) * scale
+        g_logits = torch.einsum("bthc,bsc->bths", wide(q), wide(glob_kv)) * scale
         g_logits = g_logits.masked_fill(~chosen[..., :S].unsqueeze(2), NEG_INF)
         logits = torch.cat((logits, g_logits), dim=-1)
     p = _softmax_with_sink(logits, sink)
-    out = torch.einsum("bths,bsc->bthc", p[..., :T], win_kv.float())
+    out = torch.einsum("bths,bsc->bthc", p[..., :T], wide(win_kv))
     p_glob = None
     if glob_kv is not None:
         pg = p[..., T:]
-        out = out + torch.einsum("bths,bsc->bthc", pg, glob_kv.float())
+        out = out + torch.einsum("bths,bsc->bthc", pg, wide(glob_kv))
         p_glob = pg.gather(-1, idx.clamp(min=0).unsqueeze(2).expand(B, T, H, -1))
         p_glob = p_glob.masked_fill((idx < 0).unsqueeze(2), 0.0)
     return out.to(q.dtype), p_glob

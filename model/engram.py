@@ -34,6 +34,7 @@ from tokenizers import Tokenizer
 from torch import nn
 
 from conf.model import ModelConfig
+from model.numerics import wide
 
 GATE_EPS = 1e-6  # floor of |d| under the signed square root of the gate
 REPLACEMENT_CHAR = "\ufffd"
@@ -214,10 +215,10 @@ class Engram(nn.Module):
             raise ValueError(f"expected streams [B, T, {self.n_streams}, {self.dim}], got {tuple(h.shape)}")
         rows = self.table.lookup(self.addresses(lookup_ids, doc_start))  # [B, T, O*H, E]
         kv = self.proj(rows.flatten(2).to(self.proj.weight.dtype))  # [B, T, (S+1)*D]
-        kv = kv.unflatten(-1, (S + 1, D)).float()  # [B, T, S+1, D]
+        kv = wide(kv.unflatten(-1, (S + 1, D)))  # [B, T, S+1, D]
         keys, value = kv[:, :, :S], kv[:, :, S:]  # [B, T, S, D], [B, T, 1, D]
-        hn = F.rms_norm(h.float(), (D,), self.hidden_norm.weight.float(), self.hidden_norm.eps)  # [B, T, S, D]
-        kn = F.rms_norm(keys, (D,), self.key_norm.weight.float(), self.key_norm.eps)  # [B, T, S, D]
+        hn = F.rms_norm(wide(h), (D,), wide(self.hidden_norm.weight), self.hidden_norm.eps)  # [B, T, S, D]
+        kn = F.rms_norm(keys, (D,), wide(self.key_norm.weight), self.key_norm.eps)  # [B, T, S, D]
         d = (hn * kn).sum(-1) * D**-0.5  # [B, T, S]
         gate = torch.sigmoid(d.sign() * d.abs().clamp_min(GATE_EPS).sqrt())  # [B, T, S]
         return h + (gate.unsqueeze(-1) * value).to(h.dtype)  # [B, T, S, D]

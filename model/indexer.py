@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from model.numerics import wide
 from model.quant import fake_quant_mxfp4
 from model.rope import Rotary
 
@@ -46,12 +47,12 @@ class IndexQuery(nn.Module):
         q = rotary(q, angles.unsqueeze(-2))
         if qat:
             q = fake_quant_mxfp4(q)
-        return q, self.weights_proj(x).float() * self.weight_scale
+        return q, wide(self.weights_proj(x)) * self.weight_scale
 
 
 def index_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """Against every entry: q [B, T, H, Di], w [B, T, H], k [B, S, Di] -> [B, T, S] fp32."""
-    logits = torch.einsum("bthd,bsd->bths", q.float(), k.float()).relu()
+    logits = torch.einsum("bthd,bsd->bths", wide(q), wide(k)).relu()
     return torch.einsum("bths,bth->bts", logits, w)
 
 
@@ -60,7 +61,7 @@ def index_scores_at(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, cand: tor
     cost follows the pool size, not the context length -> [B, T, P] fp32 (-inf at -1)."""
     B, T, P = cand.shape
     keys = k[torch.arange(B, device=k.device)[:, None, None], cand.clamp(min=0)]  # [B, T, P, Di]
-    logits = torch.einsum("bthd,btpd->btph", q.float(), keys.float()).relu()
+    logits = torch.einsum("bthd,btpd->btph", wide(q), wide(keys)).relu()
     scores = torch.einsum("btph,bth->btp", logits, w)
     return scores.masked_fill(cand < 0, NEG_INF)
 

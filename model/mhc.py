@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model.numerics import wide
+
 
 def sinkhorn_comb(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """[..., n, n] logits -> doubly stochastic matrix. Round 1 is a row softmax followed by a
@@ -50,10 +52,10 @@ class HyperConnection(nn.Module):
     def forward(self, h: torch.Tensor):
         """h [B, T, n, D] -> post [B, T, n], comb [B, T, n, n], next_pre [B, T, n] (fp32)."""
         n = self.n
-        flat = h.flatten(-2).float()  # [B, T, n*D]
+        flat = wide(h.flatten(-2))  # [B, T, n*D]
         flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.eps)
-        mix = F.linear(flat, self.fn.float())  # [B, T, 2n + n*n]
-        base = self.base.float()
+        mix = F.linear(flat, wide(self.fn))  # [B, T, 2n + n*n]
+        base = wide(self.base)
         next_pre = torch.sigmoid(mix[..., :n] * self.scale[0] + base[:n]) + self.eps
         post = 2 * torch.sigmoid(mix[..., n:2 * n] * self.scale[1] + base[n:2 * n])
         comb_logits = (mix[..., 2 * n:] * self.scale[2] + base[2 * n:]).unflatten(-1, (n, n))

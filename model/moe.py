@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model.numerics import wide
+
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     """silu(min(gate, limit)) * clamp(up, -limit, limit); limit <= 0 disables the clamp."""
@@ -72,7 +74,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor):
         """x [N, D] -> scores [N, E] (fp32), chosen [N, k], weights [N, k]."""
-        scores = torch.sqrt(F.softplus(F.linear(x.float(), self.weight.float())))
+        scores = torch.sqrt(F.softplus(F.linear(wide(x), wide(self.weight))))
         chosen = torch.topk(scores.detach() + self.bias, self.topk, dim=-1).indices
         weights = scores.gather(-1, chosen)
         weights = weights / weights.sum(-1, keepdim=True) * self.route_scale

@@ -9,6 +9,8 @@ import math
 import torch
 from torch import nn
 
+from model.numerics import wide
+
 
 def yarn_frequencies(dim: int, theta: float, factor: float, original_len: int,
                      beta_fast: int, beta_slow: int) -> torch.Tensor:
@@ -48,7 +50,7 @@ class Rotary(nn.Module):
     def forward(self, x: torch.Tensor, angles: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         """Rotate x[..., -dim:]. `angles` broadcasts against x[..., -dim:] with its pair axis last
         (e.g. [B, T, dim/2] -> insert a head axis before calling for [B, T, H, C])."""
-        rot = x[..., -self.dim:].float()
+        rot = wide(x[..., -self.dim:])
         cos, sin = angles.cos(), angles.sin()
         if inverse:
             sin = -sin

@@ -21,6 +21,7 @@ from model.engram import Engram
 from model.indexer import IndexQuery
 from model.mhc import HyperConnection, initial_pre, mix_streams, update_streams
 from model.moe import MoE, RoutedExperts
+from model.numerics import wide
 from model.plan import LayerSpec, build_layer_plan
 from model.runtime import AttentionRuntime
 
@@ -129,8 +130,8 @@ class Transformer(nn.Module):
                               with_indexer_loss=labels is not None and self.cfg.indexer_loss_coef > 0)
         x = self.hidden(input_ids, rt)  # [B, T, D]
         if labels is None:
-            return ModelOutput(logits=self.head(x).float())
-        logits = self.head(x).float()  # [B, T, V]
+            return ModelOutput(logits=wide(self.head(x)))
+        logits = wide(self.head(x))  # [B, T, V]
         lm = F.cross_entropy(logits.view(B * T, -1), labels.reshape(B * T), ignore_index=-100)
         balance = torch.stack(rt.aux_losses).sum() if rt.aux_losses else lm.new_zeros(())
         indexer = torch.stack(rt.indexer_losses).mean() if rt.indexer_losses else lm.new_zeros(())

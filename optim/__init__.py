@@ -9,23 +9,25 @@ from torch import nn
 
 from conf.errors import ConfigError
 from conf.optim import OptimConfig
-from optim.composite import CompositeOptimizer
+from optim.composite import CompositeOptimizer, Replicas
 from optim.routing import route_parameters, routing_table
 from optim.schedule import lr_multiplier
 
-__all__ = ["CompositeOptimizer", "build_optimizer", "lr_multiplier", "route_parameters", "routing_table"]
+__all__ = ["CompositeOptimizer", "Replicas", "build_optimizer", "lr_multiplier", "route_parameters", "routing_table"]
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, zero_stage: int = 0, rank: int = 0,
-                    world_size: int = 1, verbose: bool = False) -> torch.optim.Optimizer:
-    """AdamW everywhere: a plain torch AdamW that DeepSpeed's ZeRO (any stage) partitions.
-    Any Muon or Sinkhorn route: a CompositeOptimizer, which needs whole parameters, so
-    DeepSpeed must not partition it: zero_stage 0 replicates it, 1 shards it by parameter
-    (flashtrain's own ZeRO-1); ZeRO-2/3 are refused."""
+                    world_size: int = 1, verbose: bool = False, replicas: dict[int, Replicas] | None = None,
+                    row_offsets: dict[int, int] | None = None) -> torch.optim.Optimizer:
+    """AdamW everywhere on a plainly replicated model: a torch AdamW that DeepSpeed's ZeRO (any
+    stage) partitions. Any Muon or Sinkhorn route, or expert-parallel shards (`replicas`): a
+    CompositeOptimizer, which needs whole parameters, so DeepSpeed must not partition it:
+    zero_stage 0 replicates its state, 1 shards it by parameter (flashtrain's own ZeRO-1);
+    ZeRO-2/3 are refused."""
     routes = route_parameters(model, cfg)
     if verbose:
         print(f"flashtrain: optimizer routing (optim={cfg.name})\n{routing_table(routes)}", flush=True)
-    if all(r.optimizer == "adamw" for r in routes):
+    if all(r.optimizer == "adamw" for r in routes) and not replicas:
         groups: dict[tuple, list] = defaultdict(list)
         for r in routes:
             groups[(r.lr_mult, r.weight_decay)].append(r.param)
@@ -33,6 +35,8 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, zero_stage: int = 0, ran
                                   for (mult, wd), ps in groups.items()],
                                  lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     if zero_stage not in (0, 1):
-        raise ConfigError(f"trainer.zero_stage={zero_stage} with optim={cfg.name}: Muon and Sinkhorn need "
-                          "whole matrices, which ZeRO-2/3 split; use zero_stage=1 (state sharded by parameter)")
-    return CompositeOptimizer(routes, cfg, rank, world_size, shard=zero_stage == 1)
+        raise ConfigError(f"trainer.zero_stage={zero_stage} with optim={cfg.name} or expert parallelism: "
+                          "the optimiser needs whole parameters, which ZeRO-2/3 split; use zero_stage=1 "
+                          "(state sharded by parameter)")
+    return CompositeOptimizer(routes, cfg, rank, world_size, shard=zero_stage == 1, replicas=replicas,
+                              row_offsets=row_offsets)

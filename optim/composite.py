@@ -3,17 +3,21 @@
 Muon orthogonalises whole matrices (or whole heads / experts) and Sinkhorn balances whole
 tables, so neither may see the 1-D flat partitions that DeepSpeed's ZeRO-1/2 hand to an
 optimiser. With `shard=True` this class is its own ZeRO-1: every parameter is owned by one
-data-parallel rank (greedy by size, so the Newton-Schulz work spreads evenly), only the
-owner keeps its optimiser state and computes its update, and the owner broadcasts the new
-values. Gradients arrive already averaged over ranks (the engine all-reduces them).
+of the ranks that hold a replica of it (greedy by size, so the Newton-Schulz work spreads
+evenly), only the owner keeps its optimiser state and computes its update, and the owner
+broadcasts the new values to the other replicas. Dense parameters are replicated on every
+rank; an expert-parallel shard only on its expert-data-parallel group. Gradients arrive
+already averaged (the trainer reduces them).
 
-State is keyed by parameter name, so a checkpoint written at one world size loads at another.
+State is keyed by parameter name, and an expert shard's state by its row offset in the
+full expert stack, so a checkpoint written at one world size or EP degree loads at another.
 """
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -24,13 +28,22 @@ from optim.muon import Muon
 from optim.routing import Route
 from optim.sinkhorn import Sinkhorn
 
+STATE_FORMAT = "flashtrain-composite-2"
 
-def assign_owners(routes: list[Route], world_size: int) -> dict[str, int]:
+
+@dataclass(frozen=True)
+class Replicas:
+    """The ranks holding identical copies of a parameter, and their process group."""
+    ranks: tuple[int, ...]
+    group: Optional[dist.ProcessGroup] = None  # None: the default (world) group
+
+
+def assign_owners(routes: list[Route], ranks: tuple[int, ...]) -> dict[str, int]:
     """Largest parameters first, each to the least-loaded rank: balanced and deterministic."""
-    load = [0] * world_size
+    load = dict.fromkeys(ranks, 0)
     owners = {}
     for r in sorted(routes, key=lambda r: (-r.param.numel(), r.name)):
-        rank = min(range(world_size), key=lambda k: (load[k], k))
+        rank = min(ranks, key=lambda k: (load[k], k))
         owners[r.name] = rank
         load[rank] += r.param.numel()
     return owners
@@ -48,10 +61,23 @@ def _build(optimizer: str, groups: list[dict], cfg: OptimConfig) -> torch.optim.
 
 class CompositeOptimizer(torch.optim.Optimizer):
     def __init__(self, routes: list[Route], cfg: OptimConfig, rank: int = 0, world_size: int = 1,
-                 shard: bool = False):
+                 shard: bool = False, replicas: Optional[dict[int, Replicas]] = None,
+                 row_offsets: Optional[dict[int, int]] = None):
+        """replicas: id(param) -> Replicas for parameters not held by every rank (expert shards);
+        row_offsets: id(param) -> first row of that shard in the full parameter."""
         self.routes, self.rank = routes, rank
         self.shard = shard and world_size > 1
-        self.owners = assign_owners(routes, world_size) if self.shard else {r.name: rank for r in routes}
+        everyone = Replicas(tuple(range(world_size)))
+        replicas = replicas or {}
+        self.replicas = {r.name: replicas.get(id(r.param), everyone) for r in routes}
+        self.row_offsets = {r.name: (row_offsets or {}).get(id(r.param)) for r in routes}
+        self.owners = {r.name: rank for r in routes}
+        if self.shard:
+            by_replicas: dict[Replicas, list[Route]] = defaultdict(list)
+            for r in routes:
+                by_replicas[self.replicas[r.name]].append(r)
+            for rep, members in by_replicas.items():
+                self.owners.update(assign_owners(members, rep.ranks))
         self.names = {id(r.param): r.name for r in routes}
         grouped: dict[tuple, list[Route]] = defaultdict(list)
         for r in routes:
@@ -96,45 +122,64 @@ class CompositeOptimizer(torch.optim.Optimizer):
                 r.param.grad.zero_()
 
     def _broadcast_from_owners(self) -> None:
-        """Every rank receives each owner's updated parameters, one flat buffer per owner."""
-        by_owner: dict[int, list[torch.Tensor]] = defaultdict(list)
+        """Every replica receives its owner's updated values: one flat buffer per (group, owner)."""
+        buckets: dict[tuple[Replicas, int], list[torch.Tensor]] = defaultdict(list)
         for r in self.routes:
-            by_owner[self.owners[r.name]].append(r.param.data)
-        for owner in sorted(by_owner):
-            tensors = by_owner[owner]
+            buckets[(self.replicas[r.name], self.owners[r.name])].append(r.param.data)
+        for (rep, owner), tensors in sorted(buckets.items(), key=lambda kv: (kv[0][0].ranks, kv[0][1])):
+            if len(rep.ranks) == 1:
+                continue
             flat = _flatten_dense_tensors(tensors)
-            dist.broadcast(flat, src=owner)
+            dist.broadcast(flat, src=owner, group=rep.group)
             if owner != self.rank:
                 for t, new in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
                     t.copy_(new)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """This rank's state, by parameter name: {"format", "state": {name: {key: value}}}."""
-        state = {}
+        """This rank's state: {name: [{"offset": first row or None, "state": {key: value}}]}."""
+        state: dict[str, list] = {}
         for opt in self.optimizers.values():
             for p, s in opt.state.items():
-                state[self.names[id(p)]] = {k: (v.detach().cpu().clone() if torch.is_tensor(v) else v)
-                                            for k, v in s.items()}
-        return {"format": "flashtrain-composite-1", "state": state}
+                name = self.names[id(p)]
+                entry = {k: (v.detach().cpu().clone() if torch.is_tensor(v) else v) for k, v in s.items()}
+                state[name] = [{"offset": self.row_offsets[name], "state": entry}]
+        return {"format": STATE_FORMAT, "state": state}
+
+    @staticmethod
+    def merge_state_dicts(shards: list[dict[str, Any]]) -> dict[str, Any]:
+        """The union of several ranks' state dicts (replicated copies of a piece collapse)."""
+        merged: dict[str, dict] = defaultdict(dict)
+        for shard in shards:
+            if shard.get("format") != STATE_FORMAT:
+                raise ValueError("not a CompositeOptimizer state dict")
+            for name, pieces in shard["state"].items():
+                for piece in pieces:
+                    merged[name][piece["offset"]] = piece
+        return {"format": STATE_FORMAT, "state": {n: list(p.values()) for n, p in merged.items()}}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Accepts the union of any ranks' state dicts (see `merge_state_dicts`); keeps the
-        entries of the parameters this rank owns now."""
-        if state_dict.get("format") != "flashtrain-composite-1":
+        """Keeps the entries of the parameters this rank owns now; an expert shard's state is cut
+        from the saved pieces (at any EP degree) by its row range."""
+        if state_dict.get("format") != STATE_FORMAT:
             raise ValueError("not a CompositeOptimizer state dict")
         saved = state_dict["state"]
         for opt in self.optimizers.values():
             for group in opt.param_groups:
                 for p in group["params"]:
-                    entry = saved.get(self.names[id(p)])
-                    if entry is not None:
-                        opt.state[p] = {k: (v.to(p.device) if torch.is_tensor(v) and v.dim() > 0 else v)
-                                        for k, v in entry.items()}
+                    name = self.names[id(p)]
+                    if name in saved:
+                        opt.state[p] = self._cut(saved[name], self.row_offsets[name], p)
 
     @staticmethod
-    def merge_state_dicts(shards: list[dict[str, Any]]) -> dict[str, Any]:
-        merged: dict[str, Any] = {}
-        for shard in shards:
-            merged.update(shard["state"])
-        return {"format": "flashtrain-composite-1", "state": merged}
+    def _cut(pieces: list[dict], offset: Optional[int], p: torch.Tensor) -> dict[str, Any]:
+        pieces = sorted(pieces, key=lambda piece: piece["offset"] or 0)
+        out = {}
+        for key, first in pieces[0]["state"].items():
+            if torch.is_tensor(first) and first.dim() > 0:
+                full = torch.cat([piece["state"][key] for piece in pieces]) if len(pieces) > 1 else first
+                rows = slice(offset or 0, (offset or 0) + p.shape[0]) if offset is not None else slice(None)
+                out[key] = full[rows].to(p.device).clone()
+            else:
+                out[key] = first  # scalars such as AdamW's step count are equal on every piece
+        return out

@@ -60,7 +60,9 @@ def flashtrain(data_cache, port_base):
 
     def run(*args: str, timeout: float = 600, cache: bool = True) -> subprocess.CompletedProcess:
         extra = [f"data.cache_dir={data_cache}"] if cache else []
-        single = not any(a.startswith("launcher.nproc=") and a != "launcher.nproc=1" for a in args)
+        launches = any(a.startswith("launcher.nproc=") and a != "launcher.nproc=1" for a in args) or any(
+            a.startswith("launcher=") and a != "launcher=local" for a in args)
+        single = not launches
         return subprocess.run([sys.executable, "-m", "launch", *args, *extra], cwd=REPO,
                               env=cli_env(port_base(), single_process=single),
                               capture_output=True, text=True, timeout=timeout)

@@ -12,20 +12,20 @@ from trainer.distributed import DistInfo
 
 
 def resolve_precision(cfg: TrainerConfig, device: torch.device) -> str:
-    if cfg.precision not in ("auto", "fp32", "bf16"):
-        raise ConfigError(f"trainer.precision={cfg.precision!r}: expected auto, fp32 or bf16")
+    if cfg.precision not in ("auto", "fp32", "bf16", "fp64"):
+        raise ConfigError(f"trainer.precision={cfg.precision!r}: expected auto, fp32, bf16 or fp64")
     if cfg.precision == "auto":
         return "bf16" if device.type == "cuda" else "fp32"
     return cfg.precision
 
 
-def deepspeed_config(cfg: TrainerConfig, zero_stage: int, bf16_master: bool) -> dict[str, Any]:
+def deepspeed_config(cfg: TrainerConfig, zero_stage: int, bf16_master: bool, clip: bool = True) -> dict[str, Any]:
     if zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"trainer.zero_stage={zero_stage}: expected 0-3")
     return {
         "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
         "gradient_accumulation_steps": cfg.grad_accum_steps,
-        "gradient_clipping": cfg.grad_clip,
+        "gradient_clipping": cfg.grad_clip if clip else 0.0,
         "zero_optimization": {"stage": zero_stage},
         "bf16": {"enabled": bf16_master},
         "steps_per_print": 2**31 - 1,  # we log ourselves
@@ -53,8 +53,13 @@ def build_engine(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, 
     zero_stage = 0 if whole_param_optimizer else cfg.zero_stage
     bf16_master = precision == "bf16" and not whole_param_optimizer
     model.to(dist.device)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                           config=deepspeed_config(cfg, zero_stage, bf16_master))
+    if precision == "fp64":  # for numerical equivalence checks on CPU
+        model.double()
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, lr_scheduler=scheduler,
+        config=deepspeed_config(cfg, zero_stage, bf16_master, clip=not whole_param_optimizer))
+    if whole_param_optimizer:  # the trainer reduces (dense / expert / sparse) and clips itself
+        engine.enable_backward_allreduce = False
     keep_fp32_buffers(engine.module)
     autocast = torch.bfloat16 if precision == "bf16" and whole_param_optimizer else None
     return engine, precision, autocast

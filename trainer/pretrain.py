@@ -19,11 +19,12 @@ from data import DistributedBatchLoader, build_datasets
 from model.accounting import train_flops_per_token
 from model.engram import build_compression_map
 from model.transformer import Transformer
-from optim import CompositeOptimizer, build_optimizer, lr_multiplier
+from optim import CompositeOptimizer, Replicas, build_optimizer, lr_multiplier
 from trainer.checkpoint import CheckpointManager
 from trainer.distributed import DistInfo, all_reduce_sum_, init_distributed
 from trainer.engine import build_engine
 from trainer.metrics import MetricsLog, device_peak_flops, moe_balance
+from trainer.parallelize import build_layout, clip_grad_norm, full_experts, parallelize, reduce_gradients
 from trainer.progress import Progress
 from trainer.tracking import build_tracker
 
@@ -85,51 +86,71 @@ class Trainer:
         self.train_ds, self.val_ds, self.tokenizer = build_datasets(cfg.data)
         self.model = build_model(cfg, self.tokenizer)
         d = self.dist
-        self.optimizer = build_optimizer(self.model, cfg.optim, tc.zero_stage, d.rank, d.world_size,
-                                         verbose=d.is_main)
-        self.lr_multiplier = lr_multiplier(cfg.optim, tc.max_steps)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.lr_multiplier)
-        # Muon/Sinkhorn keep their own (name-keyed, possibly sharded) state: saved per rank by us
-        self.own_optimizer_state = isinstance(self.optimizer, CompositeOptimizer)
-        if self.own_optimizer_state:
-            self.optimizer.enable_sparse_table_grads(self.model)
-        self.engine, self.precision, self.autocast = build_engine(
-            self.model, self.optimizer, self.scheduler, tc, d, whole_param_optimizer=self.own_optimizer_state)
+        self.total_params = sum(p.numel() for p in self.model.parameters())
+        self.flops_per_token = train_flops_per_token(self.model, cfg.data.seq_len)  # before sharding
+        self.layout = build_layout(d.rank, d.world_size, tc.expert_parallel, self.model.cfg.n_routed_experts)
+        self.expert_params = parallelize(self.model, self.layout)
+        self._build_optimizer()
         self.loader = DistributedBatchLoader(self.train_ds, tc.micro_batch_size, d.rank, d.world_size, tc.seed)
         self.val_loader = DistributedBatchLoader(self.val_ds, tc.micro_batch_size, d.rank, d.world_size,
                                                  tc.seed, shuffle=False)
         self.ckpts = CheckpointManager(self.run_dir / "checkpoints", tc.keep_last, d.rank)
-        self.step, self.tokens_seen, run_id = 0, 0, None
-        resume_from = self.ckpts.resolve(tc.resume)
-        if resume_from is not None:
-            trainer_state, rank_state = self.ckpts.load(self.engine, resume_from,
-                                                        load_optimizer_states=not self.own_optimizer_state)
-            if self.own_optimizer_state:
-                shards = [s["optimizer"] for s in self.ckpts.all_rank_states(resume_from)]
-                self.optimizer.load_state_dict(CompositeOptimizer.merge_state_dicts(shards))
-            for group in self.optimizer.param_groups:  # the lr of the step the checkpoint stopped at
-                group["lr"] = group["initial_lr"] * self.lr_multiplier(self.scheduler.last_epoch)
-            self.loader.load_state_dict(trainer_state["data"])
-            set_rng_state(rank_state.get("rng", {}))
-            self.step, self.tokens_seen = trainer_state["step"], trainer_state["tokens_seen"]
-            run_id = trainer_state.get("wandb_run_id")
-        self.resumed_from = resume_from
+        self.step, self.tokens_seen = 0, 0
+        self.resumed_from = self.ckpts.resolve(tc.resume)
+        run_id = self._resume(self.resumed_from) if self.resumed_from is not None else None
         container = OmegaConf.to_container(OmegaConf.create(config_yaml), resolve=True)
         self.tracker = build_tracker(cfg.logger, self.run_dir, container, run_id, d.rank)
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl",
-                                  self.step if resume_from is not None else None, d.is_main)
+                                  self.step if self.resumed_from is not None else None, d.is_main)
         self.tokens_per_step = tc.micro_batch_size * cfg.data.seq_len * tc.grad_accum_steps * d.world_size
-        self.flops_per_token = train_flops_per_token(self.model, cfg.data.seq_len)
         self.peak_flops, self.peak_source = device_peak_flops(d.device, tc.peak_flops)
         if d.is_main:
             self._announce()
 
+    def _build_optimizer(self) -> None:
+        cfg, tc, d, layout = self.cfg, self.cfg.trainer, self.dist, self.layout
+        expert_replicas = Replicas(tuple(layout.expert_dp_ranks), layout.expert_dp_group)
+        replicas = dict.fromkeys(self.expert_params, expert_replicas)
+        offsets = {id(getattr(m, n)): m.expert_offset for m in self.model.modules()
+                   if hasattr(m, "expert_offset") for n in ("w1", "w2", "w3")}
+        self.optimizer = build_optimizer(self.model, cfg.optim, tc.zero_stage, d.rank, d.world_size,
+                                         verbose=d.is_main, replicas=replicas, row_offsets=offsets)
+        self.lr_multiplier = lr_multiplier(cfg.optim, tc.max_steps)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.lr_multiplier)
+        # Composite (Muon/Sinkhorn or expert-parallel): whole parameters, gradients reduced and
+        # clipped here, optimiser state saved per rank by name; otherwise DeepSpeed does all that.
+        self.own_optimizer_state = isinstance(self.optimizer, CompositeOptimizer)
+        if self.own_optimizer_state:
+            self.optimizer.enable_sparse_table_grads(self.model)
+        # DeepSpeed broadcasts every parameter from rank 0 at start; expert shards differ per rank
+        local_experts = [(p, p.detach().clone()) for p in self.model.parameters() if id(p) in self.expert_params]
+        self.engine, self.precision, self.autocast = build_engine(
+            self.model, self.optimizer, self.scheduler, tc, d, whole_param_optimizer=self.own_optimizer_state)
+        with torch.no_grad():
+            for p, data in local_experts:
+                p.copy_(data)
+
+    def _resume(self, ckpt: Path) -> Optional[str]:
+        """Restore everything from `ckpt`; returns the W&B run id."""
+        with full_experts(self.engine.module, self.layout):
+            trainer_state, rank_state = self.ckpts.load(self.engine, ckpt,
+                                                        load_optimizer_states=not self.own_optimizer_state)
+        if self.own_optimizer_state:
+            shards = [s["optimizer"] for s in self.ckpts.all_rank_states(ckpt)]
+            self.optimizer.load_state_dict(CompositeOptimizer.merge_state_dicts(shards))
+        for group in self.optimizer.param_groups:  # the lr of the step the checkpoint stopped at
+            group["lr"] = group["initial_lr"] * self.lr_multiplier(self.scheduler.last_epoch)
+        self.loader.load_state_dict(trainer_state["data"])
+        set_rng_state(rank_state.get("rng", {}))
+        self.step, self.tokens_seen = trainer_state["step"], trainer_state["tokens_seen"]
+        return trainer_state.get("wandb_run_id")
+
     def _announce(self) -> None:
-        m, d = self.model, self.dist
-        total = sum(p.numel() for p in m.parameters())
+        m, d, total = self.model, self.dist, self.total_params
         start = f"resuming from {self.resumed_from}" if self.resumed_from else "starting fresh"
         print(f"flashtrain: run {self.run_dir} | model {m.cfg.name}: {total / 1e6:.2f}M params, "
               f"{len(m.plan)} layers ({m.plan.describe()}) | {d.world_size} x {d.device.type} {self.precision} "
+              f"({self.layout.describe()}) "
               f"| {self.tokens_per_step} tokens/step | peak {self.peak_flops / 1e12:.3g} TFLOP/s "
               f"({self.peak_source}) | {start} at step {self.step}", flush=True)
 
@@ -146,14 +167,19 @@ class Trainer:
         sums = torch.zeros(3, dtype=torch.float64)  # lm, balance, indexer losses
         grad_norm: Optional[float] = None
         for _ in range(tc.grad_accum_steps):
+            batch = self._batch(self.loader.next_batch())
             with self._autocast():
-                out = engine(**self._batch(self.loader.next_batch()))
-            engine.backward(out.loss)
-            if engine.is_gradient_accumulation_boundary() and engine.zero_optimization_stage() == 0:
-                grad_norm = self._grad_norm()  # ZeRO-0 clips without reporting the norm
+                out = engine(**batch)
+            lm = out.lm_loss * self._token_share(batch["labels"])
+            engine.backward(lm + out.balance_loss + out.indexer_loss)
+            if engine.is_gradient_accumulation_boundary():
+                if self.own_optimizer_state:
+                    reduce_gradients(engine.module, self.layout, self.expert_params)
+                    grad_norm = clip_grad_norm(engine.module, self.layout, self.expert_params, tc.grad_clip)
+                elif engine.zero_optimization_stage() == 0:
+                    grad_norm = self._grad_norm()  # DeepSpeed's ZeRO-0 clips without reporting the norm
             engine.step()
-            sums += torch.stack([out.lm_loss.detach(), out.balance_loss.detach(),
-                                 out.indexer_loss.detach()]).double().cpu()
+            sums += torch.stack([lm.detach(), out.balance_loss.detach(), out.indexer_loss.detach()]).double().cpu()
         if grad_norm is None:
             norm = engine.get_global_grad_norm()
             grad_norm = float(norm) if norm is not None else float("nan")
@@ -164,6 +190,16 @@ class Trainer:
         self.tokens_seen += self.tokens_per_step
         return {"loss": sums[0].item(), "balance_loss": sums[1].item(), "indexer_loss": sums[2].item(),
                 "grad_norm": grad_norm, **balance}
+
+    def _token_share(self, labels: torch.Tensor) -> torch.Tensor:
+        """world * (this rank's labelled tokens) / (all ranks' labelled tokens): averaging the
+        scaled per-rank means over ranks gives the mean over every token of the global batch,
+        exactly what one process with the whole batch computes."""
+        if self.dist.world_size == 1:
+            return torch.ones((), device=labels.device)
+        counts = (labels != -100).sum().double().reshape(1).cpu()
+        total = all_reduce_sum_(counts.clone())
+        return (counts * self.dist.world_size / total.clamp(min=1)).squeeze().to(labels.device).float()
 
     def _grad_norm(self) -> float:
         grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
@@ -203,7 +239,8 @@ class Trainer:
         rank_state = {"rng": rng_state()}
         if self.own_optimizer_state:
             rank_state["optimizer"] = self.optimizer.state_dict()
-        self.ckpts.save(self.engine, self.step, trainer_state, rank_state)
+        with full_experts(self.engine.module, self.layout):
+            self.ckpts.save(self.engine, self.step, trainer_state, rank_state)
 
     # ------------------------------------------------------------------ loop
     def log(self, row: dict[str, Any]) -> None:

@@ -1,0 +1,118 @@
+"""Expert parallelism, resharding across EP degrees, and the launchers (CPU, gloo)."""
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import FAST, REPO, cli_env
+
+# float64 and a modest lr: the two layouts add gradients in different orders, and float32
+# rounding (1e-7) grows through Muon's and top-k's sensitivity past 1e-5 within 20 steps.
+EXACT = [*FAST, "trainer.precision=fp64", "optim.lr=1e-3", "trainer.max_steps=20", "trainer.save_every=10",
+         "trainer.eval_every=10"]
+STEPS = range(1, 21)
+
+
+def losses(run: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+            if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def base_runs(tmp_path_factory, data_cache, port_base):
+    """20 steps at EP=2 over 2 processes (micro-batch 2 each) and at EP=1 in one process
+    (micro-batch 4): the same global batch."""
+    root = tmp_path_factory.mktemp("ep")
+    runs = {"ep2": root / "ep2", "ep1": root / "ep1"}
+    args = {"ep2": ["trainer.micro_batch_size=2", "launcher.nproc=2", "trainer.expert_parallel=2"],
+            "ep1": ["trainer.micro_batch_size=4"]}
+    for name, run in runs.items():
+        p = subprocess.run([sys.executable, "-m", "launch", "pretrain", *EXACT, *args[name], f"hydra.run.dir={run}",
+                            f"data.cache_dir={data_cache}"], cwd=REPO, capture_output=True, text=True,
+                           env=cli_env(port_base(), single_process=name == "ep1"), timeout=900)
+        assert p.returncode == 0, p.stderr[-3000:]
+    return runs
+
+
+def test_ep2_matches_one_process(base_runs):
+    a, b = losses(base_runs["ep1"]), losses(base_runs["ep2"])
+    assert sorted(a) == sorted(b) == list(STEPS)
+    for step in STEPS:
+        assert abs(a[step] - b[step]) < 1e-5, (step, a[step], b[step])
+
+
+@pytest.mark.parametrize("saved, resumed", [("ep2", "ep1"), ("ep1", "ep2")])
+def test_resume_at_another_ep_degree(base_runs, flashtrain, tmp_path, saved, resumed):
+    """Checkpoint at step 10 under one EP degree, continue under the other: the next ten
+    losses are those of the uninterrupted run."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    shutil.copytree(base_runs[saved] / "checkpoints" / "step_00000010", run / "checkpoints" / "step_00000010")
+    shutil.copy(base_runs[saved] / "metrics.jsonl", run / "metrics.jsonl")
+    args = {"ep2": ["trainer.micro_batch_size=2", "launcher.nproc=2", "trainer.expert_parallel=2"],
+            "ep1": ["trainer.micro_batch_size=4"]}[resumed]
+    p = flashtrain("pretrain", *EXACT, *args, f"hydra.run.dir={run}")
+    assert p.returncode == 0, p.stderr[-3000:]
+    a, b = losses(base_runs[saved]), losses(run)
+    for step in range(11, 21):
+        assert abs(a[step] - b[step]) < 1e-5, (step, a[step], b[step])
+
+
+def test_two_node_run_on_one_machine(tmp_path, data_cache, port_base):
+    run = tmp_path / "run"
+    port = port_base()
+    cmd = [sys.executable, "-m", "launch", "pretrain", *FAST, "trainer.micro_batch_size=2", "trainer.max_steps=3",
+           "trainer.save_every=3", "launcher=multinode", "launcher.nnodes=2", "launcher.nproc=1",
+           "launcher.master_addr=127.0.0.1", f"launcher.master_port={port}", f"hydra.run.dir={run}",
+           f"data.cache_dir={data_cache}"]
+    env = cli_env(0, single_process=False)
+    nodes = [subprocess.Popen([*cmd, f"launcher.node_rank={r}"], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    outs = [n.communicate(timeout=600)[0] for n in nodes]
+    assert all(n.returncode == 0 for n in nodes), outs[0][-2000:] + outs[1][-2000:]
+    assert "torch.distributed.run --nnodes=2 --node_rank=1" in outs[1]  # the exact command is printed
+    assert (run / "checkpoints" / "latest").read_text() == "step_00000003"
+    assert "2 x cpu" in outs[0]
+
+
+def test_slurm_dry_run_prints_a_valid_sbatch_script(flashtrain, tmp_path):
+    p = flashtrain("pretrain", "launcher=slurm", "launcher.dry_run=true", "launcher.nnodes=4",
+                   "launcher.partition=h200", "model=small", f"hydra.run.dir={tmp_path / 'run'}")
+    assert p.returncode == 0, p.stderr[-2000:]
+    script = p.stdout
+    assert script.startswith("#!/bin/bash\n")
+    for line in ("#SBATCH --nodes=4", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=h200",
+                 "#SBATCH --ntasks-per-node=1"):
+        assert line in script.splitlines()
+    srun = next(line for line in script.splitlines() if line.startswith("srun "))
+    assert '--rdzv_endpoint="$HEAD:29500"' in srun and "-m launch pretrain" in srun and "model=small" in srun
+    assert "launcher.dry_run" not in srun
+    (tmp_path / "job.sbatch").write_text(script)
+    assert subprocess.run(["bash", "-n", str(tmp_path / "job.sbatch")]).returncode == 0  # valid shell
+    assert not (tmp_path / "run").exists()  # a dry run writes nothing
+
+
+def test_ray_launcher_runs_two_workers(flashtrain, tmp_path):
+    pytest.importorskip("ray")
+    run = tmp_path / "run"
+    p = flashtrain("pretrain", *FAST, "trainer.micro_batch_size=2", "trainer.max_steps=2", "trainer.save_every=2",
+                   "launcher=ray", "launcher.num_workers=2", f"hydra.run.dir={run}", timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "2 Ray workers" in p.stderr
+    assert (run / "checkpoints" / "latest").read_text() == "step_00000002"
+    assert sorted(x.name for x in (run / "checkpoints" / "step_00000002").glob("rank_*")) == [
+        "rank_00000_state.pt", "rank_00001_state.pt"]
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["trainer.expert_parallel=3"], "does not divide the world size"),
+    (["trainer.expert_parallel=2", "model.n_routed_experts=5"], "does not divide model.n_routed_experts"),
+])
+def test_bad_layouts(flashtrain, tmp_path, overrides, needle):
+    p = flashtrain("pretrain", *FAST, "launcher.nproc=2", "trainer.micro_batch_size=2", *overrides,
+                   f"hydra.run.dir={tmp_path / 'run'}")
+    assert p.returncode == 2
+    assert needle in p.stderr, p.stderr[-2000:]

@@ -1,0 +1,235 @@
+"""Data x expert parallelism, applied to a single-device model from outside (torchtitan-style).
+
+Layout: world = DP x EP. Ranks [g*EP, (g+1)*EP) form expert-parallel group g, which together
+holds every routed expert once (rank r keeps experts [(r % EP) * E/EP, ...)). Ranks with the
+same r % EP hold the same experts: an expert-data-parallel group.
+
+`parallelize` slices each MoE layer's expert stacks to the local experts and installs an
+all-to-all dispatcher (dropless, variable split sizes); the shared expert and everything
+else stay replicated. `reduce_gradients` then averages dense gradients over all ranks and
+expert gradients over their expert-data-parallel group; `clip_grad_norm` clips by the
+norm of the whole (unsharded) gradient.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from conf.errors import ConfigError
+from model.moe import MoE, RoutedExperts
+
+
+@dataclass
+class ParallelLayout:
+    rank: int
+    world_size: int
+    ep: int
+    ep_group: Optional[dist.ProcessGroup]  # ranks sharing one copy of all experts
+    ep_ranks: list[int]
+    expert_dp_group: Optional[dist.ProcessGroup]  # ranks holding the same experts
+    expert_dp_ranks: list[int]
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // self.ep
+
+    @property
+    def ep_rank(self) -> int:
+        return self.rank % self.ep
+
+    def describe(self) -> str:
+        return f"DP {self.dp} x EP {self.ep}"
+
+
+def build_layout(rank: int, world_size: int, ep: int, n_experts: int) -> ParallelLayout:
+    """Validate DP x EP and create the process groups (collective: every rank calls it)."""
+    if ep < 1:
+        raise ConfigError(f"trainer.expert_parallel={ep}: must be >= 1")
+    if world_size % ep:
+        raise ConfigError(f"trainer.expert_parallel={ep} does not divide the world size {world_size}")
+    if n_experts % ep:
+        raise ConfigError(f"trainer.expert_parallel={ep} does not divide model.n_routed_experts={n_experts}")
+    ep_groups = [list(range(g * ep, (g + 1) * ep)) for g in range(world_size // ep)]
+    edp_groups = [list(range(i, world_size, ep)) for i in range(ep)]
+    mine = {}
+    if world_size > 1:  # new_group is collective: every rank creates every group, in one order
+        for ranks in ep_groups:
+            pg = dist.new_group(ranks)
+            if rank in ranks:
+                mine["ep"] = (pg, ranks)
+        for ranks in edp_groups:
+            pg = dist.new_group(ranks)
+            if rank in ranks:
+                mine["edp"] = (pg, ranks)
+    ep_pg, ep_ranks = mine.get("ep", (None, [rank]))
+    edp_pg, edp_ranks = mine.get("edp", (None, [rank]))
+    return ParallelLayout(rank, world_size, ep, ep_pg, ep_ranks, edp_pg, edp_ranks)
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single with variable splits; its gradient is the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty(sum(out_splits), *x.shape[1:])
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty(sum(in_splits), *grad.shape[1:])
+        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return back, None, None, None
+
+
+class ExpertParallelDispatch:
+    """Replaces `MoE.dispatch`: tokens travel to the rank that owns their expert and back."""
+
+    def __init__(self, moe: MoE, layout: ParallelLayout):
+        self.moe, self.layout = moe, layout
+        self.n_local = moe.n_routed // layout.ep
+
+    def __call__(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [N, D], chosen / weights [N, k] (global expert ids) -> [N, D]."""
+        ep, k, n_local, group = self.layout.ep, self.moe.topk, self.n_local, self.layout.ep_group
+        flat = chosen.flatten()
+        order = flat.argsort(stable=True)  # assignments grouped by global expert = by owner rank
+        token = order // k
+        send_counts = torch.bincount(flat, minlength=self.moe.n_routed).view(ep, n_local)  # [ep, E/ep]
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=group)  # [source rank, local expert]
+        send_splits, recv_splits = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
+        received = _AllToAll.apply(x[token], recv_splits, send_splits, group)  # [R, D] by source, then expert
+        # regroup the received rows by local expert for the grouped expert compute
+        local_expert = torch.repeat_interleave(torch.arange(n_local, device=x.device).repeat(ep),
+                                               recv_counts.flatten())  # [R]
+        perm = local_expert.argsort(stable=True)
+        out = self.moe.experts(received[perm], recv_counts.sum(0).tolist())  # [R, D]
+        out = out[perm.argsort()]  # back to (source, expert) order
+        returned = _AllToAll.apply(out, send_splits, recv_splits, group)  # [N*k, D] in `order`
+        returned = returned * weights.flatten()[order].unsqueeze(-1).to(returned.dtype)
+        return torch.zeros_like(x).index_add_(0, token, returned)
+
+
+def _expert_stacks(model: nn.Module):
+    for module in model.modules():
+        if isinstance(module, RoutedExperts):
+            yield module
+
+
+def parallelize(model: nn.Module, layout: ParallelLayout) -> set[int]:
+    """Shard experts and install the dispatcher. Returns the ids of the expert parameters."""
+    expert_params: set[int] = set()
+    if layout.ep == 1:
+        return expert_params
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.dispatch = ExpertParallelDispatch(module, layout)
+    for stack in _expert_stacks(model):
+        n_local = stack.n_experts // layout.ep
+        start = layout.ep_rank * n_local
+        for name in ("w1", "w2", "w3"):
+            local = nn.Parameter(getattr(stack, name).data[start:start + n_local].clone())
+            setattr(stack, name, local)
+            expert_params.add(id(local))
+        stack.expert_offset = start
+    return expert_params
+
+
+@contextlib.contextmanager
+def full_experts(model: nn.Module, layout: ParallelLayout):
+    """Inside: every expert stack holds all experts (gathered over the EP group), so a
+    checkpoint is written, and read, in the EP-independent layout. On exit the local slices
+    are back, holding whatever the full tensors hold then (e.g. a loaded checkpoint)."""
+    if layout.ep == 1:
+        yield
+        return
+    saved = []
+    for stack in _expert_stacks(model):
+        for name in ("w1", "w2", "w3"):
+            local = getattr(stack, name)
+            parts = [torch.empty_like(local) for _ in range(layout.ep)]
+            dist.all_gather(parts, local.data.contiguous(), group=layout.ep_group)
+            setattr(stack, name, nn.Parameter(torch.cat(parts), requires_grad=local.requires_grad))
+            saved.append((stack, name, local))
+    try:
+        yield
+    finally:
+        for stack, name, local in saved:
+            n = local.shape[0]
+            local.data.copy_(getattr(stack, name).data[stack.expert_offset:stack.expert_offset + n])
+            setattr(stack, name, local)
+
+
+def _all_reduce_sparse(grad: torch.Tensor, group, group_size: int) -> torch.Tensor:
+    """Sum a row-sparse COO gradient over `group`: gather everyone's rows and values."""
+    grad = grad.coalesce()
+    idx, val = grad.indices()[0], grad.values()
+    sizes = [torch.zeros(1, dtype=torch.long) for _ in range(group_size)]
+    dist.all_gather(sizes, torch.tensor([idx.numel()]), group=group)
+    n_max = max(int(s) for s in sizes)
+    pad_idx = torch.cat((idx, idx.new_zeros(n_max - idx.numel())))
+    pad_val = torch.cat((val, val.new_zeros(n_max - idx.numel(), *val.shape[1:])))
+    all_idx = [torch.empty_like(pad_idx) for _ in range(group_size)]
+    all_val = [torch.empty_like(pad_val) for _ in range(group_size)]
+    dist.all_gather(all_idx, pad_idx, group=group)
+    dist.all_gather(all_val, pad_val, group=group)
+    rows = torch.cat([i[: int(n)] for i, n in zip(all_idx, sizes)])
+    vals = torch.cat([v[: int(n)] for v, n in zip(all_val, sizes)])
+    return torch.sparse_coo_tensor(rows.unsqueeze(0), vals, grad.shape, check_invariants=False).coalesce()
+
+
+@torch.no_grad()
+def reduce_gradients(model: nn.Module, layout: ParallelLayout, expert_params: set[int]) -> None:
+    """Average gradients as one process with the global batch would see them: dense over all
+    ranks; expert gradients (already summed over the EP group by the all-to-all backward)
+    over their expert-data-parallel group; both divided by the world size."""
+    if layout.world_size == 1:
+        return
+    dense, experts = [], []
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        if p.grad.is_sparse:
+            p.grad = _all_reduce_sparse(p.grad, None, layout.world_size) / layout.world_size
+        else:
+            (experts if id(p) in expert_params else dense).append(p.grad)
+    for grads, group in ((dense, None), (experts, layout.expert_dp_group)):
+        if grads:
+            flat = _flatten_dense_tensors(grads)
+            dist.all_reduce(flat, group=group)
+            flat /= layout.world_size
+            for g, new in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                g.copy_(new)
+
+
+@torch.no_grad()
+def clip_grad_norm(model: nn.Module, layout: ParallelLayout, expert_params: set[int], max_norm: float) -> float:
+    """Global L2 norm of the (reduced) gradient, every expert counted once; clip to max_norm."""
+    dense_sq = torch.zeros((), dtype=torch.float64)
+    expert_sq = torch.zeros((), dtype=torch.float64)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        sq = (p.grad.coalesce().values() if p.grad.is_sparse else p.grad).double().square().sum().cpu()
+        if id(p) in expert_params:
+            expert_sq += sq
+        else:
+            dense_sq += sq
+    if layout.ep > 1:
+        dist.all_reduce(expert_sq, group=layout.ep_group)
+    norm = float((dense_sq + expert_sq).sqrt())
+    if max_norm > 0 and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for g in grads:
+            g.mul_(scale)
+    return norm
