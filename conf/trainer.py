@@ -22,3 +22,4 @@ class TrainerConfig:
     peak_flops: Optional[float] = None  # per device, for MFU; None = from the device
     progress: bool = True  # progress bar with ETA on rank 0
     torch_threads: Optional[int] = None  # CPU intra-op threads (None = torch default)
+    profile_comm: bool = False  # time expert all-to-alls (CUDA events) and log their share of step time

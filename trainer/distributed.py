@@ -74,7 +74,15 @@ def broadcast_object(obj, src: int = 0):
     return box[0]
 
 
-def all_reduce_sum_(t: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+def all_reduce_sum_(t: torch.Tensor, group=None) -> torch.Tensor:
+    """In-place sum over `group` (default: all ranks). NCCL reduces device tensors only, so a
+    host tensor (loss sums, counters) makes a round trip through the current GPU."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return t
+    if not t.is_cuda and dist.get_backend(group) == "nccl":
+        on_device = t.cuda()
+        dist.all_reduce(on_device, group=group)
+        t.copy_(on_device.cpu())
+    else:
+        dist.all_reduce(t, group=group)
     return t

@@ -23,6 +23,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from conf.errors import ConfigError
 from model.moe import MoE, RoutedExperts
+from trainer.distributed import all_reduce_sum_
 
 
 @dataclass
@@ -72,6 +73,34 @@ def build_layout(rank: int, world_size: int, ep: int, n_experts: int) -> Paralle
     return ParallelLayout(rank, world_size, ep, ep_pg, ep_ranks, edp_pg, edp_ranks)
 
 
+class CommTimer:
+    """Optional accounting of all-to-all time (CUDA events, read at log time)."""
+
+    enabled = False
+    events: list = []
+
+    @classmethod
+    def exchange(cls, out: torch.Tensor, x: torch.Tensor, out_splits, in_splits, group) -> None:
+        if cls.enabled and x.is_cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+            end.record()
+            cls.events.append((start, end))
+        else:
+            dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+
+    @classmethod
+    def take_seconds(cls) -> float:
+        """All-to-all seconds since the last call (synchronises the device)."""
+        if not cls.events:
+            return 0.0
+        torch.cuda.synchronize()
+        total = sum(s.elapsed_time(e) for s, e in cls.events) / 1e3
+        cls.events = []
+        return total
+
+
 class _AllToAll(torch.autograd.Function):
     """all_to_all_single with variable splits; its gradient is the reverse exchange."""
 
@@ -79,14 +108,14 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group):
         ctx.splits, ctx.group = (out_splits, in_splits), group
         out = x.new_empty(sum(out_splits), *x.shape[1:])
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        CommTimer.exchange(out, x.contiguous(), out_splits, in_splits, group)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         out_splits, in_splits = ctx.splits
         back = grad.new_empty(sum(in_splits), *grad.shape[1:])
-        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        CommTimer.exchange(back, grad.contiguous(), in_splits, out_splits, ctx.group)
         return back, None, None, None
 
 
@@ -173,8 +202,8 @@ def _all_reduce_sparse(grad: torch.Tensor, group, group_size: int) -> torch.Tens
     """Sum a row-sparse COO gradient over `group`: gather everyone's rows and values."""
     grad = grad.coalesce()
     idx, val = grad.indices()[0], grad.values()
-    sizes = [torch.zeros(1, dtype=torch.long) for _ in range(group_size)]
-    dist.all_gather(sizes, torch.tensor([idx.numel()]), group=group)
+    sizes = [torch.zeros(1, dtype=torch.long, device=idx.device) for _ in range(group_size)]
+    dist.all_gather(sizes, torch.tensor([idx.numel()], device=idx.device), group=group)
     n_max = max(int(s) for s in sizes)
     pad_idx = torch.cat((idx, idx.new_zeros(n_max - idx.numel())))
     pad_val = torch.cat((val, val.new_zeros(n_max - idx.numel(), *val.shape[1:])))
@@ -226,7 +255,7 @@ def clip_grad_norm(model: nn.Module, layout: ParallelLayout, expert_params: set[
         else:
             dense_sq += sq
     if layout.ep > 1:
-        dist.all_reduce(expert_sq, group=layout.ep_group)
+        all_reduce_sum_(expert_sq, layout.ep_group)
     norm = float((dense_sq + expert_sq).sqrt())
     if max_norm > 0 and norm > max_norm:
         scale = max_norm / (norm + 1e-6)

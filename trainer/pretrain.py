@@ -24,7 +24,14 @@ from trainer.checkpoint import CheckpointManager
 from trainer.distributed import DistInfo, all_reduce_sum_, init_distributed
 from trainer.engine import build_engine
 from trainer.metrics import MetricsLog, device_peak_flops, moe_balance
-from trainer.parallelize import build_layout, clip_grad_norm, full_experts, parallelize, reduce_gradients
+from trainer.parallelize import (
+    CommTimer,
+    build_layout,
+    clip_grad_norm,
+    full_experts,
+    parallelize,
+    reduce_gradients,
+)
 from trainer.progress import Progress
 from trainer.tracking import build_tracker
 
@@ -90,6 +97,7 @@ class Trainer:
         self.flops_per_token = train_flops_per_token(self.model, cfg.data.seq_len)  # before sharding
         self.layout = build_layout(d.rank, d.world_size, tc.expert_parallel, self.model.cfg.n_routed_experts)
         self.expert_params = parallelize(self.model, self.layout)
+        CommTimer.enabled = tc.profile_comm
         self._build_optimizer()
         self.loader = DistributedBatchLoader(self.train_ds, tc.micro_batch_size, d.rank, d.world_size, tc.seed)
         self.val_loader = DistributedBatchLoader(self.val_ds, tc.micro_batch_size, d.rank, d.world_size,
@@ -205,6 +213,14 @@ class Trainer:
         grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
         return torch.linalg.vector_norm(torch.stack([g.float().norm() for g in grads])).item() if grads else 0.0
 
+    def _device_metrics(self, window_time: float) -> dict[str, float]:
+        if self.dist.device.type != "cuda":
+            return {}
+        out = {"peak_mem_gib": torch.cuda.max_memory_allocated(self.dist.device) / 2**30}
+        if CommTimer.enabled:
+            out["a2a_share"] = CommTimer.take_seconds() / max(window_time, 1e-9)
+        return out
+
     @torch.no_grad()
     def _update_router_biases(self) -> dict[str, float]:
         """Aux-loss-free balancing from the step's global expert load."""
@@ -263,7 +279,8 @@ class Trainer:
                 tps = window_tokens / max(window_time, 1e-9)
                 row.update(step=self.step, lr=self.scheduler.get_last_lr()[0], tokens_per_s=tps,
                            tokens_seen=self.tokens_seen, flops_per_token=self.flops_per_token,
-                           mfu=self.flops_per_token * tps / (self.peak_flops * self.dist.world_size))
+                           mfu=self.flops_per_token * tps / (self.peak_flops * self.dist.world_size),
+                           **self._device_metrics(window_time))
                 self.log(row)
                 last.update(row)
                 window_tokens, window_time = 0, 0.0
