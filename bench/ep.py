@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--micro-batch", type=int, default=2)
     ap.add_argument("--ep", type=int, default=2)
@@ -31,12 +31,14 @@ def main() -> None:
     cmd = [sys.executable, "-m", "launch", "pretrain", "model=small", "logger=none", "trainer.progress=false",
            f"launcher.nproc={args.ep}", f"trainer.expert_parallel={args.ep}", f"data.seq_len={args.seq_len}",
            f"trainer.micro_batch_size={args.micro_batch}", f"trainer.max_steps={args.steps}",
-           "trainer.log_every=10", "trainer.eval_every=0", f"trainer.save_every={args.steps}",
+           "trainer.log_every=5", "trainer.eval_every=0", "trainer.save_every=0", "trainer.save_at_end=false",
            "trainer.profile_comm=true", "data.vocab_size=32000", f"hydra.run.dir={run}"]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.exit(f"training failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    log = Path(os.environ.get("BENCH_LOG", run / "train.log"))
+    with open(log, "w") as f:  # streamed, so a timeout still leaves the log
+        code = subprocess.call(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
+    if code != 0:
+        sys.exit(f"training failed ({code}), see {log}")
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steady = [r for r in rows if "tokens_per_s" in r][1:]  # the first window includes warm-up
     mean = lambda key: sum(r[key] for r in steady) / len(steady)

@@ -14,6 +14,7 @@ class TrainerConfig:
     eval_batches: int = 4  # validation micro-batches per pass (0 = the whole split)
     save_every: int = 50  # steps between checkpoints (0 = only at the end)
     keep_last: int = 3  # complete checkpoints kept on disk
+    save_at_end: bool = True  # a final checkpoint (benchmarks turn it off)
     seed: int = 1234
     resume: str = "auto"  # auto | none | <checkpoint dir>
     zero_stage: int = 1  # ZeRO stage: DeepSpeed's for optim=adamw; 0/1 for Muon or expert parallelism

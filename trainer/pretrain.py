@@ -290,12 +290,12 @@ class Trainer:
                 progress.note(f"step {self.step}: val_loss {val['val_loss']:.4f}")
                 last.update(val)
                 evaluated_at = self.step
-            if (tc.save_every and self.step % tc.save_every == 0) or self.step == tc.max_steps:
+            if (tc.save_every and self.step % tc.save_every == 0) or (self.step == tc.max_steps and tc.save_at_end):
                 self.save()
                 saved_at = self.step
         if evaluated_at != self.step:  # resumed at or past max_steps: still report
             last.update(self.evaluate())
-        if saved_at != self.step:
+        if saved_at != self.step and tc.save_at_end:
             self.save()
         progress.close()
         return last
