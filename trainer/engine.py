@@ -43,23 +43,24 @@ def keep_fp32_buffers(model: nn.Module) -> None:
 
 def build_engine(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, cfg: TrainerConfig,
                  dist: DistInfo, whole_param_optimizer: bool):
-    """DeepSpeed engine. An optimiser that needs whole parameters (Muon/Sinkhorn) runs on an
-    unpartitioned engine (ZeRO-0) with fp32 master weights; bf16 then comes from autocast,
-    because DeepSpeed's bf16 optimiser wrapper flattens parameters too.
-    Returns (engine, precision, autocast dtype or None)."""
+    """DeepSpeed engine. An optimiser that needs whole parameters (Muon/Sinkhorn, expert
+    shards) runs on an unpartitioned engine (ZeRO-0) with fp32 master weights: bf16 then
+    comes from DeepSpeed's torch_autocast, because its bf16 optimiser wrapper flattens
+    parameters too. Returns (engine, precision)."""
     import deepspeed
 
     precision = resolve_precision(cfg, dist.device)
     zero_stage = 0 if whole_param_optimizer else cfg.zero_stage
     bf16_master = precision == "bf16" and not whole_param_optimizer
+    ds_config = deepspeed_config(cfg, zero_stage, bf16_master, clip=not whole_param_optimizer)
+    if precision == "bf16" and whole_param_optimizer:
+        ds_config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
     model.to(dist.device)
     if precision == "fp64":  # for numerical equivalence checks on CPU
         model.double()
-    engine, _, _, _ = deepspeed.initialize(
-        model=model, optimizer=optimizer, lr_scheduler=scheduler,
-        config=deepspeed_config(cfg, zero_stage, bf16_master, clip=not whole_param_optimizer))
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                           config=ds_config)
     if whole_param_optimizer:  # the trainer reduces (dense / expert / sparse) and clips itself
         engine.enable_backward_allreduce = False
     keep_fp32_buffers(engine.module)
-    autocast = torch.bfloat16 if precision == "bf16" and whole_param_optimizer else None
-    return engine, precision, autocast
+    return engine, precision

@@ -132,7 +132,7 @@ class Trainer:
             self.optimizer.enable_sparse_table_grads(self.model)
         # DeepSpeed broadcasts every parameter from rank 0 at start; expert shards differ per rank
         local_experts = [(p, p.detach().clone()) for p in self.model.parameters() if id(p) in self.expert_params]
-        self.engine, self.precision, self.autocast = build_engine(
+        self.engine, self.precision = build_engine(
             self.model, self.optimizer, self.scheduler, tc, d, whole_param_optimizer=self.own_optimizer_state)
         with torch.no_grad():
             for p, data in local_experts:
@@ -163,10 +163,6 @@ class Trainer:
               f"({self.peak_source}) | {start} at step {self.step}", flush=True)
 
     # ------------------------------------------------------------------ one step
-    def _autocast(self):
-        return torch.autocast(self.dist.device.type, dtype=self.autocast or torch.bfloat16,
-                              enabled=self.autocast is not None)
-
     def _batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.dist.device, non_blocking=True) for k, v in batch.items()}
 
@@ -176,8 +172,7 @@ class Trainer:
         grad_norm: Optional[float] = None
         for _ in range(tc.grad_accum_steps):
             batch = self._batch(self.loader.next_batch())
-            with self._autocast():
-                out = engine(**batch)
+            out = engine(**batch)
             lm = out.lm_loss * self._token_share(batch["labels"])
             engine.backward(lm + out.balance_loss + out.indexer_loss)
             if engine.is_gradient_accumulation_boundary():
@@ -240,8 +235,7 @@ class Trainer:
         for batch in self.val_loader.eval_batches(self.cfg.trainer.eval_batches):
             batch = self._batch(batch)
             n = (batch["labels"] != -100).sum()
-            with self._autocast():
-                out = self.engine(**batch)
+            out = self.engine(**batch)
             total += torch.stack([out.lm_loss.double() * n, n.double()]).cpu()
         self.engine.train()
         all_reduce_sum_(total)
