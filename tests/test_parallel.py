@@ -116,3 +116,16 @@ def test_bad_layouts(flashtrain, tmp_path, overrides, needle):
                    f"hydra.run.dir={tmp_path / 'run'}")
     assert p.returncode == 2
     assert needle in p.stderr, p.stderr[-2000:]
+
+
+def test_multinode_deepspeed_backend_dry_run(flashtrain, tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node-a slots=8\nnode-b slots=8\n")
+    p = flashtrain("pretrain", "launcher=multinode", "launcher.backend=deepspeed", f"launcher.hostfile={hostfile}",
+                   "launcher.nnodes=2", "launcher.nproc=8", "launcher.dry_run=true", f"hydra.run.dir={tmp_path}")
+    assert p.returncode == 0, p.stderr[-2000:]
+    line = next(ln for ln in p.stderr.splitlines() if "runs:" in ln)
+    assert f"deepspeed --hostfile={hostfile} --num_nodes=2 --num_gpus=8" in line and "--module launch pretrain" in line
+    p = flashtrain("pretrain", "launcher=multinode", "launcher.backend=deepspeed", "launcher.dry_run=true",
+                   f"hydra.run.dir={tmp_path}")
+    assert p.returncode == 2 and "launcher.hostfile" in p.stderr
