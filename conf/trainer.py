@@ -5,7 +5,7 @@ from typing import Optional
 
 @dataclass
 class TrainerConfig:
-    max_steps: int = 250  # optimizer steps
+    max_steps: int = 200  # optimizer steps
     micro_batch_size: int = 8  # sequences per process per forward
     grad_accum_steps: int = 1
     grad_clip: float = 1.0  # max global grad norm (0 = off)
