@@ -15,6 +15,7 @@ class ModelConfig:
     n_layers: int = 40
     norm_eps: float = 1e-6
     init_std: float = 0.02
+    loss_chunk_tokens: int = 0  # >0: the LM loss materialises logits for this many tokens at a time
 
     # --- CED and the CSA2 layer plan (§2, §3). The plan is derived from these numbers
     # unless `compress_ratios` / `layer_modes` spell it out layer by layer.

@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from conf.model import ModelConfig
@@ -127,15 +128,31 @@ class Transformer(nn.Module):
         position (attention never crosses documents). With labels: losses; without: logits."""
         B, T = input_ids.shape
         rt = AttentionRuntime(B, T, input_ids.device, doc_ids,
-                              with_indexer_loss=labels is not None and self.cfg.indexer_loss_coef > 0)
+                              with_indexer_loss=labels is not None and self.training and self.cfg.indexer_loss_coef > 0)
         x = self.hidden(input_ids, rt)  # [B, T, D]
         if labels is None:
             return ModelOutput(logits=wide(self.head(x)))
-        logits = wide(self.head(x))  # [B, T, V]
-        lm = F.cross_entropy(logits.view(B * T, -1), labels.reshape(B * T), ignore_index=-100)
+        lm = self.lm_loss(x, labels)
         balance = torch.stack(rt.aux_losses).sum() if rt.aux_losses else lm.new_zeros(())
         indexer = torch.stack(rt.indexer_losses).mean() if rt.indexer_losses else lm.new_zeros(())
         return ModelOutput(loss=lm + balance + indexer, lm_loss=lm, balance_loss=balance, indexer_loss=indexer)
+
+    def lm_loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy of x [B, T, D] against labels [B, T]. With
+        `loss_chunk_tokens`, logits exist for one chunk of tokens at a time, in the forward and
+        (recomputed) in the backward, so memory does not grow with vocab x sequence length."""
+        flat_x, flat_y = x.reshape(-1, x.shape[-1]), labels.reshape(-1)  # [N, D], [N]
+        chunk = self.cfg.loss_chunk_tokens
+        if chunk <= 0 or chunk >= flat_y.numel():
+            return F.cross_entropy(wide(self.head(flat_x)), flat_y, ignore_index=-100)
+        total = flat_x.new_zeros((), dtype=wide(flat_x[:1]).dtype)
+        for start in range(0, flat_y.numel(), chunk):
+            total = total + torch.utils.checkpoint.checkpoint(
+                self._summed_ce, flat_x[start:start + chunk], flat_y[start:start + chunk], use_reentrant=False)
+        return total / (flat_y != -100).sum().clamp(min=1)
+
+    def _summed_ce(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(wide(self.head(x)), y, ignore_index=-100, reduction="sum")
 
     def hidden(self, input_ids: torch.Tensor, rt: AttentionRuntime) -> torch.Tensor:
         """input_ids [B, T] -> final normed hidden state [B, T, D]."""

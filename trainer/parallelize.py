@@ -13,11 +13,13 @@ norm of the whole (unsharded) gradient.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
@@ -146,6 +148,18 @@ class ExpertParallelDispatch:
         returned = _AllToAll.apply(out, send_splits, recv_splits, group)  # [N*k, D] in `order`
         returned = returned * weights.flatten()[order].unsqueeze(-1).to(returned.dtype)
         return torch.zeros_like(x).index_add_(0, token, returned)
+
+
+def checkpoint_blocks(model: nn.Module) -> int:
+    """Activation checkpointing per block: each block keeps only its inputs and recomputes its
+    activations in the backward. Non-reentrant, so tensors a block hands to later layers
+    through the attention runtime (global KV, top-k) stay in the autograd graph. A recomputed
+    MoE forward counts its tokens again; the balancing update uses the sign of load minus mean,
+    which a uniform double count does not change."""
+    blocks = list(getattr(model, "layers", []))
+    for block in blocks:
+        block.forward = functools.partial(torch.utils.checkpoint.checkpoint, block.forward, use_reentrant=False)
+    return len(blocks)
 
 
 def _expert_stacks(model: nn.Module):

@@ -27,6 +27,7 @@ from trainer.metrics import MetricsLog, device_peak_flops, moe_balance
 from trainer.parallelize import (
     CommTimer,
     build_layout,
+    checkpoint_blocks,
     clip_grad_norm,
     full_experts,
     parallelize,
@@ -97,6 +98,8 @@ class Trainer:
         self.flops_per_token = train_flops_per_token(self.model, cfg.data.seq_len)  # before sharding
         self.layout = build_layout(d.rank, d.world_size, tc.expert_parallel, self.model.cfg.n_routed_experts)
         self.expert_params = parallelize(self.model, self.layout)
+        if tc.activation_checkpointing:
+            checkpoint_blocks(self.model)
         CommTimer.enabled = tc.profile_comm
         self._build_optimizer()
         self.loader = DistributedBatchLoader(self.train_ds, tc.micro_batch_size, d.rank, d.world_size, tc.seed)
