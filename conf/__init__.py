@@ -6,6 +6,7 @@ from __future__ import annotations
 from conf.data import FilesDataConfig, HubDataConfig, StdlibDataConfig
 from conf.launcher import LocalLauncherConfig, MultinodeLauncherConfig, RayLauncherConfig, SlurmLauncherConfig
 from conf.logger import NoLoggerConfig, WandbLoggerConfig
+from conf.long_context import FlashSchedule, SmallSchedule, TinySchedule
 from conf.model import FlashModelConfig, SmallModelConfig, TinyModelConfig
 from conf.optim import AdamWConfig, MuonConfig
 from conf.trainer import TrainerConfig
@@ -16,6 +17,7 @@ GROUPS = {
     "optim": {"adamw": AdamWConfig, "muon": MuonConfig},
     "trainer": {"default": TrainerConfig},
     "logger": {"wandb": WandbLoggerConfig, "none": NoLoggerConfig},
+    "schedule": {"tiny": TinySchedule, "small": SmallSchedule, "flash": FlashSchedule},
     "launcher": {"local": LocalLauncherConfig, "multinode": MultinodeLauncherConfig, "slurm": SlurmLauncherConfig,
                  "ray": RayLauncherConfig},
 }

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from conf.model import ModelConfig
-from model.csa import ATTENTION_IMPLS
+from model.csa import ATTENTION_IMPLS, dense_attention
 from model.indexer import IndexKey, IndexQuery, candidate_pool, index_scores, index_scores_at, select_topk
 from model.numerics import wide
 from model.plan import LayerSpec
@@ -106,13 +106,53 @@ class CSA2Attention(nn.Module):
             else:
                 idx = rt.topk[self.spec.index_source]
 
-        out, p_glob = self.attend(q, win, glob, idx, rt.doc_start, self.sink, self.scale, self.window)
+        attend_idx = idx
+        if glob is not None and rt.indexer_mode == "dense":
+            attend_idx = rt.all_visible(self.spec.compress_ratio)  # [B, T, S]: column j is entry j
+        out, p_glob = self.attend(q, win, glob, attend_idx, rt.doc_start, self.sink, self.scale, self.window)
         if indexer is not None and rt.with_indexer_loss:
-            rt.indexer_losses.append(self.indexer_loss_coef * indexer_kl(p_glob, idx, *indexer))
+            rt.indexer_losses.append(self.indexer_loss_coef * self._indexer_loss(p_glob, attend_idx, idx, indexer, rt))
+        if indexer is not None and rt.collect_recall:
+            self._record_recall(q, win, glob, p_glob, idx, rt)
         out = self.rotary(out, angles.unsqueeze(-2), inverse=True)  # values carried RoPE
         grouped = out.flatten(2).unflatten(-1, (self.wo_a.shape[0], -1))  # [B, T, G, H/G*C]
         low = torch.einsum("btgi,goi->btgo", grouped, self.wo_a)  # [B, T, G, Ro]
         return self.wo_b(low.flatten(2))
+
+    def _candidates(self, rt: AttentionRuntime, attend_idx: torch.Tensor) -> torch.Tensor:
+        """What this layer's indexer scores: every visible entry (Full) or the pool (Reindex)."""
+        return attend_idx if self.spec.mode == "full" else rt.pool[self.spec.kv_source]
+
+    def _indexer_loss(self, p_glob, attend_idx, idx, indexer, rt: AttentionRuntime) -> torch.Tensor:
+        """Sparse stage: KL on the selected set. Dense warm-up: KL towards the dense attention
+        over everything the indexer scores."""
+        if rt.indexer_mode == "sparse":
+            return indexer_kl(p_glob, idx, *indexer)
+        cand = self._candidates(rt, attend_idx)  # [B, T, P]
+        p_cand = _probs_at(p_glob, cand)  # attend_idx lists entry j in column j
+        return indexer_kl(p_cand, cand, *indexer)
+
+    @torch.no_grad()
+    def _record_recall(self, q, win, glob, p_glob, idx, rt: AttentionRuntime) -> None:
+        """Share of the dense global attention mass (summed over heads) that the top-k, and the
+        pool where there is one, hold; averaged over queries that see any entry."""
+        all_ids = rt.all_visible(self.spec.compress_ratio)
+        if rt.indexer_mode == "dense":
+            p_all = p_glob
+        else:
+            _, p_all = dense_attention(q, win, glob, all_ids, rt.doc_start, self.sink, self.scale, self.window)
+        mass = p_all.sum(2)  # [B, T, S] over entry ids
+        total = mass.sum(-1)
+        rows = total > 0
+
+        def share(ids: torch.Tensor) -> torch.Tensor:
+            got = mass.gather(-1, ids.clamp(min=0)).masked_fill(ids < 0, 0.0).sum(-1)
+            return (got[rows] / total[rows]).mean()
+
+        rt.recall["topk"].append(share(idx))
+        pool = rt.pool.get(self.spec.layer_id, rt.pool.get(self.spec.kv_source)) if rt.pool else None
+        if pool is not None:
+            rt.recall["pool"].append(share(pool))
 
     def _write_global_kv(self, x: torch.Tensor, rt: AttentionRuntime) -> None:
         """Full layers only: compressed latent (RoPE at j*m, FP4 QAT) and MXFP4 index keys."""
@@ -146,6 +186,13 @@ class CSA2Attention(nn.Module):
                 idx = select_topk(index_scores_at(iq, iw, keys, cand), self.index_topk, positions=cand)
         rt.topk[spec.layer_id] = idx
         return idx, (iq, iw, keys)
+
+
+def _probs_at(p_glob: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """p_glob [B, T, H, S] (column j = entry j), ids [B, T, P] -> [B, T, H, P], 0 at -1."""
+    H = p_glob.shape[2]
+    picked = p_glob.gather(-1, ids.clamp(min=0).unsqueeze(2).expand(-1, -1, H, -1))
+    return picked.masked_fill((ids < 0).unsqueeze(2), 0.0)
 
 
 def indexer_kl(p_glob: torch.Tensor, idx: torch.Tensor, iq: torch.Tensor, iw: torch.Tensor,

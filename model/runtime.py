@@ -23,13 +23,21 @@ def document_starts(doc_ids: torch.Tensor) -> torch.Tensor:
 
 class AttentionRuntime:
     def __init__(self, batch: int, seq_len: int, device: torch.device,
-                 doc_ids: Optional[torch.Tensor] = None, with_indexer_loss: bool = False):
+                 doc_ids: Optional[torch.Tensor] = None, with_indexer_loss: bool = False,
+                 indexer_mode: str = "sparse", collect_recall: bool = False):
+        """indexer_mode: "sparse" attends to each query's top-k (the model as specified);
+        "dense" attends to every visible entry (the indexer's dense warm-up, DeepSeek-V3.2).
+        collect_recall: measure how much of the dense attention mass the top-k and the pool hold."""
+        if indexer_mode not in ("sparse", "dense"):
+            raise ValueError(f"indexer_mode={indexer_mode!r}: expected sparse or dense")
         self.positions = torch.arange(seq_len, device=device).expand(batch, seq_len)  # [B, T]
         if doc_ids is None:
             self.doc_start = torch.zeros(batch, seq_len, dtype=torch.long, device=device)
         else:
             self.doc_start = document_starts(doc_ids)
         self.with_indexer_loss = with_indexer_loss
+        self.indexer_mode, self.collect_recall = indexer_mode, collect_recall
+        self.recall: dict[str, list[torch.Tensor]] = {"topk": [], "pool": []}  # per-layer means
         self.kv: dict[int, torch.Tensor] = {}  # owner layer -> compressed latent [B, S, C]
         self.index_k: dict[int, torch.Tensor] = {}  # owner layer -> index keys [B, S, Di]
         self.topk: dict[int, torch.Tensor] = {}  # Full/Reindex layer -> entry ids [B, T, k]
@@ -49,6 +57,12 @@ class AttentionRuntime:
             same_doc = j * m >= self.doc_start.unsqueeze(-1)
             self._visible[m] = causal & same_doc
         return self._visible[m]
+
+    def all_visible(self, m: int) -> torch.Tensor:
+        """[B, T, S] entry ids, -1 where invisible: "select everything" for dense attention."""
+        vis = self.visible(m)
+        ids = torch.arange(vis.shape[-1], device=vis.device).expand_as(vis)
+        return torch.where(vis, ids, torch.full_like(ids, -1))
 
     def newest_visible(self, m: int) -> torch.Tensor:
         """[B, T]: the newest visible compressed entry per query, -1 when none."""

@@ -34,6 +34,8 @@ class ModelOutput:
     balance_loss: Optional[torch.Tensor] = None
     indexer_loss: Optional[torch.Tensor] = None
     logits: Optional[torch.Tensor] = None  # [B, T, V] (only when no labels are given)
+    topk_recall: Optional[torch.Tensor] = None  # dense attention mass held by the top-k (collect_recall)
+    pool_recall: Optional[torch.Tensor] = None  # ... and by the layer-20 candidate pool
 
 
 class Block(nn.Module):
@@ -83,6 +85,7 @@ class Transformer(nn.Module):
         if lookup_map.shape != (V,):
             raise ValueError(f"lookup map has shape {tuple(lookup_map.shape)}, expected ({V},)")
         self.register_buffer("lookup_map", lookup_map.long())
+        self.indexer_mode = "sparse"  # "dense": the indexer's warm-up stage attends to every entry
         self.reset_parameters()
 
     @torch.no_grad()
@@ -123,19 +126,23 @@ class Transformer(nn.Module):
         return splits
 
     def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
-                doc_ids: Optional[torch.Tensor] = None) -> ModelOutput:
+                doc_ids: Optional[torch.Tensor] = None, collect_recall: bool = False) -> ModelOutput:
         """input_ids [B, T]; labels [B, T] (-100 = ignore); doc_ids [B, T] document index of each
-        position (attention never crosses documents). With labels: losses; without: logits."""
+        position (attention never crosses documents). With labels: losses; without: logits.
+        `self.indexer_mode` ("sparse" | "dense" warm-up) is set by the training stage."""
         B, T = input_ids.shape
         rt = AttentionRuntime(B, T, input_ids.device, doc_ids,
-                              with_indexer_loss=labels is not None and self.training and self.cfg.indexer_loss_coef > 0)
+                              with_indexer_loss=labels is not None and self.training and self.cfg.indexer_loss_coef > 0,
+                              indexer_mode=self.indexer_mode, collect_recall=collect_recall)
         x = self.hidden(input_ids, rt)  # [B, T, D]
         if labels is None:
             return ModelOutput(logits=wide(self.head(x)))
         lm = self.lm_loss(x, labels)
         balance = torch.stack(rt.aux_losses).sum() if rt.aux_losses else lm.new_zeros(())
         indexer = torch.stack(rt.indexer_losses).mean() if rt.indexer_losses else lm.new_zeros(())
-        return ModelOutput(loss=lm + balance + indexer, lm_loss=lm, balance_loss=balance, indexer_loss=indexer)
+        recall = {k: torch.stack(v).mean() for k, v in rt.recall.items() if v}
+        return ModelOutput(loss=lm + balance + indexer, lm_loss=lm, balance_loss=balance, indexer_loss=indexer,
+                           topk_recall=recall.get("topk"), pool_recall=recall.get("pool"))
 
     def lm_loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy of x [B, T, D] against labels [B, T]. With

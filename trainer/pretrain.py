@@ -78,7 +78,10 @@ def build_model(cfg: PretrainConfig, tokenizer) -> Transformer:
 
 
 class Trainer:
-    def __init__(self, cfg: PretrainConfig, run_dir: Path, config_yaml: str):
+    def __init__(self, cfg: PretrainConfig, run_dir: Path, config_yaml: str, init_from: Optional[Path] = None,
+                 indexer_mode: str = "sparse", train_only_indexer: bool = False):
+        """init_from: a checkpoint (or checkpoints dir) whose model weights start a fresh run;
+        indexer_mode / train_only_indexer: the long-context stage's indexer regime."""
         self.cfg, self.run_dir, self.config_yaml = cfg, Path(run_dir), config_yaml
         tc = cfg.trainer
         if tc.max_steps <= 0:
@@ -93,6 +96,10 @@ class Trainer:
         seed_everything(tc.seed)  # identical initial weights on every rank
         self.train_ds, self.val_ds, self.tokenizer = build_datasets(cfg.data)
         self.model = build_model(cfg, self.tokenizer)
+        self.model.indexer_mode = indexer_mode
+        if train_only_indexer:  # the indexer warm-up: everything else is frozen
+            for name, p in self.model.named_parameters():
+                p.requires_grad_(".index_query." in name or ".index_key." in name)
         d = self.dist
         self.total_params = sum(p.numel() for p in self.model.parameters())
         self.flops_per_token = train_flops_per_token(self.model, cfg.data.seq_len)  # before sharding
@@ -109,6 +116,8 @@ class Trainer:
         self.step, self.tokens_seen = 0, 0
         self.resumed_from = self.ckpts.resolve(tc.resume)
         run_id = self._resume(self.resumed_from) if self.resumed_from is not None else None
+        if self.resumed_from is None and init_from is not None:
+            self._load_weights(init_from)
         container = OmegaConf.to_container(OmegaConf.create(config_yaml), resolve=True)
         self.tracker = build_tracker(cfg.logger, self.run_dir, container, run_id, d.rank)
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl",
@@ -140,6 +149,14 @@ class Trainer:
         with torch.no_grad():
             for p, data in local_experts:
                 p.copy_(data)
+
+    def _load_weights(self, source: Path) -> None:
+        """Model weights only (optimiser, schedule and data start fresh): a stage boundary."""
+        ckpt = self.ckpts.resolve(str(source))
+        with full_experts(self.engine.module, self.layout):
+            self.engine.load_checkpoint(str(ckpt.parent), tag=ckpt.name, load_module_only=True,
+                                        load_optimizer_states=False, load_lr_scheduler_states=False)
+        self.initialised_from = ckpt
 
     def _resume(self, ckpt: Path) -> Optional[str]:
         """Restore everything from `ckpt`; returns the W&B run id."""
@@ -234,16 +251,24 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         self.engine.eval()
-        total = torch.zeros(2, dtype=torch.float64)  # summed token loss, token count
+        total = torch.zeros(5, dtype=torch.float64)  # token loss sum, tokens, top-k / pool recall sums, batches
         for batch in self.val_loader.eval_batches(self.cfg.trainer.eval_batches):
             batch = self._batch(batch)
             n = (batch["labels"] != -100).sum()
-            out = self.engine(**batch)
-            total += torch.stack([out.lm_loss.double() * n, n.double()]).cpu()
+            out = self.engine(**batch, collect_recall=True)
+            recall = [float(r) if r is not None else 0.0 for r in (out.topk_recall, out.pool_recall)]
+            total += torch.tensor([out.lm_loss.double().item() * n.item(), n.item(), *recall, 1.0],
+                                  dtype=torch.float64)
         self.engine.train()
         all_reduce_sum_(total)
         val_loss = (total[0] / total[1].clamp(min=1)).item()
-        return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
+        row = {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
+        batches = total[4].clamp(min=1)
+        # share of the dense attention mass the indexer's top-k (and the layer-20 pool) hold
+        row["val_topk_recall"] = (total[2] / batches).item()
+        if total[3] > 0:
+            row["val_pool_recall"] = (total[3] / batches).item()
+        return row
 
     # ------------------------------------------------------------------ checkpoint
     def save(self) -> None:

@@ -1,0 +1,123 @@
+"""Long-context training: the indexer's dense warm-up, recall metrics, the stage schedule."""
+import dataclasses
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conf.model import TinyModelConfig
+from model.transformer import Transformer
+from tests.conftest import FAST
+
+# sharper-than-default attention (init_std) so that where the attention mass sits is learnable
+CFG = dataclasses.replace(TinyModelConfig(vocab_size=97), engram_min_rows=50, init_std=0.08, window=16,
+                          index_topk=8, pool_blocks=4)
+
+
+def _recall(model: Transformer, batch: torch.Tensor) -> tuple[float, float]:
+    model.eval()
+    model.indexer_mode = "sparse"
+    with torch.no_grad():
+        out = model(batch[:, :-1], labels=batch[:, 1:], collect_recall=True)
+    model.train()
+    return out.topk_recall.item(), out.pool_recall.item()
+
+
+def test_dense_warmup_trains_only_the_indexer_lowers_kl_and_raises_recall():
+    torch.manual_seed(0)
+    model = Transformer(CFG)
+    for name, p in model.named_parameters():
+        p.requires_grad_(".index_query." in name or ".index_key." in name)
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    data = torch.randint(0, 97, (64, 129), generator=g)
+    topk_before, pool_before = _recall(model, data[:8])
+    model.indexer_mode = "dense"
+    kls = []
+    for _ in range(40):
+        batch = data[torch.randint(0, 64, (4,), generator=g)]
+        out = model(batch[:, :-1], labels=batch[:, 1:])
+        opt.zero_grad()
+        out.loss.backward()  # the LM loss has no path to trainable parameters: only the KL trains
+        opt.step()
+        kls.append(out.indexer_loss.item())
+    topk_after, pool_after = _recall(model, data[:8])
+    assert sum(kls[-5:]) < 0.6 * sum(kls[:5]), kls
+    assert topk_after > topk_before, (topk_before, topk_after)
+    assert 0 < pool_before <= 1 and 0 < pool_after <= 1
+    for name, p in model.named_parameters():
+        if name in frozen:
+            assert torch.equal(p, frozen[name]), name
+
+
+def test_dense_mode_attends_to_every_visible_entry():
+    torch.manual_seed(0)
+    model = Transformer(CFG).eval()
+    x = torch.randint(0, 97, (1, 64))
+    seen = {}
+
+    def hook(module, args, out):
+        seen["idx"] = args[3]
+
+    model.layers[1].attn.attend = _wrap(model.layers[1].attn.attend, hook)
+    model.indexer_mode = "dense"
+    model(x)
+    idx = seen["idx"][0]  # [T, S]: layer 1 (m=2) sees entry j exactly when (j+1)*2 <= t+1
+    for t in (0, 1, 2, 63):
+        assert (idx[t] >= 0).sum().item() == (t + 1) // 2
+
+
+def _wrap(fn, hook):
+    def inner(*args):
+        out = fn(*args)
+        hook(None, args, out)
+        return out
+    return inner
+
+
+def _stage_losses(run: Path, stage: str) -> dict[int, float]:
+    d = next(run.glob(f"stage_*_{stage}"))
+    return {r["step"]: r["loss"] for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())
+            if "loss" in r}
+
+
+SCHEDULE = ("schedule.stages=[{name:warm,seq_len:128,tokens:2560,micro_batch_size:4,lr:0.01,indexer:dense_warmup},"
+            "{name:sparse,seq_len:256,tokens:5120,micro_batch_size:4,lr:0.003}]")
+
+
+def test_schedule_resumes_across_a_stage_boundary(flashtrain, flashtrain_popen, tmp_path):
+    """Straight through vs killed right after the first sub-stage's final checkpoint and run
+    again: the second sub-stage starts from that checkpoint and logs identical losses."""
+    args = [*FAST, SCHEDULE, "trainer.save_every=0"]
+    straight = tmp_path / "straight"
+    p = flashtrain("long_context", *args, f"hydra.run.dir={straight}")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert sorted(_stage_losses(straight, "warm")) == [1, 2, 3, 4, 5]
+    assert sorted(_stage_losses(straight, "sparse")) == [1, 2, 3, 4, 5]
+
+    killed = tmp_path / "killed"
+    proc = flashtrain_popen("long_context", *args, f"hydra.run.dir={killed}")
+    latest = killed / "stage_0_warm" / "checkpoints" / "latest"
+    deadline = time.time() + 300
+    while not (latest.exists() and latest.read_text() == "step_00000005"):
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        assert time.time() < deadline
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    p = flashtrain("long_context", *args, f"hydra.run.dir={killed}")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert _stage_losses(killed, "sparse") == _stage_losses(straight, "sparse")  # bitwise
+    assert _stage_losses(killed, "warm") == _stage_losses(straight, "warm")
+
+
+@pytest.mark.parametrize("bad, needle", [("schedule.stages=[]", "schedule.stages is empty"),
+                                         ("schedule.stages.0.indexer=fancy", "indexer='fancy'")])
+def test_bad_schedules(flashtrain, tmp_path, bad, needle):
+    p = flashtrain("long_context", *FAST, bad, f"hydra.run.dir={tmp_path / 'run'}")
+    assert p.returncode == 2 and needle in p.stderr, p.stderr[-2000:]

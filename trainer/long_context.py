@@ -1,0 +1,61 @@
+"""The long-context stage: run the schedule's sub-stages in order, each a full training run in
+its own directory (run_dir/stage_<i>_<name>/), each starting from the previous sub-stage's
+final checkpoint. Re-running the command resumes inside the unfinished sub-stage, or starts
+the next one from the finished one's checkpoint."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from conf.errors import ConfigError
+from conf.long_context import ContextStage, LongContextConfig
+from conf.pretrain import PretrainConfig
+from trainer.pretrain import Trainer
+
+INDEXER_REGIMES = ("dense_warmup", "sparse")
+
+
+def stage_steps(stage: ContextStage, grad_accum: int, world_size: int) -> int:
+    tokens_per_step = stage.micro_batch_size * grad_accum * world_size * stage.seq_len
+    return max(1, math.ceil(stage.tokens / tokens_per_step))
+
+
+def stage_config(cfg: LongContextConfig, stage: ContextStage, world_size: int) -> PretrainConfig:
+    if stage.indexer not in INDEXER_REGIMES:
+        raise ConfigError(f"schedule stage {stage.name}: indexer={stage.indexer!r}, expected {INDEXER_REGIMES}")
+    model = dataclasses.replace(cfg.model, max_seq_len=max(cfg.model.max_seq_len, stage.seq_len))
+    if stage.rope_factor is not None:
+        model = dataclasses.replace(model, rope_factor=stage.rope_factor)
+    if stage.original_seq_len is not None:
+        model = dataclasses.replace(model, original_seq_len=stage.original_seq_len)
+    trainer = dataclasses.replace(cfg.trainer, micro_batch_size=stage.micro_batch_size,
+                                  max_steps=stage_steps(stage, cfg.trainer.grad_accum_steps, world_size))
+    return PretrainConfig(defaults=[], stage=f"long_context/{stage.name}", model=model,
+                          data=dataclasses.replace(cfg.data, seq_len=stage.seq_len),
+                          optim=dataclasses.replace(cfg.optim, lr=stage.lr), trainer=trainer,
+                          logger=cfg.logger, launcher=cfg.launcher)
+
+
+def run_long_context(cfg: LongContextConfig, run_dir: Path, config_yaml: str) -> list[dict[str, Any]]:
+    if not cfg.schedule.stages:
+        raise ConfigError("schedule.stages is empty: nothing to train")
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    previous = Path(cfg.init_from).expanduser() if cfg.init_from else None
+    summaries = []
+    for i, stage in enumerate(cfg.schedule.stages):
+        stage_dir = Path(run_dir) / f"stage_{i}_{stage.name}"
+        scfg = stage_config(cfg, stage, world_size)
+        trainer = Trainer(scfg, stage_dir, OmegaConf.to_yaml(OmegaConf.structured(scfg)), init_from=previous,
+                          indexer_mode="dense" if stage.indexer == "dense_warmup" else "sparse",
+                          train_only_indexer=stage.indexer == "dense_warmup")
+        try:
+            summaries.append({"stage": stage.name, "seq_len": stage.seq_len, **trainer.fit()})
+        finally:
+            trainer.close()
+        previous = stage_dir / "checkpoints"
+    return summaries
