@@ -36,6 +36,7 @@ class ModelOutput:
     logits: Optional[torch.Tensor] = None  # [B, T, V] (only when no labels are given)
     topk_recall: Optional[torch.Tensor] = None  # dense attention mass held by the top-k (collect_recall)
     pool_recall: Optional[torch.Tensor] = None  # ... and by the layer-20 candidate pool
+    runtime: Optional[AttentionRuntime] = None  # the forward's top-k and pools (keep_runtime=True)
 
 
 class Block(nn.Module):
@@ -126,7 +127,8 @@ class Transformer(nn.Module):
         return splits
 
     def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
-                doc_ids: Optional[torch.Tensor] = None, collect_recall: bool = False) -> ModelOutput:
+                doc_ids: Optional[torch.Tensor] = None, collect_recall: bool = False,
+                keep_runtime: bool = False) -> ModelOutput:
         """input_ids [B, T]; labels [B, T] (-100 = ignore); doc_ids [B, T] document index of each
         position (attention never crosses documents). With labels: losses; without: logits.
         `self.indexer_mode` ("sparse" | "dense" warm-up) is set by the training stage."""
@@ -136,7 +138,7 @@ class Transformer(nn.Module):
                               indexer_mode=self.indexer_mode, collect_recall=collect_recall)
         x = self.hidden(input_ids, rt)  # [B, T, D]
         if labels is None:
-            return ModelOutput(logits=wide(self.head(x)))
+            return ModelOutput(logits=wide(self.head(x)), runtime=rt if keep_runtime else None)
         lm = self.lm_loss(x, labels)
         balance = torch.stack(rt.aux_losses).sum() if rt.aux_losses else lm.new_zeros(())
         indexer = torch.stack(rt.indexer_losses).mean() if rt.indexer_losses else lm.new_zeros(())

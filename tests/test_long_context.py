@@ -121,3 +121,36 @@ def test_schedule_resumes_across_a_stage_boundary(flashtrain, flashtrain_popen, 
 def test_bad_schedules(flashtrain, tmp_path, bad, needle):
     p = flashtrain("long_context", *FAST, bad, f"hydra.run.dir={tmp_path / 'run'}")
     assert p.returncode == 2 and needle in p.stderr, p.stderr[-2000:]
+
+
+def test_eval_long_cli_writes_the_table(flashtrain, tmp_path):
+    run = tmp_path / "eval"
+    p = flashtrain("eval_long", "eval.lengths=[256,512]", "eval.depths=[0.5]", "eval.samples=2", "eval.kv_pairs=3",
+                   f"hydra.run.dir={run}")
+    assert p.returncode == 0, p.stderr[-3000:]
+    table = json.loads((run / "eval_long.json").read_text())
+    assert [(r["task"], r["length"]) for r in table] == [("needle", 256), ("needle", 512), ("kv", 256), ("kv", 512)]
+    for row in table:
+        assert 0.0 <= row["correct"] <= 1.0 and row["samples"] == 2
+        assert {k for k in row if k.startswith("topk_hit/")} == {"topk_hit/L1", "topk_hit/L3", "topk_hit/L5"}
+        assert {k for k in row if k.startswith("pool_hit/")} == {"pool_hit/L3", "pool_hit/L5"}  # pool layers
+    assert (run / "eval_long.md").read_text().startswith("| task | length |")
+
+
+def test_needle_sample_places_the_value_where_it_says():
+    import random
+
+    from trainer.eval_long import make_sample
+
+    class CharTok:
+        def encode(self, text):
+            return [ord(c) for c in text]
+
+    filler = [ord("x")] * 500
+    s = make_sample(CharTok(), filler, 300, 0.5, "kv", 3, random.Random(0))
+    assert len(s.tokens) == 300
+    text = "".join(map(chr, s.tokens))
+    value = text[s.answer_start:s.answer_start + s.answer_len]
+    assert "".join(chr(s.tokens[p]) for p in s.value_positions) == value  # the needle's value is the answer
+    asked = text[:s.answer_start].rsplit("# the secret number of ", 1)[1]
+    assert f"# the secret number of {asked}{value}" in text[:s.value_positions[-1] + 1]

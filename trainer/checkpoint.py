@@ -207,3 +207,15 @@ class CheckpointManager:
         the world size may change between save and load)."""
         return [torch.load(f, map_location="cpu", weights_only=False)
                 for f in sorted(ckpt.glob("rank_*_state.pt"))]
+
+
+def load_model_weights(model: torch.nn.Module, ckpt: Path) -> None:
+    """Model weights of a (verified) checkpoint into a plain, unsharded model: for evaluation
+    and generation, without an engine. Checkpoints hold every expert (see full_experts)."""
+    files = sorted(Path(ckpt).glob("mp_rank_*_model_states.pt"))
+    if not files:
+        raise CheckpointError(f"{ckpt}: no model states file")
+    state = torch.load(files[0], map_location="cpu", weights_only=False)["module"]
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise CheckpointError(f"{ckpt} does not fit this model: missing {missing[:3]}, unexpected {unexpected[:3]}")
