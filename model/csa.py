@@ -26,28 +26,38 @@ def _softmax_with_sink(logits: torch.Tensor, sink: torch.Tensor) -> torch.Tensor
     return torch.cat((logits, sink_col), dim=-1).softmax(dim=-1)[..., :-1]
 
 
-def window_keys(win_kv: torch.Tensor, window: int) -> torch.Tensor:
-    """win_kv [B, T, C] -> [B, T, W, C]: keys t-W+1 .. t for every query t (zeros before 0)."""
-    padded = F.pad(win_kv, (0, 0, window - 1, 0))
-    return padded.unfold(1, window, 1).transpose(-1, -2)
+def _with_halo(win_kv: torch.Tensor, window: int, halo: Optional[torch.Tensor]) -> torch.Tensor:
+    """[B, W-1+T, C]: the W-1 window rows before the first query (another context-parallel
+    rank's, or zeros at the start of the sequence), then win_kv."""
+    if halo is None:
+        return F.pad(win_kv, (0, 0, window - 1, 0))
+    return torch.cat((halo.to(win_kv.dtype), win_kv), dim=1)
 
 
-def window_valid(doc_start: torch.Tensor, window: int) -> torch.Tensor:
+def window_keys(win_kv: torch.Tensor, window: int, halo: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """win_kv [B, T, C] -> [B, T, W, C]: keys t-W+1 .. t for every query t."""
+    return _with_halo(win_kv, window, halo).unfold(1, window, 1).transpose(-1, -2)
+
+
+def window_valid(doc_start: torch.Tensor, window: int, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
     """[B, T, W] bool: key position t-W+1+w exists and lies in query t's document."""
-    T = doc_start.shape[1]
-    key_pos = torch.arange(T, device=doc_start.device).unsqueeze(-1) - (window - 1) \
-        + torch.arange(window, device=doc_start.device)  # [T, W]
+    if positions is None:
+        positions = torch.arange(doc_start.shape[1], device=doc_start.device).expand_as(doc_start)
+    key_pos = positions.unsqueeze(-1) - (window - 1) + torch.arange(window, device=doc_start.device)  # [B, T, W]
     return key_pos >= doc_start.unsqueeze(-1)
 
 
 def sparse_attention(q: torch.Tensor, win_kv: torch.Tensor, glob_kv: Optional[torch.Tensor],
                      idx: Optional[torch.Tensor], doc_start: torch.Tensor, sink: torch.Tensor,
-                     scale: float, window: int):
+                     scale: float, window: int, positions: Optional[torch.Tensor] = None,
+                     halo: Optional[torch.Tensor] = None):
     """q [B, T, H, C]; win_kv [B, T, C]; glob_kv [B, S, C]; idx [B, T, k] entry ids (-1 = empty);
-    doc_start [B, T]; sink [H] -> (out [B, T, H, C], probabilities on idx [B, T, H, k] or None)."""
-    wk = window_keys(win_kv, window)  # [B, T, W, C]
+    doc_start [B, T]; sink [H]; positions [B, T] global query positions (default 0..T-1);
+    halo [B, W-1, C] window rows before the first query (context parallelism)
+    -> (out [B, T, H, C], probabilities on idx [B, T, H, k] or None)."""
+    wk = window_keys(win_kv, window, halo)  # [B, T, W, C]
     logits = torch.einsum("bthc,btwc->bthw", wide(q), wide(wk)) * scale
-    logits = logits.masked_fill(~window_valid(doc_start, window).unsqueeze(2), NEG_INF)
+    logits = logits.masked_fill(~window_valid(doc_start, window, positions).unsqueeze(2), NEG_INF)
     W = logits.shape[-1]
     if glob_kv is not None:
         B = q.shape[0]
@@ -66,15 +76,20 @@ def sparse_attention(q: torch.Tensor, win_kv: torch.Tensor, glob_kv: Optional[to
 
 def dense_attention(q: torch.Tensor, win_kv: torch.Tensor, glob_kv: Optional[torch.Tensor],
                     idx: Optional[torch.Tensor], doc_start: torch.Tensor, sink: torch.Tensor,
-                    scale: float, window: int):
+                    scale: float, window: int, positions: Optional[torch.Tensor] = None,
+                    halo: Optional[torch.Tensor] = None):
     """Same contract as `sparse_attention`, computed against every key with masks."""
     B, T, H, _ = q.shape
-    t = torch.arange(T, device=q.device)
-    s = t.unsqueeze(0)
-    band = (s <= t.unsqueeze(1)) & (s > t.unsqueeze(1) - window)  # [T, T]
-    win_ok = band & (s >= doc_start.unsqueeze(-1))  # [B, T, T]
-    logits = torch.einsum("bthc,bsc->bths", wide(q), wide(win_kv)) * scale
+    if positions is None:
+        positions = torch.arange(T, device=q.device).expand(B, T)
+    keys = win_kv if halo is None else torch.cat((halo.to(win_kv.dtype), win_kv), dim=1)  # [B, K, C]
+    first = positions[:, :1] - (0 if halo is None else halo.shape[1])  # position of key 0
+    key_pos = first + torch.arange(keys.shape[1], device=q.device)  # [B, K]
+    t, s = positions.unsqueeze(-1), key_pos.unsqueeze(1)  # [B, T, 1], [B, 1, K]
+    win_ok = (s <= t) & (s > t - window) & (s >= doc_start.unsqueeze(-1))  # [B, T, K]
+    logits = torch.einsum("bthc,bsc->bths", wide(q), wide(keys)) * scale
     logits = logits.masked_fill(~win_ok.unsqueeze(2), NEG_INF)
+    W = keys.shape[1]
     if glob_kv is not None:
         S = glob_kv.shape[1]
         chosen = torch.zeros(B, T, S + 1, dtype=torch.bool, device=q.device)
@@ -83,10 +98,10 @@ def dense_attention(q: torch.Tensor, win_kv: torch.Tensor, glob_kv: Optional[tor
         g_logits = g_logits.masked_fill(~chosen[..., :S].unsqueeze(2), NEG_INF)
         logits = torch.cat((logits, g_logits), dim=-1)
     p = _softmax_with_sink(logits, sink)
-    out = torch.einsum("bths,bsc->bthc", p[..., :T], wide(win_kv))
+    out = torch.einsum("bths,bsc->bthc", p[..., :W], wide(keys))
     p_glob = None
     if glob_kv is not None:
-        pg = p[..., T:]
+        pg = p[..., W:]
         out = out + torch.einsum("bths,bsc->bthc", pg, wide(glob_kv))
         p_glob = pg.gather(-1, idx.clamp(min=0).unsqueeze(2).expand(B, T, H, -1))
         p_glob = p_glob.masked_fill((idx < 0).unsqueeze(2), 0.0)

@@ -180,23 +180,31 @@ class Engram(nn.Module):
         nn.init.ones_(self.hidden_norm.weight)
         nn.init.ones_(self.key_norm.weight)
 
-    def _context(self, lookup_ids: torch.Tensor, doc_start: torch.Tensor | None) -> torch.Tensor:
+    def _context(self, lookup_ids: torch.Tensor, doc_start: torch.Tensor | None,
+                 positions: torch.Tensor | None = None, history: torch.Tensor | None = None) -> torch.Tensor:
         """[B, T] -> [B, T, max_n] with [..., i] the id at t - i, or pad_id before the sequence
-        start or inside an earlier document."""
+        start or inside an earlier document. positions [B, T]: global positions of the ids (a
+        context-parallel slice); history [B, >= max_n-1]: the ids just before the slice."""
         T = lookup_ids.shape[1]
-        pos = torch.arange(T, device=lookup_ids.device)  # [T]
+        pos = torch.arange(T, device=lookup_ids.device) if positions is None else positions  # [T] or [B, T]
+        keep = max(self.orders) - 1
+        if history is None:
+            ctx = F.pad(lookup_ids, (keep, 0), value=self.pad_id)  # [B, keep + T]
+        else:
+            ctx = torch.cat((history[:, history.shape[1] - keep:].to(lookup_ids.dtype), lookup_ids), dim=1)
         cols = []
         for i in range(max(self.orders)):
-            shifted = F.pad(lookup_ids, (i, 0), value=self.pad_id)[:, :T]  # [B, T] id at t - i
+            shifted = ctx[:, keep - i:keep - i + T]  # [B, T] id at t - i
             if doc_start is not None:
                 shifted = shifted.masked_fill(pos - i < doc_start, self.pad_id)  # [B, T]
             cols.append(shifted)
         return torch.stack(cols, dim=-1)  # [B, T, max_n]
 
-    def addresses(self, lookup_ids: torch.Tensor, doc_start: torch.Tensor | None = None) -> torch.Tensor:
+    def addresses(self, lookup_ids: torch.Tensor, doc_start: torch.Tensor | None = None,
+                  positions: torch.Tensor | None = None, history: torch.Tensor | None = None) -> torch.Tensor:
         """lookup_ids [B, T] int64 (compressed, < 2^20), doc_start [B, T] or None -> table rows
         [B, T, orders*heads]. Depends on ids only, so it can run ahead of the model (prefetch)."""
-        grams = self._context(lookup_ids.long(), doc_start)  # [B, T, max_n]
+        grams = self._context(lookup_ids.long(), doc_start, positions, history)  # [B, T, max_n]
         hashes = []
         for o, n in enumerate(self.orders):
             prod = grams[:, :, None, :n] * self.multipliers[o, :, :n]  # [B, T, H, n] < 2^51: no overflow
@@ -207,13 +215,13 @@ class Engram(nn.Module):
         hashed = torch.cat(hashes, dim=-1)  # [B, T, O*H], (order, head) order like primes/offsets
         return hashed % self.primes + self.offsets  # [B, T, O*H]
 
-    def forward(self, h: torch.Tensor, lookup_ids: torch.Tensor,
-                doc_start: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, lookup_ids: torch.Tensor, doc_start: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None, history: torch.Tensor | None = None) -> torch.Tensor:
         """h [B, T, n_streams, D] residual streams -> h + gate * value, same shape and dtype."""
         B, T, S, D = h.shape
         if S != self.n_streams or D != self.dim:
             raise ValueError(f"expected streams [B, T, {self.n_streams}, {self.dim}], got {tuple(h.shape)}")
-        rows = self.table.lookup(self.addresses(lookup_ids, doc_start))  # [B, T, O*H, E]
+        rows = self.table.lookup(self.addresses(lookup_ids, doc_start, positions, history))  # [B, T, O*H, E]
         kv = self.proj(rows.flatten(2).to(self.proj.weight.dtype))  # [B, T, (S+1)*D]
         kv = wide(kv.unflatten(-1, (S + 1, D)))  # [B, T, S+1, D]
         keys, value = kv[:, :, :S], kv[:, :, S:]  # [B, T, S, D], [B, T, 1, D]

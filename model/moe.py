@@ -111,24 +111,30 @@ class MoE(nn.Module):
         y = y * weights.flatten()[order].unsqueeze(-1).to(y.dtype)
         return torch.zeros_like(x).index_add_(0, token, y)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [B, T, D] -> (y [B, T, D], sequence-wise balance loss scalar)."""
+    def forward(self, x: torch.Tensor, shard=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, D] -> (y [B, T, D], sequence-wise balance loss scalar). `shard`: where the T
+        tokens sit in the sequence (see model.runtime.SequenceShard); None: the whole sequence."""
         B, T, D = x.shape
         flat = x.reshape(B * T, D)
         scores, chosen, weights = self.router(flat)
         y = self.dispatch(flat, chosen, weights)
         if self.shared is not None:
             y = y + self.shared(flat)
-        return y.view(B, T, D), self.sequence_balance_loss(scores, chosen, B, T)
+        return y.view(B, T, D), self.sequence_balance_loss(scores, chosen, B, T, shard)
 
-    def sequence_balance_loss(self, scores, chosen, B: int, T: int) -> torch.Tensor:
-        """alpha * sum_e f_e P_e per sequence (DeepSeek-V3): f_e = E/(k T) * tokens routed to e,
-        P_e = mean over tokens of the normalised affinity."""
+    def sequence_balance_loss(self, scores, chosen, B: int, T: int, shard=None) -> torch.Tensor:
+        """alpha * sum_e f_e P_e per sequence (DeepSeek-V3): f_e = E/(k L) * tokens routed to e,
+        P_e = mean over the L tokens of the normalised affinity. A slice of the sequence (context
+        parallelism) gets the whole sequence's f and its own tokens' share of P, scaled by the
+        number of slices, so the slices' losses average to the whole sequence's."""
         if self.seq_aux_alpha <= 0 or not self.training:
             return scores.new_zeros(())
         E = self.n_routed
-        hits = torch.zeros(B, E, device=scores.device).scatter_add_(
-            1, chosen.view(B, T * self.topk), torch.ones(B, T * self.topk, device=scores.device))
-        f = hits * E / (self.topk * T)
-        p = (scores / scores.sum(-1, keepdim=True)).view(B, T, E).mean(1)
-        return self.seq_aux_alpha * (f * p).sum(-1).mean()
+        hits = torch.zeros(B, E, device=scores.device, dtype=scores.dtype).scatter_add_(
+            1, chosen.view(B, T * self.topk), torch.ones(B, T * self.topk, device=scores.device, dtype=scores.dtype))
+        length, parts = T, 1
+        if shard is not None:
+            hits, length, parts = shard.sum(hits), shard.total_len or T, shard.parts
+        f = hits * E / (self.topk * length)
+        p = (scores / scores.sum(-1, keepdim=True)).view(B, T, E).sum(1) / length
+        return parts * self.seq_aux_alpha * (f * p).sum(-1).mean()

@@ -24,7 +24,7 @@ from model.mhc import HyperConnection, initial_pre, mix_streams, update_streams
 from model.moe import MoE, RoutedExperts
 from model.numerics import wide
 from model.plan import LayerSpec, build_layer_plan
-from model.runtime import AttentionRuntime
+from model.runtime import AttentionRuntime, SequenceShard
 
 
 @dataclass
@@ -60,7 +60,7 @@ class Block(nn.Module):
         y = self.attn(self.attn_norm(mix_streams(pre, h)), rt)  # [B, T, D]
         h = update_streams(h, y, post, comb)
         post, comb, next_pre = self.ffn_hc(h)
-        y, balance = self.moe(self.ffn_norm(mix_streams(ffn_pre, h)))
+        y, balance = self.moe(self.ffn_norm(mix_streams(ffn_pre, h)), rt.shard)
         rt.aux_losses.append(balance)
         return update_streams(h, y, post, comb), next_pre
 
@@ -128,14 +128,15 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 doc_ids: Optional[torch.Tensor] = None, collect_recall: bool = False,
-                keep_runtime: bool = False) -> ModelOutput:
+                keep_runtime: bool = False, shard: Optional[SequenceShard] = None) -> ModelOutput:
         """input_ids [B, T]; labels [B, T] (-100 = ignore); doc_ids [B, T] document index of each
         position (attention never crosses documents). With labels: losses; without: logits.
-        `self.indexer_mode` ("sparse" | "dense" warm-up) is set by the training stage."""
+        `self.indexer_mode` ("sparse" | "dense" warm-up) is set by the training stage. `shard`:
+        the tokens are a slice of a longer sequence (context parallelism)."""
         B, T = input_ids.shape
         rt = AttentionRuntime(B, T, input_ids.device, doc_ids,
                               with_indexer_loss=labels is not None and self.training and self.cfg.indexer_loss_coef > 0,
-                              indexer_mode=self.indexer_mode, collect_recall=collect_recall)
+                              indexer_mode=self.indexer_mode, collect_recall=collect_recall, shard=shard)
         x = self.hidden(input_ids, rt)  # [B, T, D]
         if labels is None:
             return ModelOutput(logits=wide(self.head(x)), runtime=rt if keep_runtime else None)
@@ -168,9 +169,12 @@ class Transformer(nn.Module):
         h = self.embed(input_ids).unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1).contiguous()  # [B, T, n, D]
         pre = initial_pre(h)
         lookup = self.lookup_map[input_ids] if len(self.engrams) else None
+        history = rt.shard.history
+        if history is not None and lookup is not None:
+            history = self.lookup_map[history]
         for layer in self.layers:
             engram = self.engrams[str(layer.spec.layer_id)] if layer.spec.engram else None
             if engram is not None:
-                h = engram(h, lookup, rt.doc_start)
+                h = engram(h, lookup, rt.doc_start, rt.positions, history)
             h, pre = layer(h, pre, rt)
         return self.norm(mix_streams(pre, h))

@@ -37,42 +37,57 @@ class ParallelLayout:
     ep_ranks: list[int]
     expert_dp_group: Optional[dist.ProcessGroup]  # ranks holding the same experts
     expert_dp_ranks: list[int]
+    cp: int = 1
+    cp_group: Optional[dist.ProcessGroup] = None  # ranks sharing one sequence, a slice each
 
     @property
     def dp(self) -> int:
-        return self.world_size // self.ep
+        """Data-parallel degree: how many different samples a step trains on side by side."""
+        return self.world_size // self.cp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.cp
 
     @property
     def ep_rank(self) -> int:
         return self.rank % self.ep
 
+    @property
+    def cp_rank(self) -> int:
+        return self.rank % self.cp
+
     def describe(self) -> str:
-        return f"DP {self.dp} x EP {self.ep}"
+        return f"DP {self.dp} x CP {self.cp}, EP {self.ep}" if self.cp > 1 else f"DP {self.dp} x EP {self.ep}"
 
 
-def build_layout(rank: int, world_size: int, ep: int, n_experts: int) -> ParallelLayout:
-    """Validate DP x EP and create the process groups (collective: every rank calls it)."""
-    if ep < 1:
-        raise ConfigError(f"trainer.expert_parallel={ep}: must be >= 1")
-    if world_size % ep:
-        raise ConfigError(f"trainer.expert_parallel={ep} does not divide the world size {world_size}")
+def _groups(rank: int, world_size: int, blocks: list[list[int]]):
+    """Create every group (new_group is collective: all ranks, same order); return this rank's."""
+    mine = (None, [rank])
+    for ranks in blocks:
+        pg = dist.new_group(ranks)
+        if rank in ranks:
+            mine = (pg, ranks)
+    return mine
+
+
+def build_layout(rank: int, world_size: int, ep: int, n_experts: int, cp: int = 1) -> ParallelLayout:
+    """Validate the layout and create its process groups (collective: every rank calls it).
+    Ranks [g*EP, (g+1)*EP) form an expert-parallel group; ranks [c*CP, (c+1)*CP) share a
+    sequence (context parallelism), so data parallelism runs over world / CP samples."""
+    for name, degree in (("expert_parallel", ep), ("context_parallel", cp)):
+        if degree < 1:
+            raise ConfigError(f"trainer.{name}={degree}: must be >= 1")
+        if world_size % degree:
+            raise ConfigError(f"trainer.{name}={degree} does not divide the world size {world_size}")
     if n_experts % ep:
         raise ConfigError(f"trainer.expert_parallel={ep} does not divide model.n_routed_experts={n_experts}")
-    ep_groups = [list(range(g * ep, (g + 1) * ep)) for g in range(world_size // ep)]
-    edp_groups = [list(range(i, world_size, ep)) for i in range(ep)]
-    mine = {}
-    if world_size > 1:  # new_group is collective: every rank creates every group, in one order
-        for ranks in ep_groups:
-            pg = dist.new_group(ranks)
-            if rank in ranks:
-                mine["ep"] = (pg, ranks)
-        for ranks in edp_groups:
-            pg = dist.new_group(ranks)
-            if rank in ranks:
-                mine["edp"] = (pg, ranks)
-    ep_pg, ep_ranks = mine.get("ep", (None, [rank]))
-    edp_pg, edp_ranks = mine.get("edp", (None, [rank]))
-    return ParallelLayout(rank, world_size, ep, ep_pg, ep_ranks, edp_pg, edp_ranks)
+    if world_size == 1:
+        return ParallelLayout(rank, 1, ep, None, [rank], None, [rank], cp, None)
+    ep_pg, ep_ranks = _groups(rank, world_size, [list(range(g * ep, (g + 1) * ep)) for g in range(world_size // ep)])
+    edp_pg, edp_ranks = _groups(rank, world_size, [list(range(i, world_size, ep)) for i in range(ep)])
+    cp_pg, _ = _groups(rank, world_size, [list(range(c * cp, (c + 1) * cp)) for c in range(world_size // cp)])
+    return ParallelLayout(rank, world_size, ep, ep_pg, ep_ranks, edp_pg, edp_ranks, cp, cp_pg)
 
 
 class CommTimer:

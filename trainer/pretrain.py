@@ -21,6 +21,7 @@ from model.engram import build_compression_map
 from model.transformer import Transformer
 from optim import CompositeOptimizer, Replicas, build_optimizer, lr_multiplier
 from trainer.checkpoint import CheckpointManager
+from trainer.context_parallel import check_slices, slice_batch
 from trainer.distributed import DistInfo, all_reduce_sum_, init_distributed
 from trainer.engine import build_engine
 from trainer.metrics import MetricsLog, device_peak_flops, moe_balance
@@ -103,15 +104,21 @@ class Trainer:
         d = self.dist
         self.total_params = sum(p.numel() for p in self.model.parameters())
         self.flops_per_token = train_flops_per_token(self.model, cfg.data.seq_len)  # before sharding
-        self.layout = build_layout(d.rank, d.world_size, tc.expert_parallel, self.model.cfg.n_routed_experts)
+        self.layout = build_layout(d.rank, d.world_size, tc.expert_parallel, self.model.cfg.n_routed_experts,
+                                   tc.context_parallel)
+        check_slices(cfg.data.seq_len, tc.context_parallel, self.model.cfg.window,
+                     max([s.compress_ratio for s in self.model.plan.layers] + [1]),
+                     max(cfg.model.engram_orders) if self.model.engrams else 1)
         self.expert_params = parallelize(self.model, self.layout)
         if tc.activation_checkpointing:
             checkpoint_blocks(self.model)
         CommTimer.enabled = tc.profile_comm
         self._build_optimizer()
-        self.loader = DistributedBatchLoader(self.train_ds, tc.micro_batch_size, d.rank, d.world_size, tc.seed)
-        self.val_loader = DistributedBatchLoader(self.val_ds, tc.micro_batch_size, d.rank, d.world_size,
-                                                 tc.seed, shuffle=False)
+        # context-parallel ranks share samples: the data is sharded over the DP index
+        dp, dp_rank = self.layout.dp, self.layout.dp_rank
+        self.loader = DistributedBatchLoader(self.train_ds, tc.micro_batch_size, dp_rank, dp, tc.seed)
+        self.val_loader = DistributedBatchLoader(self.val_ds, tc.micro_batch_size, dp_rank, dp, tc.seed,
+                                                 shuffle=False)
         self.ckpts = CheckpointManager(self.run_dir / "checkpoints", tc.keep_last, d.rank)
         self.step, self.tokens_seen = 0, 0
         self.resumed_from = self.ckpts.resolve(tc.resume)
@@ -122,7 +129,7 @@ class Trainer:
         self.tracker = build_tracker(cfg.logger, self.run_dir, container, run_id, d.rank)
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl",
                                   self.step if self.resumed_from is not None else None, d.is_main)
-        self.tokens_per_step = tc.micro_batch_size * cfg.data.seq_len * tc.grad_accum_steps * d.world_size
+        self.tokens_per_step = tc.micro_batch_size * cfg.data.seq_len * tc.grad_accum_steps * self.layout.dp
         self.peak_flops, self.peak_source = device_peak_flops(d.device, tc.peak_flops)
         if d.is_main:
             self._announce()
@@ -184,7 +191,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
     def _batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {k: v.to(self.dist.device, non_blocking=True) for k, v in batch.items()}
+        """On this rank's device; with context parallelism, this rank's slice plus its shard."""
+        batch = {k: v.to(self.dist.device, non_blocking=True) for k, v in batch.items()}
+        if self.layout.cp > 1:
+            batch, shard = slice_batch(batch, self.layout)
+            batch["shard"] = shard
+        return batch
 
     def train_step(self) -> dict[str, float]:
         tc, engine = self.cfg.trainer, self.engine
