@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from conf.model import ModelConfig
 from model.csa import ATTENTION_IMPLS, dense_attention
@@ -55,6 +56,9 @@ class CSA2Attention(nn.Module):
         self.n_heads, self.kv_dim, self.window = cfg.n_heads, cfg.kv_dim, cfg.window
         self.index_topk, self.pool_block, self.pool_blocks = cfg.index_topk, cfg.pool_block, cfg.pool_blocks
         self.indexer_loss_coef = cfg.indexer_loss_coef
+        self.attn_chunk = cfg.attn_chunk_tokens
+        if 0 < cfg.attn_chunk_tokens < cfg.window:
+            raise ValueError(f"attn_chunk_tokens={cfg.attn_chunk_tokens} must be 0 or at least window={cfg.window}")
         self.qat = cfg.kv_quant == "qat"
         self.attend = ATTENTION_IMPLS[cfg.attn_impl]
         self.scale = cfg.kv_dim ** -0.5
@@ -96,96 +100,132 @@ class CSA2Attention(nn.Module):
         if self.qat:
             win = fake_quant_fp8(win)
 
-        glob = idx = indexer = None
+        glob = iq = iw = None
         if self.spec.mode != "swa":
             if self.spec.owns_kv:
                 self._write_global_kv(x, rt)
             glob = rt.kv[self.spec.kv_source]
-            if self.index_query is not None:
-                idx, indexer = self._select(qr, x, rt)
-            else:
-                idx = rt.topk[self.spec.index_source]
+            if self.index_query is not None:  # the indexer learns only from its own loss: inputs detached
+                iq, iw = self.index_query(qr.detach(), x.detach(), angles, self.rotary, self.qat)
+        halo = rt.shard.halo(win, self.window - 1)  # window rows of the previous context-parallel slice
 
-        attend_idx = idx
-        if glob is not None and rt.indexer_mode == "dense":
-            attend_idx = rt.all_visible(self.spec.compress_ratio)  # [B, T, S]: column j is entry j
-        out, p_glob = self.attend(q, win, glob, attend_idx, rt.doc_start, self.sink, self.scale, self.window)
-        if indexer is not None and rt.with_indexer_loss:
-            rt.indexer_losses.append(self.indexer_loss_coef * self._indexer_loss(p_glob, attend_idx, idx, indexer, rt))
-        if indexer is not None and rt.collect_recall:
-            self._record_recall(q, win, glob, p_glob, idx, rt)
+        # Long sequences run in query chunks: every query's selection and attention depend only on
+        # the whole-sequence KV, so a chunk needs its own rows, the W-1 window rows before it and
+        # the global KV. Each chunk is checkpointed, so its O(chunk * (k + W)) scores live only
+        # while it runs.
+        chunk = self.attn_chunk if 0 < self.attn_chunk < T else T
+        outs, topk, pool, recall = [], [], [], []
+        loss = None
+        for lo in range(0, T, chunk):
+            hi = min(lo + chunk, T)
+            rows = slice(None) if chunk == T else slice(lo, hi)
+            idx = pool_rows = None
+            if glob is not None:
+                idx, pool_rows = self._select(iq, iw, rt, rows)
+                if iq is not None:  # Reuse layers read their source's top-k and publish none
+                    topk.append(idx)
+                    pool.append(pool_rows)
+            chunk_halo = halo if lo == 0 else win[:, lo - self.window + 1:lo]
+            args = (q[:, rows], win[:, rows], chunk_halo, None if iq is None else iq[:, rows],
+                    None if iw is None else iw[:, rows], glob, idx, rt, rows)
+            if chunk < T and torch.is_grad_enabled():
+                out, kl = checkpoint(self._attend_rows, *args, use_reentrant=False)
+            else:
+                out, kl = self._attend_rows(*args)
+            outs.append(out)
+            if kl is not None:
+                loss = kl * ((hi - lo) / T) if loss is None else loss + kl * ((hi - lo) / T)
+            if iq is not None and rt.collect_recall:
+                held = pool_rows if self.spec.mode == "full" else rt.pool[self.spec.kv_source][:, rows]
+                recall.append(self._recall_sums(q[:, rows], win[:, rows], chunk_halo, glob, idx, held, rt, rows))
+        if topk:
+            rt.topk[self.spec.layer_id] = topk[0] if len(topk) == 1 else torch.cat(topk, dim=1)
+        if pool and pool[0] is not None:
+            rt.pool[self.spec.layer_id] = pool[0] if len(pool) == 1 else torch.cat(pool, dim=1)
+        if loss is not None:
+            rt.indexer_losses.append(self.indexer_loss_coef * loss)
+        if recall:
+            got = torch.stack(recall).sum(0)  # [topk mass share sum, pool share sum, queries]
+            rt.recall["topk"].append(got[0] / got[2])
+            if self.spec.builds_pool or self.spec.mode == "reindex":
+                rt.recall["pool"].append(got[1] / got[2])
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)  # [B, T, H, C]
         out = self.rotary(out, angles.unsqueeze(-2), inverse=True)  # values carried RoPE
         grouped = out.flatten(2).unflatten(-1, (self.wo_a.shape[0], -1))  # [B, T, G, H/G*C]
         low = torch.einsum("btgi,goi->btgo", grouped, self.wo_a)  # [B, T, G, Ro]
         return self.wo_b(low.flatten(2))
 
-    def _candidates(self, rt: AttentionRuntime, attend_idx: torch.Tensor) -> torch.Tensor:
-        """What this layer's indexer scores: every visible entry (Full) or the pool (Reindex)."""
-        return attend_idx if self.spec.mode == "full" else rt.pool[self.spec.kv_source]
-
-    def _indexer_loss(self, p_glob, attend_idx, idx, indexer, rt: AttentionRuntime) -> torch.Tensor:
-        """Sparse stage: KL on the selected set. Dense warm-up: KL towards the dense attention
-        over everything the indexer scores."""
-        if rt.indexer_mode == "sparse":
-            return indexer_kl(p_glob, idx, *indexer)
-        cand = self._candidates(rt, attend_idx)  # [B, T, P]
-        p_cand = _probs_at(p_glob, cand)  # attend_idx lists entry j in column j
-        return indexer_kl(p_cand, cand, *indexer)
+    def _attend_rows(self, q, win, halo, iq, iw, glob, idx, rt: AttentionRuntime, rows: slice):
+        """Attention of the queries in `rows` and their indexer loss (None when not wanted)."""
+        attend_idx = idx
+        if glob is not None and rt.indexer_mode == "dense":
+            attend_idx = rt.all_visible(self.spec.compress_ratio, rows)  # [B, Tc, S]: column j is entry j
+        out, p_glob = self.attend(q, win, glob, attend_idx, rt.doc_start[:, rows], self.sink, self.scale,
+                                  self.window, rt.positions[:, rows], halo)
+        kl = None
+        if iq is not None and rt.with_indexer_loss:
+            keys = rt.index_k[self.spec.kv_source]
+            if rt.indexer_mode == "sparse":  # KL on the selected set
+                kl = indexer_kl(p_glob, idx, iq, iw, keys)
+            else:  # dense warm-up: KL towards the dense attention over everything the indexer scores
+                cand = attend_idx if self.spec.mode == "full" else rt.pool[self.spec.kv_source][:, rows]
+                kl = indexer_kl(_probs_at(p_glob, cand), cand, iq, iw, keys)
+        return out, kl
 
     @torch.no_grad()
-    def _record_recall(self, q, win, glob, p_glob, idx, rt: AttentionRuntime) -> None:
-        """Share of the dense global attention mass (summed over heads) that the top-k, and the
-        pool where there is one, hold; averaged over queries that see any entry."""
-        all_ids = rt.all_visible(self.spec.compress_ratio)
-        if rt.indexer_mode == "dense":
-            p_all = p_glob
-        else:
-            _, p_all = dense_attention(q, win, glob, all_ids, rt.doc_start, self.sink, self.scale, self.window)
-        mass = p_all.sum(2)  # [B, T, S] over entry ids
+    def _recall_sums(self, q, win, halo, glob, idx, pool, rt: AttentionRuntime, rows: slice) -> torch.Tensor:
+        """Share of the dense global attention mass (summed over heads) that the top-k idx, and the
+        pool [B, Tc, P] where there is one (else None), hold, summed over the queries in `rows` that see any entry
+        -> [topk share sum, pool share sum, number of such queries]."""
+        all_ids = rt.all_visible(self.spec.compress_ratio, rows)
+        _, p_all = dense_attention(q, win, glob, all_ids, rt.doc_start[:, rows], self.sink, self.scale,
+                                   self.window, rt.positions[:, rows], halo)
+        mass = p_all.sum(2)  # [B, Tc, S] over entry ids
         total = mass.sum(-1)
-        rows = total > 0
+        seen = total > 0
 
         def share(ids: torch.Tensor) -> torch.Tensor:
             got = mass.gather(-1, ids.clamp(min=0)).masked_fill(ids < 0, 0.0).sum(-1)
-            return (got[rows] / total[rows]).mean()
+            return (got[seen] / total[seen]).sum()
 
-        rt.recall["topk"].append(share(idx))
-        pool = rt.pool.get(self.spec.layer_id, rt.pool.get(self.spec.kv_source)) if rt.pool else None
-        if pool is not None:
-            rt.recall["pool"].append(share(pool))
+        pool_share = share(pool) if pool is not None else total.new_zeros(())
+        return torch.stack((share(idx), pool_share, seen.sum().to(total.dtype)))
 
     def _write_global_kv(self, x: torch.Tensor, rt: AttentionRuntime) -> None:
         """Full layers only: compressed latent (RoPE at j*m, FP4 QAT) and MXFP4 index keys."""
-        latent = self.compressor(x)  # [B, S, C]
+        m = self.spec.compress_ratio
+        latent = self.compressor(x)  # [B, S_local, C] entries of this slice's tokens
         B, S, _ = latent.shape
-        entry_pos = (torch.arange(S, device=x.device) * self.spec.compress_ratio).expand(B, S)
+        first = rt.shard.offset // m  # global id of the first local entry
+        entry_pos = ((first + torch.arange(S, device=x.device)) * m).expand(B, S)
         entry_angles = self.rotary.angles(entry_pos)  # [B, S, R/2]
         latent = self.rotary(latent, entry_angles)
         if self.qat:
             latent = fake_quant_kv_fp4(latent)
-        rt.kv[self.spec.layer_id] = latent
         # the indexer learns only from its own loss: its inputs are detached
-        rt.index_k[self.spec.layer_id] = self.index_key(latent.detach(), entry_angles, self.rotary, self.qat)
+        index_k = self.index_key(latent.detach(), entry_angles, self.rotary, self.qat)
+        rt.kv[self.spec.layer_id] = rt.shard.gather(latent)  # [B, S_total, C]
+        rt.index_k[self.spec.layer_id] = rt.shard.gather(index_k)
 
-    def _select(self, qr: torch.Tensor, x: torch.Tensor, rt: AttentionRuntime):
-        """Full: score every visible entry; Reindex: score only inside the source's pool.
-        Returns the top-k ids [B, T, k] and (index queries, head weights, index keys)."""
+    @torch.no_grad()
+    def _select(self, iq, iw, rt: AttentionRuntime, rows: slice):
+        """Top-k ids [B, Tc, k] of the queries in `rows`, and the candidate pool [B, Tc, P] when this
+        layer builds one (else None). Full: score every visible entry; Reindex: score only inside
+        the source's pool; Reuse: the source's top-k."""
         spec, m = self.spec, self.spec.compress_ratio
-        angles = self.rotary.angles(rt.positions)
-        iq, iw = self.index_query(qr.detach(), x.detach(), angles, self.rotary, self.qat)
+        if iq is None:
+            return rt.topk[spec.index_source][:, rows], None
         keys = rt.index_k[spec.kv_source]
-        with torch.no_grad():
-            if spec.mode == "full":
-                scores = index_scores(iq, iw, keys).masked_fill(~rt.visible(m), NEG_INF)
-                idx = select_topk(scores, self.index_topk)
-                if spec.builds_pool:
-                    rt.pool[spec.layer_id] = candidate_pool(scores, rt.newest_visible(m),
-                                                            self.pool_block, self.pool_blocks)
-            else:  # reindex
-                cand = rt.pool[spec.kv_source]
-                idx = select_topk(index_scores_at(iq, iw, keys, cand), self.index_topk, positions=cand)
-        rt.topk[spec.layer_id] = idx
-        return idx, (iq, iw, keys)
+        iq, iw = iq[:, rows], iw[:, rows]
+        if spec.mode == "full":
+            scores = index_scores(iq, iw, keys).masked_fill(~rt.visible(m, rows), NEG_INF)
+            idx = select_topk(scores, self.index_topk)
+            pool = None
+            if spec.builds_pool:
+                pool = candidate_pool(scores, rt.newest_visible(m, rows), self.pool_block, self.pool_blocks)
+            return idx, pool
+        cand = rt.pool[spec.kv_source][:, rows]  # reindex
+        return select_topk(index_scores_at(iq, iw, keys, cand), self.index_topk, positions=cand), None
 
 
 def _probs_at(p_glob: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -206,7 +246,9 @@ def indexer_kl(p_glob: torch.Tensor, idx: torch.Tensor, iq: torch.Tensor, iw: to
     mass = target.sum(-1)
     rows = mass > 0  # queries that attended to at least one selected entry
     if not bool(rows.any()):
-        return target.new_zeros(())
+        # still connected to the indexer's inputs, so every context-parallel rank runs the same
+        # backward collectives
+        return (wide(iq).sum() + iw.sum() + wide(keys).sum()) * 0.0
     target = target[rows] / mass[rows].unsqueeze(-1)
     log_q = F.log_softmax(index_scores_at(iq, iw, keys, idx)[rows], dim=-1)
     kl = torch.where(target > 0, target * (target.clamp(min=1e-30).log() - log_q), 0.0)

@@ -21,20 +21,55 @@ def document_starts(doc_ids: torch.Tensor) -> torch.Tensor:
     return torch.where(change, pos, torch.zeros_like(pos)).cummax(dim=1).values
 
 
+class SequenceShard:
+    """Where this forward's tokens sit in the whole sequence. The default is all of it, on this
+    device. Context parallelism (trainer/context_parallel.py) gives each rank a slice and
+    overrides the three collectives below; model code only calls them.
+
+    offset, total_len   the slice is tokens [offset, offset + T) of total_len
+    doc_start           [B, T] first position (global) of each token's document, or None
+    history             [B, h] token ids just before the slice (None: the sequence starts here)
+    parts               how many slices the sequence is cut into
+    """
+
+    def __init__(self, offset: int = 0, total_len: Optional[int] = None, doc_start: Optional[torch.Tensor] = None,
+                 history: Optional[torch.Tensor] = None, parts: int = 1):
+        self.offset, self.total_len, self.doc_start, self.history, self.parts = (
+            offset, total_len, doc_start, history, parts)
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """[B, S_local, ...] of every slice, concatenated along dim 1 in sequence order."""
+        return t
+
+    def halo(self, t: torch.Tensor, n: int) -> Optional[torch.Tensor]:
+        """The last n rows [B, n, ...] of the previous slice's t (None: nothing before)."""
+        return None
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over the slices of one sequence (no gradient)."""
+        return t
+
+
 class AttentionRuntime:
     def __init__(self, batch: int, seq_len: int, device: torch.device,
                  doc_ids: Optional[torch.Tensor] = None, with_indexer_loss: bool = False,
-                 indexer_mode: str = "sparse", collect_recall: bool = False):
+                 indexer_mode: str = "sparse", collect_recall: bool = False,
+                 shard: Optional[SequenceShard] = None):
         """indexer_mode: "sparse" attends to each query's top-k (the model as specified);
         "dense" attends to every visible entry (the indexer's dense warm-up, DeepSeek-V3.2).
         collect_recall: measure how much of the dense attention mass the top-k and the pool hold."""
         if indexer_mode not in ("sparse", "dense"):
             raise ValueError(f"indexer_mode={indexer_mode!r}: expected sparse or dense")
-        self.positions = torch.arange(seq_len, device=device).expand(batch, seq_len)  # [B, T]
-        if doc_ids is None:
+        self.shard = shard or SequenceShard()
+        self.total_len = self.shard.total_len or seq_len
+        offset = self.shard.offset
+        self.positions = (offset + torch.arange(seq_len, device=device)).expand(batch, seq_len)  # [B, T] global
+        if self.shard.doc_start is not None:
+            self.doc_start = self.shard.doc_start
+        elif doc_ids is None:
             self.doc_start = torch.zeros(batch, seq_len, dtype=torch.long, device=device)
         else:
-            self.doc_start = document_starts(doc_ids)
+            self.doc_start = document_starts(doc_ids) + offset
         self.with_indexer_loss = with_indexer_loss
         self.indexer_mode, self.collect_recall = indexer_mode, collect_recall
         self.recall: dict[str, list[torch.Tensor]] = {"topk": [], "pool": []}  # per-layer means
@@ -46,26 +81,31 @@ class AttentionRuntime:
         self.aux_losses: list[torch.Tensor] = []  # MoE balance losses
         self._visible: dict[int, torch.Tensor] = {}
 
-    def visible(self, m: int) -> torch.Tensor:
+    def visible(self, m: int, rows: slice = slice(None)) -> torch.Tensor:
         """[B, T, S] bool: compressed entry j (tokens j*m .. j*m+m-1) is visible to query t when
-        the whole block is in t's past, (j+1)*m <= t+1, and inside t's document."""
-        if m not in self._visible:
-            B, T = self.positions.shape
-            j = torch.arange(T // m, device=self.positions.device)
-            t = self.positions.unsqueeze(-1)
-            causal = (j + 1) * m <= t + 1
-            same_doc = j * m >= self.doc_start.unsqueeze(-1)
-            self._visible[m] = causal & same_doc
-        return self._visible[m]
+        the whole block is in t's past, (j+1)*m <= t+1, and inside t's document. `rows`: only
+        those queries (a chunk of a long sequence; not cached, since it is O(T * S) in all)."""
+        whole = rows == slice(None)
+        if whole and m in self._visible:
+            return self._visible[m]
+        j = torch.arange(self.total_len // m, device=self.positions.device)
+        t = self.positions[:, rows].unsqueeze(-1)
+        causal = (j + 1) * m <= t + 1
+        same_doc = j * m >= self.doc_start[:, rows].unsqueeze(-1)
+        vis = causal & same_doc
+        if whole:
+            self._visible[m] = vis
+        return vis
 
-    def all_visible(self, m: int) -> torch.Tensor:
+    def all_visible(self, m: int, rows: slice = slice(None)) -> torch.Tensor:
         """[B, T, S] entry ids, -1 where invisible: "select everything" for dense attention."""
-        vis = self.visible(m)
+        vis = self.visible(m, rows)
         ids = torch.arange(vis.shape[-1], device=vis.device).expand_as(vis)
         return torch.where(vis, ids, torch.full_like(ids, -1))
 
-    def newest_visible(self, m: int) -> torch.Tensor:
+    def newest_visible(self, m: int, rows: slice = slice(None)) -> torch.Tensor:
         """[B, T]: the newest visible compressed entry per query, -1 when none."""
-        newest = (self.positions + 1) // m - 1
-        ok = (newest >= 0) & (newest * m >= self.doc_start)
+        positions, doc_start = self.positions[:, rows], self.doc_start[:, rows]
+        newest = (positions + 1) // m - 1
+        ok = (newest >= 0) & (newest * m >= doc_start)
         return torch.where(ok, newest, torch.full_like(newest, -1))

@@ -1,6 +1,7 @@
 """Memory features give the same numbers: chunked LM loss, activation checkpointing."""
 import dataclasses
 
+import pytest
 import torch
 
 from conf.model import TinyModelConfig
@@ -52,3 +53,40 @@ def test_activation_checkpointing_keeps_loss_and_gradients():
     assert ga.keys() == gb.keys()  # every parameter, including compressors read by later layers
     for name in ga:
         torch.testing.assert_close(ga[name], gb[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("impl, indexer_mode", [("sparse", "sparse"), ("dense", "sparse"), ("sparse", "dense")])
+def test_query_chunked_attention_equals_whole_sequence(impl, indexer_mode):
+    """Query chunks (uneven: 64 = 24 + 24 + 16) give the same losses, gradients, recall, top-k and
+    pool. A small window, top-k and pool make every chunk boundary matter: window rows cross it,
+    and the selection is a strict subset of the visible entries."""
+    cfg = dataclasses.replace(CFG, window=8, index_topk=4, pool_block=2, pool_blocks=3, attn_impl=impl)
+    torch.manual_seed(0)
+    whole = Transformer(cfg)
+    chunked = Transformer(dataclasses.replace(cfg, attn_chunk_tokens=24))
+    chunked.load_state_dict(whole.state_dict())
+    for m in (whole, chunked):
+        m.indexer_mode = indexer_mode
+    a, b = whole(*_batch()[:1], doc_ids=_batch()[2], keep_runtime=True), chunked(
+        *_batch()[:1], doc_ids=_batch()[2], keep_runtime=True)
+    torch.testing.assert_close(a.logits, b.logits, rtol=1e-5, atol=1e-5)
+    assert a.runtime.topk.keys() == b.runtime.topk.keys() and a.runtime.pool.keys() == b.runtime.pool.keys()
+    assert a.runtime.pool  # the decoder's pool exists, so Reindex layers ran
+    for layer in a.runtime.topk:
+        assert torch.equal(a.runtime.topk[layer], b.runtime.topk[layer])
+    for layer in a.runtime.pool:
+        assert torch.equal(a.runtime.pool[layer], b.runtime.pool[layer])
+
+    ra, ga = _loss_and_grads(whole, *_batch())
+    rb, gb = _loss_and_grads(chunked, *_batch())
+    torch.testing.assert_close(ra, rb, rtol=1e-6, atol=1e-6)
+    assert ga.keys() == gb.keys() and any(".index_query." in n for n in ga)
+    for name in ga:
+        torch.testing.assert_close(ga[name], gb[name], rtol=1e-4, atol=1e-6, msg=name)
+    with torch.no_grad():
+        oa = whole(*_batch(), collect_recall=True)
+        ob = chunked(*_batch(), collect_recall=True)
+    assert oa.indexer_loss > 0
+    for key in ("indexer_loss", "topk_recall", "pool_recall"):
+        torch.testing.assert_close(getattr(oa, key), getattr(ob, key), rtol=1e-5, atol=1e-6, msg=key)
+    assert 0 < oa.topk_recall < 1  # the selection drops some attention mass: not a trivial comparison
