@@ -66,7 +66,7 @@ def main() -> None:
     ap.add_argument("--lengths", default="4096,16384,65536,131072")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--attn-chunk", type=int, default=2048)
-    ap.add_argument("--loss-chunk", type=int, default=8192)
+    ap.add_argument("--loss-chunk", type=int, default=4096)
     ap.add_argument("--vocab", type=int, default=129_280)
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -82,8 +82,8 @@ def main() -> None:
     for seq_len in lengths:
         try:
             results.append(measure(model, opt, seq_len, args.steps, args.vocab))
-        except torch.OutOfMemoryError:
-            results.append({"seq_len": seq_len, "oom": True})
+        except torch.OutOfMemoryError as e:
+            results.append({"seq_len": seq_len, "oom": str(e).split(".")[0]})
             break
         finally:
             opt.zero_grad(set_to_none=True)

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from model.numerics import wide
+from model.numerics import gather_rows, wide
 
 NEG_INF = float("-inf")
 
@@ -60,8 +60,7 @@ def sparse_attention(q: torch.Tensor, win_kv: torch.Tensor, glob_kv: Optional[to
     logits = logits.masked_fill(~window_valid(doc_start, window, positions).unsqueeze(2), NEG_INF)
     W = logits.shape[-1]
     if glob_kv is not None:
-        B = q.shape[0]
-        gk = glob_kv[torch.arange(B, device=q.device)[:, None, None], idx.clamp(min=0)]  # [B, T, k, C]
+        gk = gather_rows(glob_kv, idx.clamp(min=0))  # [B, T, k, C]
         g_logits = torch.einsum("bthc,btkc->bthk", wide(q), wide(gk)) * scale
         g_logits = g_logits.masked_fill((idx < 0).unsqueeze(2), NEG_INF)
         logits = torch.cat((logits, g_logits), dim=-1)

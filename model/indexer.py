@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from model.numerics import wide
+from model.numerics import gather_rows, wide
 from model.quant import fake_quant_mxfp4
 from model.rope import Rotary
 
@@ -50,19 +50,36 @@ class IndexQuery(nn.Module):
         return q, wide(self.weights_proj(x)) * self.weight_scale
 
 
+# elements of the [B, t, H, S] per-head logits that index_scores materialises at a time
+SCORE_BLOCK_ELEMENTS = 2**28
+
+
 def index_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """Against every entry: q [B, T, H, Di], w [B, T, H], k [B, S, Di] -> [B, T, S] fp32."""
-    logits = torch.einsum("bthd,bsd->bths", wide(q), wide(k)).relu()
-    return torch.einsum("bths,bth->bts", logits, w)
+    """Against every entry: q [B, T, H, Di], w [B, T, H], k [B, S, Di] -> [B, T, S] fp32.
+    Runs over blocks of queries, so the per-head logits stay within SCORE_BLOCK_ELEMENTS
+    whatever the context length (only the [B, T, S] result grows with it)."""
+    B, T, H, _ = q.shape
+    step = max(1, SCORE_BLOCK_ELEMENTS // (B * H * k.shape[1]))
+    kw = wide(k)
+    out = []
+    for lo in range(0, T, step):
+        logits = torch.einsum("bthd,bsd->bths", wide(q[:, lo:lo + step]), kw).relu_()
+        out.append(torch.einsum("bths,bth->bts", logits, w[:, lo:lo + step]))
+    return out[0] if len(out) == 1 else torch.cat(out, dim=1)
 
 
 def index_scores_at(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
     """Only at candidate entries cand [B, T, P] (-1 = none): gathers P keys per query, so the
-    cost follows the pool size, not the context length -> [B, T, P] fp32 (-inf at -1)."""
+    cost follows the pool size, not the context length -> [B, T, P] fp32 (-inf at -1). Runs over
+    blocks of queries, so the gathered keys stay within SCORE_BLOCK_ELEMENTS."""
     B, T, P = cand.shape
-    keys = k[torch.arange(B, device=k.device)[:, None, None], cand.clamp(min=0)]  # [B, T, P, Di]
-    logits = torch.einsum("bthd,btpd->btph", wide(q), wide(keys)).relu()
-    scores = torch.einsum("btph,bth->btp", logits, w)
+    step = max(1, SCORE_BLOCK_ELEMENTS // (B * P * k.shape[-1]))
+    out = []
+    for lo in range(0, T, step):
+        keys = gather_rows(k, cand[:, lo:lo + step].clamp(min=0))  # [B, t, P, Di]
+        logits = torch.einsum("bthd,btpd->btph", wide(q[:, lo:lo + step]), wide(keys)).relu()
+        out.append(torch.einsum("btph,bth->btp", logits, w[:, lo:lo + step]))
+    scores = out[0] if len(out) == 1 else torch.cat(out, dim=1)
     return scores.masked_fill(cand < 0, NEG_INF)
 
 

@@ -107,7 +107,7 @@ class MoE(nn.Module):
         order = flat.argsort(stable=True)
         token = order // self.topk
         counts = torch.bincount(flat, minlength=self.n_routed).tolist()
-        y = self.experts(x[token], counts)  # [N*k, D], grouped by expert
+        y = self.experts(x.index_select(0, token), counts)  # [N*k, D], grouped by expert
         y = y * weights.flatten()[order].unsqueeze(-1).to(y.dtype)
         return torch.zeros_like(x).index_add_(0, token, y)
 

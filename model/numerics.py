@@ -6,3 +6,12 @@ def wide(t: torch.Tensor) -> torch.Tensor:
     """At least fp32; fp64 stays fp64, so a float64 model (numerical equivalence checks) is
     float64 end to end."""
     return t if t.dtype == torch.float64 else t.float()
+
+
+def gather_rows(x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """x [B, S, C], ids [B, ...] int (in [0, S)) -> [B, ..., C]: row ids[b, ...] of x[b].
+    Same values as x[arange(B)[:, None, ...], ids]; index_select's backward is a scatter-add,
+    where advanced indexing's is a sort-based index_put that dominated the training step."""
+    B, S, C = x.shape
+    flat = (ids + torch.arange(B, device=ids.device).view(B, *([1] * (ids.dim() - 1))) * S).reshape(-1)
+    return x.reshape(B * S, C).index_select(0, flat).view(*ids.shape, C)

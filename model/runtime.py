@@ -50,6 +50,27 @@ class SequenceShard:
         return t
 
 
+class _Sealable:
+    """Forward state that ignores writes once sealed. Activation checkpointing re-runs a block's
+    forward in the backward; what that recomputation writes here is not needed (later layers
+    already read the forward's tensors) and would hold the recomputed graph, and through it this
+    runtime, in a reference cycle: memory that grew with sequence length every step until the
+    garbage collector ran."""
+    sealed = False
+
+
+class ForwardDict(dict, _Sealable):
+    def __setitem__(self, key, value) -> None:
+        if not self.sealed:
+            super().__setitem__(key, value)
+
+
+class ForwardList(list, _Sealable):
+    def append(self, value) -> None:
+        if not self.sealed:
+            super().append(value)
+
+
 class AttentionRuntime:
     def __init__(self, batch: int, seq_len: int, device: torch.device,
                  doc_ids: Optional[torch.Tensor] = None, with_indexer_loss: bool = False,
@@ -72,14 +93,20 @@ class AttentionRuntime:
             self.doc_start = document_starts(doc_ids) + offset
         self.with_indexer_loss = with_indexer_loss
         self.indexer_mode, self.collect_recall = indexer_mode, collect_recall
-        self.recall: dict[str, list[torch.Tensor]] = {"topk": [], "pool": []}  # per-layer means
-        self.kv: dict[int, torch.Tensor] = {}  # owner layer -> compressed latent [B, S, C]
-        self.index_k: dict[int, torch.Tensor] = {}  # owner layer -> index keys [B, S, Di]
-        self.topk: dict[int, torch.Tensor] = {}  # Full/Reindex layer -> entry ids [B, T, k]
-        self.pool: dict[int, torch.Tensor] = {}  # pool-building layer -> entry ids [B, T, P]
-        self.indexer_losses: list[torch.Tensor] = []
-        self.aux_losses: list[torch.Tensor] = []  # MoE balance losses
+        self.recall: dict[str, list[torch.Tensor]] = {"topk": ForwardList(), "pool": ForwardList()}  # per-layer means
+        self.kv: dict[int, torch.Tensor] = ForwardDict()  # owner layer -> compressed latent [B, S, C]
+        self.index_k: dict[int, torch.Tensor] = ForwardDict()  # owner layer -> index keys [B, S, Di]
+        self.topk: dict[int, torch.Tensor] = ForwardDict()  # Full/Reindex layer -> entry ids [B, T, k]
+        self.pool: dict[int, torch.Tensor] = ForwardDict()  # pool-building layer -> entry ids [B, T, P]
+        self.indexer_losses: list[torch.Tensor] = ForwardList()
+        self.aux_losses: list[torch.Tensor] = ForwardList()  # MoE balance losses
         self._visible: dict[int, torch.Tensor] = {}
+
+    def seal(self) -> None:
+        """The forward is over and its outputs are read: later writes (recomputation) are dropped."""
+        for state in (self.kv, self.index_k, self.topk, self.pool, self.indexer_losses, self.aux_losses,
+                      *self.recall.values()):
+            state.sealed = True
 
     def visible(self, m: int, rows: slice = slice(None)) -> torch.Tensor:
         """[B, T, S] bool: compressed entry j (tokens j*m .. j*m+m-1) is visible to query t when

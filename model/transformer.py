@@ -138,6 +138,7 @@ class Transformer(nn.Module):
                               with_indexer_loss=labels is not None and self.training and self.cfg.indexer_loss_coef > 0,
                               indexer_mode=self.indexer_mode, collect_recall=collect_recall, shard=shard)
         x = self.hidden(input_ids, rt)  # [B, T, D]
+        rt.seal()  # what an activation-checkpoint recomputation writes later is dropped
         if labels is None:
             return ModelOutput(logits=wide(self.head(x)), runtime=rt if keep_runtime else None)
         lm = self.lm_loss(x, labels)

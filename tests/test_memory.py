@@ -90,3 +90,21 @@ def test_query_chunked_attention_equals_whole_sequence(impl, indexer_mode):
     for key in ("indexer_loss", "topk_recall", "pool_recall"):
         torch.testing.assert_close(getattr(oa, key), getattr(ob, key), rtol=1e-5, atol=1e-6, msg=key)
     assert 0 < oa.topk_recall < 1  # the selection drops some attention mass: not a trivial comparison
+
+
+def test_recomputation_leaves_no_state_behind():
+    """With activation checkpointing the backward re-runs every block. Those re-runs must not
+    add losses to the runtime or replace the forward's tensors (they would hold the recomputed
+    graphs alive, in a reference cycle with the runtime)."""
+    torch.manual_seed(0)
+    model = Transformer(CFG)
+    checkpoint_blocks(model)
+    x, y, doc = _batch()
+    out = model(x, doc_ids=doc, keep_runtime=True)
+    rt = out.runtime
+    before = {name: dict(getattr(rt, name)) for name in ("kv", "index_k", "topk", "pool")}
+    n_aux = len(rt.aux_losses)
+    out.logits.gather(-1, y.clamp(min=0).unsqueeze(-1)).sum().backward()
+    assert n_aux == CFG.n_layers and len(rt.aux_losses) == n_aux
+    for name, entries in before.items():
+        assert entries and all(getattr(rt, name)[k] is v for k, v in entries.items()), name
