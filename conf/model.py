@@ -137,6 +137,8 @@ class SmallModelConfig(ModelConfig):
     o_lora_rank: int = 512
     max_seq_len: int = 131_072
     original_seq_len: int = 65_536
+    attn_chunk_tokens: int = 2048  # 16K-128K tokens train on one H200 (bench/results/long-context-h200.json)
+    loss_chunk_tokens: int = 4096
     index_heads: int = 16
     index_dim: int = 128
     index_topk: int = 512
@@ -155,3 +157,5 @@ class FlashModelConfig(ModelConfig):
     """The published DeepSeek-V4.1-Flash (SPEC.md §11)."""
 
     name: str = "flash"
+    attn_chunk_tokens: int = 2048  # 64K-1M contexts: attention scores exist for one query chunk at a time
+    loss_chunk_tokens: int = 4096
