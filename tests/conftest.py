@@ -13,6 +13,11 @@ os.environ.update(WANDB_MODE="offline", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE=
 
 REPO = Path(__file__).resolve().parents[1]
 
+# Without a GPU, Triton kernels run in Triton's interpreter (read when a kernel is defined, so
+# before any kernel module is imported).
+if not __import__("torch").cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # A small, fast pretraining setup shared by the end-to-end tests.
 FAST = ["model=tiny", "data.seq_len=128", "trainer.micro_batch_size=4", "trainer.log_every=1",
         "trainer.eval_every=0", "trainer.eval_batches=2", "trainer.progress=false", "logger=none",

@@ -1,0 +1,37 @@
+"""Shared measurement helpers for bench/kernels*.py: every figure is a ratio to a baseline
+measured in the same process (absolute times on a shared machine are noisy)."""
+from __future__ import annotations
+
+import torch
+
+
+def timed_ms(fn, reps: int = 20, warmup: int = 3) -> float:
+    """Median milliseconds per call of fn() on the current CUDA device."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth_gbs(n_bytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth (read + write bytes per second, in GB/s)."""
+    src = torch.empty(n_bytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = timed_ms(lambda: dst.copy_(src))
+    return 2 * n_bytes / ms / 1e6
+
+
+def matmul_tflops(n: int = 8192) -> float:
+    """Measured dense bf16 matmul throughput (TFLOP/s): the denominator of 'useful TFLOP/s'."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    ms = timed_ms(lambda: a @ b)
+    return 2 * n**3 / ms / 1e9
