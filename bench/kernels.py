@@ -1,0 +1,58 @@
+"""Triton kernels against their baselines on one GPU, each measured side by side in one run;
+prints one JSON object (and writes it to --out).
+
+Sections (bench/kernels_<name>.py, each `bench(device) -> dict`):
+  quant      KV quantise+pack / unpack+dequantise: GB/s as a fraction of device copy bandwidth
+  attention  sparse attention fwd / fwd+bwd at 8K-128K context vs dense causal SDPA
+  indexer    indexer scoring TFLOP/s; Reindex cost at 16K vs 128K (pool-bounded); top-k
+  mhc        fused single-pass mHC vs the eager composition; bytes moved vs (2n+2)·d
+  engram     hash + gather of random rows: GB/s vs copy bandwidth, GPU and pinned-host table
+
+    python -m bench.kernels [--only attention,mhc] [--out bench/results/kernels-h200.json]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import os
+import subprocess
+import traceback
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SECTIONS = ("quant", "attention", "indexer", "mhc", "engram")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", default=",".join(SECTIONS))
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    device = torch.device("cuda", torch.cuda.current_device())
+    commit = os.environ.get("FLASHTRAIN_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    import triton
+    result = {"bench": "kernels", "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+              "triton": triton.__version__, "date": datetime.date.today().isoformat(), "commit": commit}
+    for name in args.only.split(","):
+        if name not in SECTIONS:
+            raise SystemExit(f"bench.kernels: unknown section {name!r}; expected some of {', '.join(SECTIONS)}")
+        try:
+            result[name] = importlib.import_module(f"bench.kernels_{name}").bench(device)
+        except Exception as e:  # one failing section must not lose the others' numbers
+            traceback.print_exc()
+            result[name] = {"error": f"{type(e).__name__}: {e}"}
+        torch.cuda.empty_cache()
+        print(json.dumps({name: result[name]}), flush=True)
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

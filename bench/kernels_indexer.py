@@ -1,0 +1,144 @@
+"""Lightning-indexer kernels (model/kernels/indexer.py) vs their references (model/indexer.py).
+
+Per context size S (16K and 128K compressed entries), T = 4096 queries, H = 64 heads, Di = 128,
+bf16 q and k, fp32 head weights:
+
+* dense scores, `index_scores_triton` vs `index_scores`: ms, useful TFLOP/s (2*T*H*S*Di) and
+  its fraction of the measured bf16 matmul throughput; also the fused causal-mask variant
+  (queries are the last T positions, m = 1) and the eager mask it replaces;
+* what stays in PyTorch: torch.topk (k = 512), `select_topk` and `candidate_pool`
+  (block 8, 2048 blocks) on those scores;
+* Reindex, `index_scores_at_triton` vs `index_scores_at` on a pool of P = 2048 blocks * 8 =
+  16384 candidates per query: its time should not depend on S (pool-bounded);
+* the indexer KL's use, forward + backward of the scores at P = 512 selected entries.
+
+Every entry catches CUDA OOM on its own (value NaN and a `<key>_oom: 1` marker).
+
+    python -m bench.kernels_indexer
+"""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from bench.kernel_timing import matmul_tflops, timed_ms
+from model.indexer import candidate_pool, index_scores, index_scores_at, select_topk
+from model.kernels.indexer import index_scores_at_triton, index_scores_triton
+
+
+def _measure(out: dict, key: str, fn, **kw) -> float:
+    """out[key] = timed_ms(fn); NaN (and key_oom = 1) when the GPU runs out of memory."""
+    try:
+        out[key] = timed_ms(fn, **kw)
+    except torch.OutOfMemoryError:
+        out[key], out[f"{key}_oom"] = float("nan"), 1
+    torch.cuda.empty_cache()
+    return out[key]
+
+
+def _pool_ids(T: int, S: int, blocks: int, block: int, device) -> torch.Tensor:
+    """[1, T, blocks*block] sorted entry ids: `blocks` random whole blocks per query (a pool's shape)."""
+    nb = S // block
+    chosen = torch.rand(T, nb, device=device).topk(min(blocks, nb), dim=-1).indices.sort(-1).values
+    ids = (chosen.unsqueeze(-1) * block + torch.arange(block, device=device)).flatten(-2)
+    return ids.unsqueeze(0)
+
+
+def _bench_context(S: int, T: int, H: int, Di: int, pool_blocks: int, pool_block: int, topk: int,
+                   peak: float, device, ref_reps: int) -> dict:
+    out: dict = {}
+    q = torch.randn(1, T, H, Di, device=device, dtype=torch.bfloat16)
+    w = torch.randn(1, T, H, device=device) * (Di ** -0.5 * H ** -0.5)
+    k = torch.randn(1, S, Di, device=device, dtype=torch.bfloat16)
+    flops = 2 * T * H * S * Di
+    positions = torch.arange(S - T, S, device=device).unsqueeze(0)  # the last T queries, m = 1
+    doc_start = torch.zeros_like(positions)
+    with torch.no_grad():
+        ms = _measure(out, "dense_triton_ms", lambda: index_scores_triton(q, w, k))
+        out["dense_triton_tflops"] = flops / ms / 1e9
+        out["dense_triton_frac_matmul"] = out["dense_triton_tflops"] / peak
+        _measure(out, "dense_triton_masked_ms",
+                 lambda: index_scores_triton(q, w, k, positions=positions, doc_start=doc_start, m=1))
+        ms = _measure(out, "dense_ref_ms", lambda: index_scores(q, w, k), reps=ref_reps, warmup=1)
+        out["dense_ref_tflops"] = flops / ms / 1e9
+        out["dense_speedup"] = out["dense_ref_ms"] / out["dense_triton_ms"]
+
+        j = torch.arange(S, device=device)
+        visible = (j + 1 <= positions.unsqueeze(-1) + 1) & (j >= doc_start.unsqueeze(-1))  # rt.visible(1)
+        _measure(out, "dense_ref_masked_ms",
+                 lambda: index_scores(q, w, k).masked_fill(~visible, float("-inf")), reps=ref_reps, warmup=1)
+
+        try:
+            scores = index_scores_triton(q, w, k, positions=positions, doc_start=doc_start, m=1)
+        except torch.OutOfMemoryError:
+            scores = None
+            out["scores_oom"] = 1
+        if scores is not None:
+            _measure(out, "torch_topk_ms", lambda: torch.topk(scores, topk, dim=-1))
+            _measure(out, "select_topk_ms", lambda: select_topk(scores, topk))
+            newest = positions.clone()  # m = 1, one document: the query's own entry
+            _measure(out, "candidate_pool_ms", lambda: candidate_pool(scores, newest, pool_block, pool_blocks),
+                     reps=5, warmup=1)
+            del scores
+        torch.cuda.empty_cache()
+
+        try:
+            cand = _pool_ids(T, S, pool_blocks, pool_block, device)
+        except torch.OutOfMemoryError:
+            cand = None
+            out["reindex_pool_oom"] = 1
+        if cand is not None:
+            P = cand.shape[-1]
+            out["reindex_candidates"] = P
+            ms = _measure(out, "reindex_triton_ms", lambda: index_scores_at_triton(q, w, k, cand))
+            out["reindex_triton_tflops"] = 2 * T * H * P * Di / ms / 1e9
+            out["reindex_triton_key_gbs"] = T * P * Di * k.element_size() / ms / 1e6  # gathered key bytes
+            _measure(out, "reindex_ref_ms", lambda: index_scores_at(q, w, k, cand), reps=ref_reps, warmup=1)
+            out["reindex_speedup"] = out["reindex_ref_ms"] / out["reindex_triton_ms"]
+            del cand
+        torch.cuda.empty_cache()
+
+    # the indexer KL: scores at the selected top-k entries, forward + backward into q, w, k
+    try:
+        sel = _pool_ids(T, S, topk, 1, device)
+    except torch.OutOfMemoryError:
+        out["kl_ids_oom"] = 1
+        return out
+    leaves = [t.detach().clone().requires_grad_() for t in (q, w, k)]
+    up = torch.randn(1, T, sel.shape[-1], device=device)
+
+    def fwd_bwd(fn):
+        torch.autograd.grad((fn(*leaves, sel) * up).sum(), leaves)
+
+    _measure(out, "kl_fwd_bwd_triton_ms", lambda: fwd_bwd(index_scores_at_triton))
+    _measure(out, "kl_fwd_bwd_ref_ms", lambda: fwd_bwd(index_scores_at), reps=ref_reps, warmup=1)
+    out["kl_fwd_bwd_speedup"] = out["kl_fwd_bwd_ref_ms"] / out["kl_fwd_bwd_triton_ms"]
+    return out
+
+
+def bench(device, T: int = 4096, contexts: tuple[int, ...] = (16384, 131072), H: int = 64, Di: int = 128,
+          pool_blocks: int = 2048, pool_block: int = 8, topk: int = 512, ref_reps: int = 5) -> dict:
+    """A flat dict of numbers, keys prefixed s{S}_: times in ms, TFLOP/s, fractions, speedups."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise RuntimeError("bench.kernels_indexer needs a CUDA device")
+    torch.cuda.set_device(device)
+    torch.manual_seed(0)
+    peak = matmul_tflops()
+    out = {"queries": T, "heads": H, "index_dim": Di, "matmul_tflops": peak, "topk": topk,
+           "pool_candidates": pool_blocks * pool_block}
+    for S in contexts:
+        out.update({f"s{S}_{k}": v for k, v in _bench_context(S, T, H, Di, pool_blocks, pool_block, topk, peak,
+                                                              device, ref_reps).items()})
+        torch.cuda.empty_cache()
+    if len(contexts) >= 2:  # pool-bounded: ~1.0 whatever the context grows by
+        lo, hi = contexts[0], contexts[-1]
+        nan = float("nan")
+        out["reindex_time_ratio_long_vs_short"] = (out.get(f"s{hi}_reindex_triton_ms", nan)
+                                                   / out.get(f"s{lo}_reindex_triton_ms", nan))
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(bench(torch.device("cuda")), indent=1))

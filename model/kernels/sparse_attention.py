@@ -1,0 +1,326 @@
+"""Triton CSA2 sparse attention, forward and backward. Reference: `model.csa.sparse_attention`
+(same arguments, same math); `sparse_attention_triton` returns (out, p_sum) where p_sum [B, T, k]
+is the reference's p_glob summed over heads (all `indexer_kl` uses), never [B, T, H, k].
+
+Per query t (MQA: one C-dim latent row is both K and V for every head):
+  keys    = window rows t-W+1 .. t (halo rows before the first query, zeros without a halo;
+            valid where key position >= doc_start) + global rows glob_kv[idx[t, j]] (-1 = empty)
+  softmax over [window logits, global logits, sink[h]] in fp32, the sink column dropped.
+
+Kernel layout (shared by the three kernels):
+  * one program = one query x a block of heads (BLOCK_H, all H when H <= 64) x a chunk of the
+    value dimension (BLOCK_CV). Every selected row is loaded once per program for all its heads,
+    and the logits are `tl.dot(q [BLOCK_H, BLOCK_C], k^T [BLOCK_C, BLOCK_N])` summed over C.
+  * the [H, C] fp32 accumulator (64 x 512 = 128 KiB at full scale) does not fit one program, so
+    C is split across programs: each recomputes the full-C logits (QK flops x C/BLOCK_CV) but
+    keeps only a [BLOCK_H, BLOCK_CV] accumulator. Splitting heads instead would not recompute
+    logits but would need BLOCK_H < 64, below the 64-row tile Hopper's wgmma wants, and would
+    load every key H/BLOCK_H times; the programs of one query run back to back (the c-chunk is
+    the fastest grid index), so the repeated key reads mostly hit L2.
+  * online softmax starts from the sink (m = sink, den = 1), so the running max is always finite
+    and fully masked blocks (-1 padding, other documents) need no special case.
+  * logits are kept in log2 units (exp2); LSE [B, T, H] is saved in those units.
+Backward recomputes p from LSE (flash-attention style): ds = p * (dp - delta), delta =
+rowsum(dout * out) computed in the kernel; dq is stored per C-chunk, dK = dV rows are
+atomically added into fp32 buffers (window rows incl. halo, and the gathered global rows).
+p_sum is a second, QK-only pass from the saved LSE (the final normaliser is unknown while the
+forward streams), run only when asked for.
+
+Known costs: logits are recomputed C/BLOCK_CV times (forward and backward); every window row
+receives W atomic adds (a key-major window backward would avoid them); no fp64.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from model.csa import _with_halo
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _scores(Qrow, KV, rows, n_ok, offs_h, h_ok, C, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_C: tl.constexpr, PREC: tl.constexpr):
+    """q [BLOCK_H, C] . kv[rows] [BLOCK_N, C]^T -> [BLOCK_H, BLOCK_N] fp32 (raw dot products)."""
+    s = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
+    for c0 in range(0, C, BLOCK_C):
+        offs_c = c0 + tl.arange(0, BLOCK_C)
+        c_ok = offs_c < C
+        qc = tl.load(Qrow + offs_h[:, None] * C + offs_c[None, :], mask=h_ok[:, None] & c_ok[None, :], other=0.0)
+        kc = tl.load(KV + rows[:, None] * C + offs_c[None, :], mask=n_ok[:, None] & c_ok[None, :], other=0.0)
+        s += tl.dot(qc, tl.trans(kc.to(qc.dtype)), input_precision=PREC)
+    return s
+
+
+@triton.jit
+def _fwd_block(Qrow, KV, rows, n_ok, m, den, acc, offs_h, h_ok, offs_v, v_ok, C, qk_scale,
+               BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, PREC: tl.constexpr):
+    """One online-softmax step over BLOCK_N keys; returns the updated (m, den, acc)."""
+    s = _scores(Qrow, KV, rows, n_ok, offs_h, h_ok, C, BLOCK_H, BLOCK_N, BLOCK_C, PREC)
+    s = tl.where(n_ok[None, :], s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))  # finite: m starts at the sink
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    den = den * alpha + tl.sum(p, 1)
+    v = tl.load(KV + rows[:, None] * C + offs_v[None, :], mask=n_ok[:, None] & v_ok[None, :], other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(Qrow.dtype.element_ty), v.to(Qrow.dtype.element_ty),
+                                        input_precision=PREC)
+    return m_new, den, acc
+
+
+@triton.jit
+def _bwd_block(Qrow, DOrow, KV, DKV, rows, n_ok, q_v, do_v, lse, delta, dq, offs_h, h_ok, offs_v, v_ok,
+               C, scale, qk_scale, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+               PREC: tl.constexpr):
+    """Recompute p and dp = dout . v over full C, then this program's C-chunk of dq and dK=dV."""
+    s = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
+    dp = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
+    for c0 in range(0, C, BLOCK_C):  # one key load feeds both dots
+        offs_c = c0 + tl.arange(0, BLOCK_C)
+        hc = h_ok[:, None] & (offs_c < C)[None, :]
+        kc = tl.load(KV + rows[:, None] * C + offs_c[None, :], mask=n_ok[:, None] & (offs_c < C)[None, :], other=0.0)
+        kt = tl.trans(kc.to(Qrow.dtype.element_ty))
+        s += tl.dot(tl.load(Qrow + offs_h[:, None] * C + offs_c[None, :], mask=hc, other=0.0), kt, input_precision=PREC)
+        dp += tl.dot(tl.load(DOrow + offs_h[:, None] * C + offs_c[None, :], mask=hc, other=0.0), kt,
+                     input_precision=PREC)
+    ok = h_ok[:, None] & n_ok[None, :]
+    p = tl.where(ok, tl.exp2(s * qk_scale - lse[:, None]), 0.0)
+    ds = p * (dp - delta[:, None])  # d loss / d logit (natural units)
+    dt = Qrow.dtype.element_ty
+    v = tl.load(KV + rows[:, None] * C + offs_v[None, :], mask=n_ok[:, None] & v_ok[None, :], other=0.0).to(dt)
+    dq += tl.dot(ds.to(dt), v, input_precision=PREC)
+    dkv = tl.dot(tl.trans(p.to(dt)), do_v, input_precision=PREC)  # K = V: value part ...
+    dkv += tl.dot(tl.trans((ds * scale).to(dt)), q_v, input_precision=PREC)  # ... plus key part
+    tl.atomic_add(DKV + rows[:, None] * C + offs_v[None, :], dkv, mask=n_ok[:, None] & v_ok[None, :])
+    return dq
+
+
+@triton.jit
+def _program(T, H, C, BLOCK_H: tl.constexpr, BLOCK_CV: tl.constexpr):
+    """Grid index -> (query, batch, query-in-batch, head offsets, value offsets); the C-chunk
+    varies fastest so one query's programs run together and share its keys in L2."""
+    NC = tl.cdiv(C, BLOCK_CV)
+    NH = tl.cdiv(H, BLOCK_H)
+    pid = tl.program_id(0)
+    pid_q = (pid // (NC * NH)).to(tl.int64)
+    offs_h = ((pid // NC) % NH) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_v = (pid % NC) * BLOCK_CV + tl.arange(0, BLOCK_CV)
+    return pid_q, pid_q // T, pid_q % T, offs_h, offs_v, pid % NC == 0
+
+
+@triton.jit
+def _fwd_kernel(Q, KV, G, IDX, DOC, POS, SINK, OUT, LSE, T, H, C, W, K, S, qk_scale,
+                HAS_GLOB: tl.constexpr, PREC: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_C: tl.constexpr, BLOCK_CV: tl.constexpr):
+    # Q/OUT [B, T, H, C]; KV [B, W-1+T, C] (halo rows first); G [B, S, C]; IDX [B, T, K];
+    # DOC/POS [B, T]; SINK [H]; LSE [B, T, H] (log2 units)
+    pid_q, b, t, offs_h, offs_v, first = _program(T, H, C, BLOCK_H, BLOCK_CV)
+    h_ok = offs_h < H
+    v_ok = offs_v < C
+    Qrow = Q + pid_q * H * C
+    m = tl.load(SINK + offs_h, mask=h_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+    den = tl.full([BLOCK_H], 1.0, tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_CV], dtype=tl.float32)
+    # window key w sits at position pos-W+1+w and row t+w of KV; blocks before the document skipped
+    w_lo = tl.maximum(tl.load(DOC + pid_q) - tl.load(POS + pid_q) + W - 1, 0)
+    for n0 in range((w_lo // BLOCK_N) * BLOCK_N, W, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = (offs_n >= w_lo) & (offs_n < W)
+        rows = b * (T + W - 1) + t + offs_n
+        m, den, acc = _fwd_block(Qrow, KV, rows, n_ok, m, den, acc, offs_h, h_ok, offs_v, v_ok, C, qk_scale,
+                               BLOCK_H, BLOCK_N, BLOCK_C, PREC)
+    if HAS_GLOB:
+        for n0 in range(0, K, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            ids = tl.load(IDX + pid_q * K + offs_n, mask=offs_n < K, other=-1).to(tl.int64)
+            n_ok = ids >= 0
+            rows = b * S + tl.where(n_ok, ids, 0)
+            m, den, acc = _fwd_block(Qrow, G, rows, n_ok, m, den, acc, offs_h, h_ok, offs_v, v_ok, C, qk_scale,
+                                   BLOCK_H, BLOCK_N, BLOCK_C, PREC)
+    out = acc / den[:, None]
+    tl.store(OUT + pid_q * H * C + offs_h[:, None] * C + offs_v[None, :], out.to(OUT.dtype.element_ty),
+             mask=h_ok[:, None] & v_ok[None, :])
+    if first:  # every C-chunk program has the same m, den
+        tl.store(LSE + pid_q * H + offs_h, m + tl.log2(den), mask=h_ok)
+
+
+@triton.jit
+def _psum_kernel(Q, G, IDX, LSE, PSUM, H, C, K, S, T, qk_scale, PREC: tl.constexpr, BLOCK_H: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+    # PSUM [B, T, K] fp32: sum over heads of exp2(logit - LSE) on each selected slot
+    pid_q = tl.program_id(0).to(tl.int64)
+    b = pid_q // T
+    for n0 in range(0, K, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        ids = tl.load(IDX + pid_q * K + offs_n, mask=offs_n < K, other=-1).to(tl.int64)
+        n_ok = ids >= 0
+        rows = b * S + tl.where(n_ok, ids, 0)
+        tot = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            offs_h = h0 + tl.arange(0, BLOCK_H)
+            h_ok = offs_h < H
+            s = _scores(Q + pid_q * H * C, G, rows, n_ok, offs_h, h_ok, C, BLOCK_H, BLOCK_N, BLOCK_C, PREC)
+            lse = tl.load(LSE + pid_q * H + offs_h, mask=h_ok, other=0.0)
+            p = tl.where(h_ok[:, None] & n_ok[None, :], tl.exp2(s * qk_scale - lse[:, None]), 0.0)
+            tot += tl.sum(p, 0)
+        tl.store(PSUM + pid_q * K + offs_n, tot, mask=offs_n < K)
+
+
+@triton.jit
+def _bwd_kernel(Q, KV, G, IDX, DOC, POS, OUT, DO, LSE, DQ, DKV, DG, DELTA, T, H, C, W, K, S, scale, qk_scale,
+                HAS_GLOB: tl.constexpr, PREC: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_C: tl.constexpr, BLOCK_CV: tl.constexpr):
+    # DQ like Q; DKV [B, W-1+T, C] and DG [B, S, C] fp32 (atomic adds); DELTA [B, T, H] fp32
+    pid_q, b, t, offs_h, offs_v, first = _program(T, H, C, BLOCK_H, BLOCK_CV)
+    h_ok = offs_h < H
+    v_ok = offs_v < C
+    hv = h_ok[:, None] & v_ok[None, :]
+    Qrow = Q + pid_q * H * C
+    DOrow = DO + pid_q * H * C
+    delta = tl.zeros([BLOCK_H], dtype=tl.float32)  # rowsum(dout * out) over all of C
+    for c0 in range(0, C, BLOCK_CV):
+        offs_c = c0 + tl.arange(0, BLOCK_CV)
+        hc = h_ok[:, None] & (offs_c < C)[None, :]
+        o = tl.load(OUT + pid_q * H * C + offs_h[:, None] * C + offs_c[None, :], mask=hc, other=0.0)
+        do = tl.load(DOrow + offs_h[:, None] * C + offs_c[None, :], mask=hc, other=0.0)
+        delta += tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    lse = tl.load(LSE + pid_q * H + offs_h, mask=h_ok, other=0.0)
+    q_v = tl.load(Qrow + offs_h[:, None] * C + offs_v[None, :], mask=hv, other=0.0)
+    do_v = tl.load(DOrow + offs_h[:, None] * C + offs_v[None, :], mask=hv, other=0.0)
+    dq = tl.zeros([BLOCK_H, BLOCK_CV], dtype=tl.float32)
+    w_lo = tl.maximum(tl.load(DOC + pid_q) - tl.load(POS + pid_q) + W - 1, 0)
+    for n0 in range((w_lo // BLOCK_N) * BLOCK_N, W, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = (offs_n >= w_lo) & (offs_n < W)
+        rows = b * (T + W - 1) + t + offs_n
+        dq = _bwd_block(Qrow, DOrow, KV, DKV, rows, n_ok, q_v, do_v, lse, delta, dq, offs_h, h_ok, offs_v, v_ok,
+                        C, scale, qk_scale, BLOCK_H, BLOCK_N, BLOCK_C, PREC)
+    if HAS_GLOB:
+        for n0 in range(0, K, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            ids = tl.load(IDX + pid_q * K + offs_n, mask=offs_n < K, other=-1).to(tl.int64)
+            n_ok = ids >= 0
+            rows = b * S + tl.where(n_ok, ids, 0)
+            dq = _bwd_block(Qrow, DOrow, G, DG, rows, n_ok, q_v, do_v, lse, delta, dq, offs_h, h_ok, offs_v,
+                            v_ok, C, scale, qk_scale, BLOCK_H, BLOCK_N, BLOCK_C, PREC)
+    tl.store(DQ + pid_q * H * C + offs_h[:, None] * C + offs_v[None, :], (dq * scale).to(DQ.dtype.element_ty),
+             mask=hv)
+    if first:
+        tl.store(DELTA + pid_q * H + offs_h, delta, mask=h_ok)
+
+
+# Block sizes. The interpreter runs fixed small blocks (tl.dot needs dims >= 16, no autotune);
+# on a GPU the value chunk / key block / warps / stages are autotuned per (H, C, dtype). BLOCK_H
+# covers all heads up to 64 (one key load for every head); BLOCK_CV trades logit recompute
+# (C / BLOCK_CV times) against accumulator registers. Compiled offline for sm_90 at H=64, C=512,
+# bf16, every config below lowers to wgmma without register spills (backward at BLOCK_CV=256
+# spills, hence not listed). The backward's atomics need DKV / DG zeroed between tuning runs.
+_FIXED = dict(BLOCK_N=16, BLOCK_C=16, BLOCK_CV=16)
+if INTERPRET:
+    _fwd, _bwd, _psum = _fwd_kernel, _bwd_kernel, _psum_kernel
+else:
+    _cfg = lambda cv, w, st, n=64: triton.Config(dict(BLOCK_N=n, BLOCK_C=64, BLOCK_CV=cv), num_warps=w, num_stages=st)
+    _fwd = triton.autotune([_cfg(128, 4, 2), _cfg(128, 8, 2), _cfg(256, 8, 2), _cfg(64, 4, 3)],
+                           key=["H", "C", "HAS_GLOB"])(_fwd_kernel)
+    _bwd = triton.autotune([_cfg(128, 8, 2), _cfg(64, 8, 2), _cfg(128, 8, 2, 32), _cfg(128, 8, 3)],
+                           key=["H", "C", "HAS_GLOB"], reset_to_zero=["DKV", "DG"])(_bwd_kernel)
+    _psum = triton.autotune([triton.Config(dict(BLOCK_N=n, BLOCK_C=64), num_warps=w, num_stages=2)
+                             for n, w in ((64, 4), (32, 4), (64, 8))], key=["H", "C"])(_psum_kernel)
+
+
+def _meta(with_cv: bool = True) -> dict:
+    """Block sizes to pass explicitly (interpreter only; autotuned configs supply them on a GPU)."""
+    if not INTERPRET:
+        return {}
+    return _FIXED if with_cv else {k: v for k, v in _FIXED.items() if k != "BLOCK_CV"}
+
+
+def _grid(n_query: int, H: int, C: int, block_h: int):
+    return lambda meta: (n_query * triton.cdiv(H, block_h) * triton.cdiv(C, meta["BLOCK_CV"]),)
+
+
+def _block_h(H: int) -> int:
+    return max(16, min(64, triton.next_power_of_2(H)))
+
+
+def _prec(q: torch.Tensor) -> str:
+    return "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 inputs: exact fp32 dots, not tf32
+
+
+class _SparseAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, kv, glob, idx, doc_start, positions, sink, scale, window):
+        B, T, H, C = q.shape
+        has_glob = glob is not None
+        if not has_glob:  # window-only layer: dummies the kernel never reads (not empty: no null pointer)
+            glob, idx = kv, torch.full((1,), -1, dtype=torch.int64, device=q.device)
+        n_sel = idx.shape[-1] if has_glob else 0
+        out = torch.empty_like(q)
+        lse = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
+        bh = _block_h(H)
+        _fwd[_grid(B * T, H, C, bh)](q, kv, glob, idx, doc_start, positions, sink, out, lse, T, H, C, window,
+                                     n_sel, glob.shape[1], scale * LOG2E, HAS_GLOB=has_glob,
+                                     PREC=_prec(q), BLOCK_H=bh, **_meta())
+        ctx.save_for_backward(q, kv, glob, idx, doc_start, positions, sink, out, lse)
+        ctx.has_glob, ctx.scale, ctx.window, ctx.n_sel = has_glob, scale, window, n_sel
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, kv, glob, idx, doc_start, positions, sink, out, lse = ctx.saved_tensors
+        B, T, H, C = q.shape
+        dout = torch.zeros_like(out) if dout is None else dout.contiguous()
+        dq = torch.empty_like(q)
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # fp32: atomic accumulation
+        dg = torch.zeros(glob.shape, dtype=torch.float32, device=q.device) if ctx.has_glob else dkv
+        delta = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
+        bh = _block_h(H)
+        _bwd[_grid(B * T, H, C, bh)](q, kv, glob, idx, doc_start, positions, out, dout, lse, dq, dkv, dg, delta,
+                                     T, H, C, ctx.window, ctx.n_sel, glob.shape[1], ctx.scale,
+                                     ctx.scale * LOG2E, HAS_GLOB=ctx.has_glob, PREC=_prec(q), BLOCK_H=bh,
+                                     **_meta())
+        # the sink column's ds is p_sink * (0 - delta): it has no value row
+        p_sink = torch.exp2(sink.float() * LOG2E - lse)  # [B, T, H]
+        dsink = -(p_sink * delta).sum((0, 1)).to(sink.dtype)
+        dglob = dg.to(glob.dtype) if ctx.has_glob else None
+        return dq, dkv.to(kv.dtype), dglob, None, None, None, dsink, None, None
+
+
+def sparse_attention_triton(q: torch.Tensor, win_kv: torch.Tensor, glob_kv: Optional[torch.Tensor],
+                            idx: Optional[torch.Tensor], doc_start: torch.Tensor, sink: torch.Tensor,
+                            scale: float, window: int, positions: Optional[torch.Tensor] = None,
+                            halo: Optional[torch.Tensor] = None, want_probs: bool = True):
+    """Arguments as `model.csa.sparse_attention` (q [B, T, H, C]; win_kv [B, T, C]; glob_kv [B, S, C]
+    or None; idx [B, T, k] (-1 = empty); doc_start / positions [B, T]; sink [H]; halo [B, W-1, C])
+    -> (out [B, T, H, C] in q's dtype, p_sum [B, T, k] fp32 head-summed probabilities on idx
+    (0 at -1), or None without glob_kv or with want_probs=False). p_sum carries no gradient.
+    fp32 / bf16 / fp16 inputs (no fp64: use the reference for float64 checks)."""
+    if q.dtype == torch.float64:
+        raise TypeError("sparse_attention_triton: float64 is not supported; use model.csa.sparse_attention")
+    B, T, H, C = q.shape
+    if positions is None:
+        positions = torch.arange(T, device=q.device).expand(B, T)
+    # [halo | win_kv] as one [B, W-1+T, C] tensor: window key w of query t is row t+w; autograd
+    # splits its gradient back into win_kv and halo
+    kv = _with_halo(win_kv.to(q.dtype), window, halo).contiguous()
+    q = q.contiguous()
+    doc_start, positions = doc_start.contiguous(), positions.contiguous()
+    if glob_kv is not None:
+        glob_kv, idx = glob_kv.to(q.dtype).contiguous(), idx.contiguous()
+    out, lse = _SparseAttention.apply(q, kv, glob_kv, idx, doc_start, positions, sink.contiguous(),
+                                      float(scale), int(window))
+    if glob_kv is None or not want_probs:
+        return out, None
+    p_sum = torch.empty(idx.shape, dtype=torch.float32, device=q.device)
+    with torch.no_grad():
+        _psum[(B * T,)](q.detach(), glob_kv.detach(), idx, lse, p_sum, H, C, idx.shape[-1], glob_kv.shape[1], T,
+                        float(scale) * LOG2E, PREC=_prec(q), BLOCK_H=_block_h(H), **_meta(False))
+    return out, p_sum
+
