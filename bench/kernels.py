@@ -7,6 +7,7 @@ Sections (bench/kernels_<name>.py, each `bench(device) -> dict`):
   indexer    indexer scoring TFLOP/s; Reindex cost at 16K vs 128K (pool-bounded); top-k
   mhc        fused single-pass mHC vs the eager composition; bytes moved vs (2n+2)·d
   engram     hash + gather of random rows: GB/s vs copy bandwidth, GPU and pinned-host table
+  e2e        the `small` training step, kernels off vs on: tokens/s ratio and MFU
 
     python -m bench.kernels [--only attention,mhc] [--out bench/results/kernels-h200.json]
 """
@@ -24,7 +25,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-SECTIONS = ("quant", "attention", "indexer", "mhc", "engram")
+SECTIONS = ("quant", "attention", "indexer", "mhc", "engram", "e2e")
 
 
 def main() -> None:

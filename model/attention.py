@@ -8,6 +8,8 @@ grouped low-rank projection.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -60,7 +62,15 @@ class CSA2Attention(nn.Module):
         if 0 < cfg.attn_chunk_tokens < cfg.window:
             raise ValueError(f"attn_chunk_tokens={cfg.attn_chunk_tokens} must be 0 or at least window={cfg.window}")
         self.qat = cfg.kv_quant == "qat"
-        self.attend = ATTENTION_IMPLS[cfg.attn_impl]
+        self.kernels = cfg.kernels
+        if cfg.kernels:  # imported on demand: Triton is only needed when the kernels are on
+            from model.kernels.indexer import index_scores_at_triton, index_scores_triton
+            from model.kernels.sparse_attention import sparse_attention_triton
+            self.attend, self.scores_at = sparse_attention_triton, index_scores_at_triton
+            self.scores_masked = index_scores_triton
+        else:
+            self.attend, self.scores_at = _head_summed(ATTENTION_IMPLS[cfg.attn_impl]), index_scores_at
+            self.scores_masked = None
         self.scale = cfg.kv_dim ** -0.5
         if cfg.n_heads % cfg.o_groups:
             raise ValueError(f"n_heads={cfg.n_heads} not divisible by o_groups={cfg.o_groups}")
@@ -92,6 +102,8 @@ class CSA2Attention(nn.Module):
     def forward(self, x: torch.Tensor, rt: AttentionRuntime) -> torch.Tensor:
         """x [B, T, D] (normed sub-layer input) -> [B, T, D]."""
         B, T, _ = x.shape
+        if self.kernels and not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError("model.kernels=true runs Triton kernels: it needs a CUDA device (or TRITON_INTERPRET=1)")
         angles = self.rotary.angles(rt.positions)  # [B, T, R/2]
         qr = self.q_norm(self.wq_a(x))  # [B, T, Rq]
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.kv_dim))  # [B, T, H, C]
@@ -160,16 +172,16 @@ class CSA2Attention(nn.Module):
         attend_idx = idx
         if glob is not None and rt.indexer_mode == "dense":
             attend_idx = rt.all_visible(self.spec.compress_ratio, rows)  # [B, Tc, S]: column j is entry j
-        out, p_glob = self.attend(q, win, glob, attend_idx, rt.doc_start[:, rows], self.sink, self.scale,
-                                  self.window, rt.positions[:, rows], halo)
+        out, p_sel = self.attend(q, win, glob, attend_idx, rt.doc_start[:, rows], self.sink, self.scale,
+                                 self.window, rt.positions[:, rows], halo)  # p_sel [B, Tc, k] head-summed
         kl = None
         if iq is not None and rt.with_indexer_loss:
             keys = rt.index_k[self.spec.kv_source]
             if rt.indexer_mode == "sparse":  # KL on the selected set
-                kl = indexer_kl(p_glob, idx, iq, iw, keys)
+                kl = indexer_kl(p_sel, idx, iq, iw, keys, self.scores_at)
             else:  # dense warm-up: KL towards the dense attention over everything the indexer scores
                 cand = attend_idx if self.spec.mode == "full" else rt.pool[self.spec.kv_source][:, rows]
-                kl = indexer_kl(_probs_at(p_glob, cand), cand, iq, iw, keys)
+                kl = indexer_kl(_probs_at(p_sel, cand), cand, iq, iw, keys, self.scores_at)
         return out, kl
 
     @torch.no_grad()
@@ -218,31 +230,42 @@ class CSA2Attention(nn.Module):
         keys = rt.index_k[spec.kv_source]
         iq, iw = iq[:, rows], iw[:, rows]
         if spec.mode == "full":
-            scores = index_scores(iq, iw, keys).masked_fill(~rt.visible(m, rows), NEG_INF)
+            if self.scores_masked is not None:  # the kernel applies visibility as it scores
+                scores = self.scores_masked(iq, iw, keys, rt.positions[:, rows], rt.doc_start[:, rows], m)
+            else:
+                scores = index_scores(iq, iw, keys).masked_fill(~rt.visible(m, rows), NEG_INF)
             idx = select_topk(scores, self.index_topk)
             pool = None
             if spec.builds_pool:
                 pool = candidate_pool(scores, rt.newest_visible(m, rows), self.pool_block, self.pool_blocks)
             return idx, pool
         cand = rt.pool[spec.kv_source][:, rows]  # reindex
-        return select_topk(index_scores_at(iq, iw, keys, cand), self.index_topk, positions=cand), None
+        return select_topk(self.scores_at(iq, iw, keys, cand), self.index_topk, positions=cand), None
 
 
-def _probs_at(p_glob: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """p_glob [B, T, H, S] (column j = entry j), ids [B, T, P] -> [B, T, H, P], 0 at -1."""
-    H = p_glob.shape[2]
-    picked = p_glob.gather(-1, ids.clamp(min=0).unsqueeze(2).expand(-1, -1, H, -1))
-    return picked.masked_fill((ids < 0).unsqueeze(2), 0.0)
+def _head_summed(impl):
+    """A reference attention whose selected-entry probabilities come summed over heads
+    [B, T, k], as the Triton kernel returns them (all the indexer loss needs)."""
+    def attend(*args):
+        out, p_glob = impl(*args)
+        return out, None if p_glob is None else p_glob.sum(2)
+    return attend
 
 
-def indexer_kl(p_glob: torch.Tensor, idx: torch.Tensor, iq: torch.Tensor, iw: torch.Tensor,
-               keys: torch.Tensor) -> torch.Tensor:
+def _probs_at(p_sel: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """p_sel [B, T, S] (column j = entry j), ids [B, T, P] -> [B, T, P], 0 at -1."""
+    return p_sel.gather(-1, ids.clamp(min=0)).masked_fill(ids < 0, 0.0)
+
+
+def indexer_kl(p_sel: torch.Tensor, idx: torch.Tensor, iq: torch.Tensor, iw: torch.Tensor,
+               keys: torch.Tensor, scores_at=index_scores_at) -> torch.Tensor:
     """KL(attention || indexer) on the selected set: the target is the attention mass on the
     selected entries, summed over heads and L1-normalised (DeepSeek-V3.2's sparse stage).
-    p_glob [B, T, H, k] attention probabilities at idx [B, T, k]. Averaged over all B*T queries
-    (those without a selected entry add 0), so the loss is additive over sequences and a batch
-    split across data-parallel ranks sees the same total."""
-    target = p_glob.detach().sum(2)  # [B, T, k]
+    p_sel [B, T, k] head-summed attention probabilities at idx [B, T, k]. Averaged over all B*T
+    queries (those without a selected entry add 0), so the loss is additive over sequences and a
+    batch split across data-parallel ranks sees the same total. `scores_at`: the indexer scoring
+    at candidates (reference or kernel)."""
+    target = p_sel.detach()  # [B, T, k]
     mass = target.sum(-1)
     rows = mass > 0  # queries that attended to at least one selected entry
     if not bool(rows.any()):
@@ -250,6 +273,6 @@ def indexer_kl(p_glob: torch.Tensor, idx: torch.Tensor, iq: torch.Tensor, iw: to
         # backward collectives
         return (wide(iq).sum() + iw.sum() + wide(keys).sum()) * 0.0
     target = target[rows] / mass[rows].unsqueeze(-1)
-    log_q = F.log_softmax(index_scores_at(iq, iw, keys, idx)[rows], dim=-1)
+    log_q = F.log_softmax(scores_at(iq, iw, keys, idx)[rows], dim=-1)
     kl = torch.where(target > 0, target * (target.clamp(min=1e-30).log() - log_q), 0.0)
     return kl.sum() / rows.numel()

@@ -214,19 +214,22 @@ def test_position_dropped_from_pool_is_unreachable(tiny_model):
     last_pool = set(rt.pool[builder][0, -1].tolist())
     target = next(p for p in range(64) if p not in last_pool)  # dropped for the last query
     # boost the Reindex score of `target` so that it would win wherever it is a candidate
-    import model.attention as attn_mod
+    from model.attention import CSA2Attention
 
-    orig_index_scores_at = attn_mod.index_scores_at
+    layers = [m for m in model.modules() if isinstance(m, CSA2Attention)]
+    orig_scores_at = layers[0].scores_at
 
     def scores_at(q, w, k, cand):
-        s = orig_index_scores_at(q, w, k, cand)
+        s = orig_scores_at(q, w, k, cand)
         return s.masked_fill(cand == target, 1e9)  # would win if it were a candidate
 
-    attn_mod.index_scores_at = scores_at
+    for layer in layers:
+        layer.scores_at = scores_at
     try:
         rt2 = _run_with_runtime(model, x)
     finally:
-        attn_mod.index_scores_at = orig_index_scores_at
+        for layer in layers:
+            layer.scores_at = orig_scores_at
     dropped = ~(rt2.pool[builder][0] == target).any(-1) & rt2.visible(1)[0, :, target]
     assert dropped.any()
     assert not (rt2.topk[reindex][0][dropped] == target).any()
