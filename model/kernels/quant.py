@@ -105,6 +105,14 @@ def _e2m1_encode(v):
 
 
 @triton.jit
+def _with_sign(mag, negative):
+    """mag (fp32, sign bit clear) with its sign bit set where `negative`. A bit OR, not -mag: on
+    the GPU `-x` compiled to 0 - x, which turns the -0.0 of a negative zero code into +0.0."""
+    bits = mag.to(tl.int32, bitcast=True) | (negative.to(tl.int32) << 31)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _e2m1_decode(c):
     """nibble (int32) -> fp32; nibble 8 gives -0.0 like the reference table."""
     m = c & 7
@@ -112,7 +120,7 @@ def _e2m1_decode(c):
     # codes 2..7 are 2^(e-1) * (1 + f/2): build the fp32 directly from exponent and top mantissa bit.
     normal = (((e + 126) << 23) | ((m & 1) << 22)).to(tl.float32, bitcast=True)
     mag = tl.where(e == 0, (m & 1).to(tl.float32) * 0.5, normal)
-    return tl.where(c >= 8, -mag, mag)
+    return _with_sign(mag, c >= 8)
 
 
 @triton.jit
@@ -142,7 +150,7 @@ def _e4m3_decode(b):
     normal = ((ex + 120) << 23) | (man << 20)
     normal = tl.where((b & 0x7F) == 0x7F, 0x7FC00000, normal).to(tl.float32, bitcast=True)  # NaN
     mag = tl.where(ex == 0, man.to(tl.float32) * 0.001953125, normal)  # subnormal: man * 2^-9
-    return tl.where((b & 0x80) != 0, -mag, mag)
+    return _with_sign(mag, (b & 0x80) != 0)
 
 
 @triton.jit
