@@ -239,9 +239,17 @@ def test_unknown_format() -> None:
         K.quant_dequant("nvfp4", torch.zeros(2, 32))
 
 
+def _known_cuda_defect(name: str, dtype: torch.dtype):
+    """kv_fp4 on fp32 input: on the H200, 9 of 6120 packed bytes of the hand-made tie cases differ
+    by one rounding step from the reference (random data matches). Open; strict, so a fix shows."""
+    if name == "kv_fp4" and dtype == torch.float32:
+        return [pytest.mark.xfail(strict=True, reason="kv_fp4 fp32 tie cases differ on CUDA (open defect)")]
+    return []
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name, dtype", [pytest.param(n, d, marks=_known_cuda_defect(n, d), id=f"{n}-{i}")
+                                         for n in NAMES for d, i in ((torch.float32, "fp32"), (torch.bfloat16, "bf16"))])
 def test_matches_reference_on_cuda(name: str, dtype: torch.dtype) -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(4096, 512, generator=g, device="cuda")
