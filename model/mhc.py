@@ -51,10 +51,18 @@ class HyperConnection(nn.Module):
 
     def forward(self, h: torch.Tensor):
         """h [B, T, n, D] -> post [B, T, n], comb [B, T, n, n], next_pre [B, T, n] (fp32)."""
-        n = self.n
+        return self.coefficients(self.project(h))
+
+    def project(self, h: torch.Tensor) -> torch.Tensor:
+        """h [B, T, n, D] -> mixing logits [B, T, 2n + n*n]: one fp32 linear over the
+        RMS-normalised streams (the part a fused kernel computes while it writes h)."""
         flat = wide(h.flatten(-2))  # [B, T, n*D]
         flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.eps)
-        mix = F.linear(flat, wide(self.fn))  # [B, T, 2n + n*n]
+        return F.linear(flat, wide(self.fn))
+
+    def coefficients(self, mix: torch.Tensor):
+        """Mixing logits [B, T, 2n + n*n] -> post [B, T, n], comb [B, T, n, n], next_pre [B, T, n]."""
+        n = self.n
         base = wide(self.base)
         next_pre = torch.sigmoid(mix[..., :n] * self.scale[0] + base[:n]) + self.eps
         post = 2 * torch.sigmoid(mix[..., n:2 * n] * self.scale[1] + base[n:2 * n])

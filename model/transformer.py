@@ -53,14 +53,23 @@ class Block(nn.Module):
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.moe = MoE(cfg.dim, cfg.n_routed_experts, cfg.n_shared_experts, cfg.n_activated_experts,
                        cfg.moe_inter_dim, cfg.route_scale, cfg.swiglu_limit, cfg.seq_aux_alpha)
+        self.fused_mhc = None
+        if cfg.kernels:  # the attention -> MoE boundary inside a block, in one pass over the streams
+            from model.kernels.mhc import fused_mhc_step
+            self.fused_mhc = fused_mhc_step
 
     def forward(self, h: torch.Tensor, pre: torch.Tensor, rt: AttentionRuntime):
         """h [B, T, n, D] streams, pre [B, T, n] this layer's input mix -> (h', next pre)."""
         post, comb, ffn_pre = self.attn_hc(h)
         y = self.attn(self.attn_norm(mix_streams(pre, h)), rt)  # [B, T, D]
-        h = update_streams(h, y, post, comb)
-        post, comb, next_pre = self.ffn_hc(h)
-        y, balance = self.moe(self.ffn_norm(mix_streams(ffn_pre, h)), rt.shard)
+        if self.fused_mhc is not None:
+            h, x, mix = self.fused_mhc(h, y, post, comb, ffn_pre, self.ffn_hc.fn, self.ffn_hc.eps)
+            post, comb, next_pre = self.ffn_hc.coefficients(mix)
+        else:
+            h = update_streams(h, y, post, comb)
+            post, comb, next_pre = self.ffn_hc(h)
+            x = mix_streams(ffn_pre, h)
+        y, balance = self.moe(self.ffn_norm(x), rt.shard)
         rt.aux_losses.append(balance)
         return update_streams(h, y, post, comb), next_pre
 

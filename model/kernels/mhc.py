@@ -59,7 +59,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from model.mhc import HyperConnection, mix_streams, sinkhorn_comb, update_streams
+from model.mhc import HyperConnection, mix_streams, update_streams
 
 # fp32 x fp32 tl.dot: tf32x3 (three tensor-core passes) keeps ~fp32 accuracy for the logits,
 # like the reference's fp32 F.linear; plain tf32 would lose ~3 decimal digits.
@@ -441,12 +441,7 @@ def reference_mhc_step(h, y, post, comb, pre, fn, eps):
 def hc_coefficients(hc: HyperConnection, mix: torch.Tensor):
     """The rest of `HyperConnection.forward` on fused logits: mix [..., 2n+n*n] ->
     post [..., n], comb [..., n, n], next_pre [..., n] (the same tensors as hc(h_new))."""
-    n = hc.n
-    base = hc.base.to(mix.dtype)
-    next_pre = torch.sigmoid(mix[..., :n] * hc.scale[0] + base[:n]) + hc.eps
-    post = 2 * torch.sigmoid(mix[..., n:2 * n] * hc.scale[1] + base[n:2 * n])
-    comb_logits = (mix[..., 2 * n:] * hc.scale[2] + base[2 * n:]).unflatten(-1, (n, n))
-    return post, sinkhorn_comb(comb_logits, hc.iters, hc.eps), next_pre
+    return hc.coefficients(mix)
 
 
 def fused_forward_bytes_per_token(n: int, dim: int, elem_bytes: int = 2, splits: int = 1) -> dict:
