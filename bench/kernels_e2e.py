@@ -62,5 +62,5 @@ def bench(device, seq_len: int = 4096, micro_batch: int = 2, steps: int = 3, voc
     on = _tokens_per_s(True, seq_len, micro_batch, steps, vocab)
     return {"model": "small", "seq_len": seq_len, "micro_batch": micro_batch, "timed_steps": steps,
             "kernels_off": off, "kernels_on": on, "tokens_per_s_ratio": on["tokens_per_s"] / off["tokens_per_s"],
-            "kernels_used": "sparse attention fwd+bwd, indexer scoring (dense with fused mask, Reindex, KL); "
-                            "mHC, Engram and KV quant kernels are not wired into the model yet"}
+            "kernels_used": "sparse attention fwd+bwd, indexer scoring (dense with fused mask, Reindex, KL), "
+                            "fused mHC at the attention->MoE boundary; not wired: block-end mHC, Engram, KV quant"}
