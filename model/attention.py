@@ -119,7 +119,7 @@ class CSA2Attention(nn.Module):
             glob = rt.kv[self.spec.kv_source]
             if self.index_query is not None:  # the indexer learns only from its own loss: inputs detached
                 iq, iw = self.index_query(qr.detach(), x.detach(), angles, self.rotary, self.qat)
-        halo = rt.shard.halo(win, self.window - 1)  # window rows of the previous context-parallel slice
+        halo = rt.shard.halo(win, self.window - 1, self.spec.layer_id)  # window rows before the slice
 
         # Long sequences run in query chunks: every query's selection and attention depend only on
         # the whole-sequence KV, so a chunk needs its own rows, the W-1 window rows before it and
@@ -206,9 +206,9 @@ class CSA2Attention(nn.Module):
     def _write_global_kv(self, x: torch.Tensor, rt: AttentionRuntime) -> None:
         """Full layers only: compressed latent (RoPE at j*m, FP4 QAT) and MXFP4 index keys."""
         m = self.spec.compress_ratio
-        latent = self.compressor(x)  # [B, S_local, C] entries of this slice's tokens
+        x, first = rt.shard.block_input(x, self.spec.layer_id, m)  # first: global id of the first entry
+        latent = self.compressor(x)  # [B, S_local, C] entries this slice completes
         B, S, _ = latent.shape
-        first = rt.shard.offset // m  # global id of the first local entry
         entry_pos = ((first + torch.arange(S, device=x.device)) * m).expand(B, S)
         entry_angles = self.rotary.angles(entry_pos)  # [B, S, R/2]
         latent = self.rotary(latent, entry_angles)
@@ -216,8 +216,8 @@ class CSA2Attention(nn.Module):
             latent = fake_quant_kv_fp4(latent)
         # the indexer learns only from its own loss: its inputs are detached
         index_k = self.index_key(latent.detach(), entry_angles, self.rotary, self.qat)
-        rt.kv[self.spec.layer_id] = rt.shard.gather(latent)  # [B, S_total, C]
-        rt.index_k[self.spec.layer_id] = rt.shard.gather(index_k)
+        rt.kv[self.spec.layer_id] = rt.shard.gather(latent, self.spec.layer_id, "kv")  # [B, S_total, C]
+        rt.index_k[self.spec.layer_id] = rt.shard.gather(index_k, self.spec.layer_id, "index_k")
 
     @torch.no_grad()
     def _select(self, iq, iw, rt: AttentionRuntime, rows: slice):

@@ -90,6 +90,8 @@ def dense_attention(q: torch.Tensor, win_kv: torch.Tensor, glob_kv: Optional[tor
     logits = logits.masked_fill(~win_ok.unsqueeze(2), NEG_INF)
     W = keys.shape[1]
     if glob_kv is not None:
+        if glob_kv.shape[1] == 0:  # no finished block yet: one zero entry, which no slot selects
+            glob_kv = glob_kv.new_zeros(B, 1, glob_kv.shape[-1])
         S = glob_kv.shape[1]
         chosen = torch.zeros(B, T, S + 1, dtype=torch.bool, device=q.device)
         chosen.scatter_(-1, torch.where(idx < 0, S, idx), True)  # column S swallows the -1 slots

@@ -191,6 +191,7 @@ class Engram(nn.Module):
         if history is None:
             ctx = F.pad(lookup_ids, (keep, 0), value=self.pad_id)  # [B, keep + T]
         else:
+            history = F.pad(history, (max(keep - history.shape[1], 0), 0), value=self.pad_id)  # near position 0
             ctx = torch.cat((history[:, history.shape[1] - keep:].to(lookup_ids.dtype), lookup_ids), dim=1)
         cols = []
         for i in range(max(self.orders)):

@@ -59,7 +59,7 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor) -> torch.Ten
     Runs over blocks of queries, so the per-head logits stay within SCORE_BLOCK_ELEMENTS
     whatever the context length (only the [B, T, S] result grows with it)."""
     B, T, H, _ = q.shape
-    step = max(1, SCORE_BLOCK_ELEMENTS // (B * H * k.shape[1]))
+    step = max(1, SCORE_BLOCK_ELEMENTS // max(1, B * H * k.shape[1]))
     kw = wide(k)
     out = []
     for lo in range(0, T, step):
@@ -83,14 +83,29 @@ def index_scores_at(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, cand: tor
     return scores.masked_fill(cand < 0, NEG_INF)
 
 
+def topk_ids(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest of scores [..., S] (k <= S) -> (column ids [..., k] ascending, their scores).
+    Ties at the k-th value go to the lowest columns. torch.topk leaves ties unspecified, and its
+    choice changes with S, so the same query could select differently in a training forward
+    (S = every entry of the sequence) and in decoding (S = the entries so far). ReLU index
+    scores tie often (exact zeros), so this matters."""
+    S = scores.shape[-1]
+    kth = torch.topk(scores, k, dim=-1).values[..., -1:]  # [..., 1]
+    above, tied = scores > kth, scores == kth
+    take = above | (tied & (tied.cumsum(-1) <= k - above.sum(-1, keepdim=True)))  # exactly k per row
+    cols = torch.arange(S, device=scores.device)
+    ids = S - torch.topk(torch.where(take, S - cols, 0), k, dim=-1).values  # distinct keys: ascending ids
+    return ids, scores.gather(-1, ids)
+
+
 def select_topk(scores: torch.Tensor, k: int, positions: torch.Tensor | None = None) -> torch.Tensor:
     """Top-k entries of scores [B, T, S] (-inf = invisible), sorted by position, -1 padded to
     exactly k columns. `positions` [B, T, S] maps columns to entry ids (default: column index)."""
     B, T, S = scores.shape
     kk = min(k, S)
-    top = torch.topk(scores, kk, dim=-1)
-    ids = top.indices if positions is None else positions.gather(-1, top.indices)
-    ids = ids.masked_fill(top.values == NEG_INF, -1)
+    cols, values = topk_ids(scores, kk)
+    ids = cols if positions is None else positions.gather(-1, cols)
+    ids = ids.masked_fill(values == NEG_INF, -1)
     ids = _sort_padded(ids)
     if kk < k:
         ids = torch.cat((ids, ids.new_full((B, T, k - kk), -1)), dim=-1)
@@ -123,8 +138,8 @@ def candidate_pool(scores: torch.Tensor, newest: torch.Tensor, block: int, n_blo
     block_score = torch.where(has_newest.unsqueeze(-1),
                               block_score.scatter(-1, newest_block, forced), block_score)
     kb = min(n_blocks, nb)
-    top = torch.topk(block_score, kb, dim=-1)
-    blocks = top.indices.masked_fill(top.values == NEG_INF, -1)  # [B, T, kb]
+    blocks, values = topk_ids(block_score, kb)  # ascending block ids: the pool's order is canonical
+    blocks = blocks.masked_fill(values == NEG_INF, -1)  # [B, T, kb]
     offs = torch.arange(block, device=scores.device)
     pos = (blocks.clamp(min=0).unsqueeze(-1) * block + offs).flatten(-2)  # [B, T, kb*block]
     ok = (blocks >= 0).repeat_interleave(block, dim=-1) & visible.gather(-1, pos)

@@ -13,5 +13,7 @@ def gather_rows(x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     Same values as x[arange(B)[:, None, ...], ids]; index_select's backward is a scatter-add,
     where advanced indexing's is a sort-based index_put that dominated the training step."""
     B, S, C = x.shape
+    if S == 0:  # nothing to gather from (decoding before the first finished block): callers mask these
+        return x.new_zeros(*ids.shape, C)
     flat = (ids + torch.arange(B, device=ids.device).view(B, *([1] * (ids.dim() - 1))) * S).reshape(-1)
     return x.reshape(B * S, C).index_select(0, flat).view(*ids.shape, C)

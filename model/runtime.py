@@ -11,6 +11,9 @@ from typing import Optional
 
 import torch
 
+# token ids before a slice that its first tokens' Engram n-grams read; covers orders up to 9
+HISTORY_TOKENS = 8
+
 
 def document_starts(doc_ids: torch.Tensor) -> torch.Tensor:
     """doc_ids [B, T] (non-decreasing per row) -> first position of each token's document."""
@@ -23,8 +26,9 @@ def document_starts(doc_ids: torch.Tensor) -> torch.Tensor:
 
 class SequenceShard:
     """Where this forward's tokens sit in the whole sequence. The default is all of it, on this
-    device. Context parallelism (trainer/context_parallel.py) gives each rank a slice and
-    overrides the three collectives below; model code only calls them.
+    device. Context parallelism (trainer/context_parallel.py) gives each rank a slice, and the
+    generation engine (rl/engine/) feeds new tokens after a cached prefix; both override the
+    hooks below (`layer` says which attention layer calls), model code only calls them.
 
     offset, total_len   the slice is tokens [offset, offset + T) of total_len
     doc_start           [B, T] first position (global) of each token's document, or None
@@ -37,13 +41,20 @@ class SequenceShard:
         self.offset, self.total_len, self.doc_start, self.history, self.parts = (
             offset, total_len, doc_start, history, parts)
 
-    def gather(self, t: torch.Tensor) -> torch.Tensor:
-        """[B, S_local, ...] of every slice, concatenated along dim 1 in sequence order."""
+    def gather(self, t: torch.Tensor, layer: int = -1, name: str = "") -> torch.Tensor:
+        """[B, S_local, ...] of every slice, concatenated along dim 1 in sequence order
+        (`name`: which of the layer's global tensors: "kv" or "index_k")."""
         return t
 
-    def halo(self, t: torch.Tensor, n: int) -> Optional[torch.Tensor]:
+    def halo(self, t: torch.Tensor, n: int, layer: int = -1) -> Optional[torch.Tensor]:
         """The last n rows [B, n, ...] of the previous slice's t (None: nothing before)."""
         return None
+
+    def block_input(self, x: torch.Tensor, layer: int, m: int) -> tuple[torch.Tensor, int]:
+        """The compressor's input for this slice: x [B, T, D] preceded by the rows of an
+        unfinished m-block before the slice, and the global id of its first entry. The default
+        (and context parallelism) starts slices on block boundaries."""
+        return x, self.offset // m
 
     def sum(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over the slices of one sequence (no gradient)."""

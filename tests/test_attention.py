@@ -292,3 +292,20 @@ def test_gather_rows_and_blocked_scores_match_plain_indexing(monkeypatch):
     gq, gk = torch.autograd.grad(at.masked_fill(cand < 0, 0).sum() + full.sum(), (q, k))
     torch.testing.assert_close(gq, gq_ref)
     torch.testing.assert_close(gk, gk_ref)
+
+
+def test_topk_ties_go_to_the_lowest_ids_whatever_the_width():
+    """Training scores every entry of the sequence, decoding only the entries so far: the same
+    query must pick the same entries, so ties (ReLU zeros) are broken by position, not by
+    torch.topk's internals, and extra invisible columns change nothing."""
+    from model.indexer import select_topk, topk_ids
+    scores = torch.tensor([[[0.0, 2.0, 0.0, 0.0, 1.0, 0.0]]])
+    ids, vals = topk_ids(scores, 4)
+    assert ids.tolist() == [[[0, 1, 2, 4]]] and vals.tolist() == [[[0.0, 2.0, 0.0, 1.0]]]
+    g = torch.Generator().manual_seed(0)
+    narrow = torch.randint(0, 3, (2, 5, 40), generator=g).float()  # many ties
+    wide = torch.cat((narrow, torch.full((2, 5, 60), float("-inf"))), dim=-1)
+    assert torch.equal(select_topk(narrow, 16), select_topk(wide, 16))
+    few = narrow[..., :10].clone()
+    few[..., 3:] = float("-inf")  # fewer visible entries than k: the rest is -1
+    assert (select_topk(few, 8)[..., 3:] == -1).all() and (select_topk(few, 8)[..., :3] == torch.arange(3)).all()

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from conf.errors import ConfigError
-from model.runtime import SequenceShard, document_starts
+from model.runtime import HISTORY_TOKENS, SequenceShard, document_starts
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -42,10 +42,10 @@ class ContextParallelShard(SequenceShard):
         super().__init__(offset=offset, total_len=total_len, doc_start=doc_start, history=history, parts=size)
         self.group, self.size, self.rank = group, size, rank
 
-    def gather(self, t: torch.Tensor) -> torch.Tensor:
+    def gather(self, t: torch.Tensor, layer: int = -1, name: str = "") -> torch.Tensor:
         return _GatherSequence.apply(t, self.group, self.size, self.rank)
 
-    def halo(self, t: torch.Tensor, n: int) -> Optional[torch.Tensor]:
+    def halo(self, t: torch.Tensor, n: int, layer: int = -1) -> Optional[torch.Tensor]:
         tails = _GatherSequence.apply(t[:, t.shape[1] - n:], self.group, self.size, self.rank)  # [B, size*n, C]
         if self.rank == 0:  # nothing before the sequence; zeros keep rank 0 in the backward exchange
             return tails[:, :n] * 0
@@ -55,10 +55,6 @@ class ContextParallelShard(SequenceShard):
         t = t.detach().clone()
         dist.all_reduce(t, group=self.group)
         return t
-
-
-# ids before a slice that its first tokens' Engram n-grams read; covers n-gram orders up to 9
-HISTORY_TOKENS = 8
 
 
 def check_slices(seq_len: int, cp: int, window: int, max_ratio: int, max_ngram: int = 1) -> int:

@@ -1,0 +1,76 @@
+"""Prefill, decode and sampling over a DecodeCache.
+
+`generate` returns, per prompt, the new tokens and the log-probability of each under the
+distribution it was sampled from (temperature and top-p applied), as RL needs them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from model.transformer import Transformer
+from rl.engine.cache import DecodeCache
+
+
+@dataclass
+class Generation:
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish: str = "length"  # length | stop
+    policy_version: int = 0
+
+
+@torch.no_grad()
+def forward_new(model: Transformer, cache: DecodeCache, input_ids: torch.Tensor) -> torch.Tensor:
+    """Run input_ids [B, T] after the cached prefix -> logits [B, T, V] (fp32); the cache grows."""
+    cache.begin(input_ids)
+    logits = model(input_ids, shard=cache).logits
+    cache.end(input_ids)
+    return logits
+
+
+def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator):
+    """logits [B, V] -> (token ids [B], their log-probabilities under the sampled distribution [B]).
+    temperature 0 is greedy (log-probability of the argmax under the plain softmax)."""
+    if temperature <= 0:
+        token = logits.argmax(-1)
+        return token, logits.log_softmax(-1).gather(-1, token[:, None])[:, 0]
+    logp = (logits / temperature).log_softmax(-1)
+    if top_p < 1.0:  # keep the smallest prefix of the sorted distribution that reaches top_p
+        sorted_logp, order = logp.sort(-1, descending=True)
+        keep = sorted_logp.exp().cumsum(-1) - sorted_logp.exp() < top_p
+        masked = torch.full_like(logp, float("-inf")).scatter(-1, order, sorted_logp.masked_fill(~keep, float("-inf")))
+        logp = masked.log_softmax(-1)
+    token = torch.multinomial(logp.exp(), 1, generator=generator)[:, 0]
+    return token, logp.gather(-1, token[:, None])[:, 0]
+
+
+@torch.no_grad()
+def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
+             top_p: float = 1.0, stop: Optional[set[int]] = None, seed: int = 0,
+             policy_version: int = 0) -> list[Generation]:
+    """Each prompt is prefilled once, then decoded a token at a time from the cache."""
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 0")
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    model.eval()
+    out = []
+    for prompt in prompts:
+        if not prompt:
+            raise ValueError("an empty prompt: there is no position to predict from")
+        cache = DecodeCache(1)
+        logits = forward_new(model, cache, torch.tensor([prompt], device=device))[:, -1]
+        gen = Generation(policy_version=policy_version)
+        for _ in range(max_new_tokens):
+            token, logp = sample(logits.float(), temperature, top_p, generator)
+            gen.tokens.append(int(token))
+            gen.logprobs.append(float(logp))
+            if stop and int(token) in stop:
+                gen.finish = "stop"
+                break
+            logits = forward_new(model, cache, token[:, None])[:, -1]
+        out.append(gen)
+    return out
