@@ -15,10 +15,15 @@ CFG = dataclasses.replace(TinyModelConfig(vocab_size=97), engram_min_rows=50, wi
                           pool_block=2, pool_blocks=3)
 
 
-@pytest.fixture(scope="module")
-def model():
+@pytest.fixture(scope="module", params=["plain", "packed"])
+def model(request):
+    """plain: an unpacked cache; packed: FP4 / MXFP4 / FP8 storage, for a model trained with KV
+    QAT (it computed exactly the stored values, so both must match the training forward)."""
     torch.manual_seed(0)
-    return Transformer(CFG).double().eval()
+    cfg = CFG if request.param == "plain" else dataclasses.replace(CFG, kv_quant="qat")
+    model = Transformer(cfg).double().eval()
+    model.packed_cache = request.param == "packed"
+    return model
 
 
 def _ids(T, seed=0):
@@ -30,19 +35,31 @@ def test_cached_forward_equals_the_whole_sequence(model, chunks):
     ids = _ids(48)
     with torch.no_grad():
         want = model(ids).logits  # [2, 48, V]
-    cache = DecodeCache(2)
+    cache = DecodeCache(2, packed=model.packed_cache)
     got, at = [], 0
     for n in chunks:
         got.append(forward_new(model, cache, ids[:, at:at + n]))
         at += n
     torch.testing.assert_close(torch.cat(got, dim=1), want, rtol=0, atol=1e-10)
     assert cache.length == 48
-    assert all(w.shape[1] == CFG.window - 1 for w in cache.window.values())
+    assert all(w.read(torch.float64).shape[1] == CFG.window - 1 for w in cache.window.values())
+
+
+def test_packed_cache_bytes_per_token_match_the_layout(model):
+    """Global-KV bytes per token, measured on the engine's own buffers after 48 tokens (a multiple
+    of every compress ratio), against the layout accounting (SPEC §4: 890 for `flash`)."""
+    from model.kv_layout import GlobalKVLayout
+    cache = DecodeCache(2, packed=True)
+    forward_new(model, cache, _ids(48))
+    assert cache.global_bytes_per_token() == GlobalKVLayout.of(model.cfg, model.plan).bytes_per_token()
+    plain = DecodeCache(2, packed=False)
+    forward_new(model, plain, _ids(48))
+    assert plain.global_bytes_per_token() > 7 * cache.global_bytes_per_token()  # fp64 vs ~4.5 bits
 
 
 def test_greedy_with_cache_equals_greedy_without(model):
     prompt = _ids(11, seed=1)[0].tolist()
-    (gen,) = generate(model, [prompt], max_new_tokens=20, temperature=0)
+    (gen,) = generate(model, [prompt], max_new_tokens=20, temperature=0, packed=model.packed_cache)
     seq = list(prompt)
     for _ in range(20):  # no cache: the whole sequence every step
         with torch.no_grad():

@@ -9,25 +9,54 @@ positions [length, length + T) then computes exactly what the training forward c
 those positions of the whole sequence (tests/test_generate.py).
 
 Rows of one batch share a length (sequences are prefilled and decoded in lockstep).
+
+Packed (the default), the cache stores what inference stores (SPEC §4): the main latent in
+FP4 (E2M1, E4M3 scale per 16), index keys in MXFP4, window rows in FP8; reads dequantise.
+A model trained with KV QAT (model.kv_quant=qat) computed exactly these values, so a packed
+cache reproduces its training forward bit for bit; without QAT packing is an approximation.
 """
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
+from model.quant import pack_fp8, pack_kv_fp4, pack_mxfp4, unpack_fp8, unpack_kv_fp4, unpack_mxfp4
 from model.runtime import HISTORY_TOKENS, SequenceShard
+
+# what each kind of cached tensor is stored as when packed
+FORMATS = {"kv": (pack_kv_fp4, unpack_kv_fp4), "index_k": (pack_mxfp4, unpack_mxfp4), "window": (pack_fp8, unpack_fp8)}
+
+
+class _Store:
+    """Rows appended along dim 1, kept packed (codes, scales) or as they came."""
+
+    def __init__(self, kind: str, packed: bool):
+        self.kind, self.packed = kind, packed
+        self.parts: Optional[tuple[torch.Tensor, ...]] = None
+
+    def append(self, t: torch.Tensor) -> None:
+        new = FORMATS[self.kind][0](t) if self.packed else (t,)
+        self.parts = new if self.parts is None else tuple(torch.cat(p, dim=1) for p in zip(self.parts, new))
+
+    def keep_last(self, n: int) -> None:
+        self.parts = tuple(p[:, -n:] for p in self.parts)
+
+    def read(self, dtype: torch.dtype) -> torch.Tensor:
+        return FORMATS[self.kind][1](*self.parts, dtype) if self.packed else self.parts[0].to(dtype)
+
+    def size(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.parts or ())
 
 
 class DecodeCache(SequenceShard):
-    def __init__(self, batch: int):
+    def __init__(self, batch: int, packed: bool = True):
         super().__init__(offset=0, total_len=0, parts=1)
-        self.batch, self.length = batch, 0
+        self.batch, self.length, self.packed = batch, 0, packed
         self.ids: Optional[torch.Tensor] = None  # [B, <= HISTORY_TOKENS] the newest token ids
-        self.window: dict[int, torch.Tensor] = {}  # layer -> [B, W-1, C]
-        self.entries: dict[tuple[int, str], torch.Tensor] = {}  # (layer, "kv" | "index_k") -> [B, S, .]
-        self.pending: dict[int, torch.Tensor] = {}  # owner layer -> [B, r < m, D]
+        self.window: dict[int, _Store] = {}  # layer -> the last W-1 window rows [B, W-1, C]
+        self.entries: dict[tuple[int, str], _Store] = {}  # (owner layer, "kv" | "index_k") -> [B, S, .]
+        self.pending: dict[int, torch.Tensor] = {}  # owner layer -> layer inputs [B, r < m, D]
 
     def begin(self, input_ids: torch.Tensor) -> None:
         """Before a forward over input_ids [B, T] that follow the cached tokens."""
@@ -47,17 +76,19 @@ class DecodeCache(SequenceShard):
     # --- the hooks the model calls ---
 
     def gather(self, t: torch.Tensor, layer: int = -1, name: str = "") -> torch.Tensor:
-        old = self.entries.get((layer, name))
-        full = t if old is None else torch.cat((old, t.to(old.dtype)), dim=1)
-        self.entries[(layer, name)] = full
-        return full
+        store = self.entries.setdefault((layer, name), _Store(name, self.packed))
+        if t.shape[1]:
+            store.append(t)
+        return store.read(t.dtype) if store.parts is not None else t
 
     def halo(self, t: torch.Tensor, n: int, layer: int = -1) -> Optional[torch.Tensor]:
-        old = self.window.get(layer)
-        rows = t if old is None else torch.cat((old, t.to(old.dtype)), dim=1)
-        if rows.shape[1] < n:
-            rows = F.pad(rows, (0, 0, n - rows.shape[1], 0))  # rows before position 0: masked anyway
-        self.window[layer] = rows[:, -n:]
+        store = self.window.get(layer)
+        old = None if store is None else store.read(t.dtype)
+        if store is None:  # rows before position 0 are zeros (masked by position anyway)
+            store = self.window[layer] = _Store("window", self.packed)
+            store.append(t.new_zeros(t.shape[0], n, t.shape[2]))
+        store.append(t)
+        store.keep_last(n)
         return old
 
     def block_input(self, x: torch.Tensor, layer: int, m: int) -> tuple[torch.Tensor, int]:
@@ -69,7 +100,11 @@ class DecodeCache(SequenceShard):
         return full, start // m
 
     def nbytes(self) -> dict[str, int]:
-        """Bytes held, by kind (unpacked tensors: the packed-format cache comes next)."""
-        size = lambda ts: sum(t.numel() * t.element_size() for t in ts)
-        return {"window": size(self.window.values()), "global": size(self.entries.values()),
-                "pending": size(self.pending.values())}
+        """Bytes held, by kind: window rows, global entries (main KV + index keys), pending inputs."""
+        return {"window": sum(s.size() for s in self.window.values()),
+                "global": sum(s.size() for s in self.entries.values()),
+                "pending": sum(t.numel() * t.element_size() for t in self.pending.values())}
+
+    def global_bytes_per_token(self) -> float:
+        """Global-KV bytes per cached token per sequence, from the buffers themselves."""
+        return self.nbytes()["global"] / max(self.length, 1) / self.batch

@@ -50,8 +50,9 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: to
 @torch.no_grad()
 def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
              top_p: float = 1.0, stop: Optional[set[int]] = None, seed: int = 0,
-             policy_version: int = 0) -> list[Generation]:
-    """Each prompt is prefilled once, then decoded a token at a time from the cache."""
+             policy_version: int = 0, packed: bool = True) -> list[Generation]:
+    """Each prompt is prefilled once, then decoded a token at a time from the cache
+    (`packed`: the cache stores FP4 / MXFP4 / FP8, see rl/engine/cache.py)."""
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 0")
     device = next(model.parameters()).device
@@ -61,7 +62,7 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
     for prompt in prompts:
         if not prompt:
             raise ValueError("an empty prompt: there is no position to predict from")
-        cache = DecodeCache(1)
+        cache = DecodeCache(1, packed=packed)
         logits = forward_new(model, cache, torch.tensor([prompt], device=device))[:, -1]
         gen = Generation(policy_version=policy_version)
         for _ in range(max_new_tokens):
