@@ -79,3 +79,21 @@ def test_sampling_is_seeded_and_stops(model):
     assert s.tokens == [first] and s.finish == "stop"
     with pytest.raises(ValueError, match="empty prompt"):
         generate(model, [[]], max_new_tokens=1)
+
+
+def test_generate_cli_from_a_checkpoint(flashtrain, tmp_path):
+    from tests.conftest import FAST
+    run = tmp_path / "train"
+    p = flashtrain("pretrain", *FAST, "trainer.max_steps=2", "trainer.save_every=2", f"hydra.run.dir={run}")
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = tmp_path / "gen"
+    p = flashtrain("generate", "generate.prompt='def main():'", f"generate.checkpoint={run / 'checkpoints'}",
+                   "generate.max_new_tokens=8", "generate.temperature=0", f"hydra.run.dir={out}")
+    assert p.returncode == 0, p.stderr[-3000:]
+    result = __import__("json").loads((out / "generation.json").read_text())
+    assert result["prompt"] == "def main():" and 1 <= len(result["tokens"]) <= 8
+    assert p.stdout.strip().startswith("def main():")
+    for bad, needle in ((["generate.max_new_tokens=4"], "generate.prompt"),
+                        (["generate.prompt=x", f"generate.checkpoint={tmp_path / 'nope'}"], "nope")):
+        p = flashtrain("generate", *bad, f"hydra.run.dir={tmp_path / 'bad'}")
+        assert p.returncode == 2 and needle in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
