@@ -115,7 +115,7 @@ class CSA2Attention(nn.Module):
         glob = iq = iw = None
         if self.spec.mode != "swa":
             if self.spec.owns_kv:
-                self._write_global_kv(x, rt)
+                self.write_global_kv(x, rt)
             glob = rt.kv[self.spec.kv_source]
             if self.index_query is not None:  # the indexer learns only from its own loss: inputs detached
                 iq, iw = self.index_query(qr.detach(), x.detach(), angles, self.rotary, self.qat)
@@ -203,7 +203,7 @@ class CSA2Attention(nn.Module):
         pool_share = share(pool) if pool is not None else total.new_zeros(())
         return torch.stack((share(idx), pool_share, seen.sum().to(total.dtype)))
 
-    def _write_global_kv(self, x: torch.Tensor, rt: AttentionRuntime) -> None:
+    def write_global_kv(self, x: torch.Tensor, rt: AttentionRuntime) -> None:
         """Full layers only: compressed latent (RoPE at j*m, FP4 QAT) and MXFP4 index keys."""
         m = self.spec.compress_ratio
         x, first = rt.shard.block_input(x, self.spec.layer_id, m)  # first: global id of the first entry

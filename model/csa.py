@@ -39,6 +39,16 @@ def window_keys(win_kv: torch.Tensor, window: int, halo: Optional[torch.Tensor] 
     return _with_halo(win_kv, window, halo).unfold(1, window, 1).transpose(-1, -2)
 
 
+def window_doc_start(doc_start: torch.Tensor, positions: Optional[torch.Tensor],
+                     halo: Optional[torch.Tensor]) -> torch.Tensor:
+    """Where each query's window may start. Without a halo there is nothing before the first
+    query: window rows before it are padding, also when the slice does not start at 0 (the
+    bounded replay of CED prefill starts its decoder layers mid-sequence with no window rows)."""
+    if halo is not None or positions is None:
+        return doc_start
+    return torch.maximum(doc_start, positions[:, :1])
+
+
 def window_valid(doc_start: torch.Tensor, window: int, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
     """[B, T, W] bool: key position t-W+1+w exists and lies in query t's document."""
     if positions is None:
@@ -57,7 +67,8 @@ def sparse_attention(q: torch.Tensor, win_kv: torch.Tensor, glob_kv: Optional[to
     -> (out [B, T, H, C], probabilities on idx [B, T, H, k] or None)."""
     wk = window_keys(win_kv, window, halo)  # [B, T, W, C]
     logits = torch.einsum("bthc,btwc->bthw", wide(q), wide(wk)) * scale
-    logits = logits.masked_fill(~window_valid(doc_start, window, positions).unsqueeze(2), NEG_INF)
+    valid = window_valid(window_doc_start(doc_start, positions, halo), window, positions)  # [B, T, W]
+    logits = logits.masked_fill(~valid.unsqueeze(2), NEG_INF)
     W = logits.shape[-1]
     if glob_kv is not None:
         gk = gather_rows(glob_kv, idx.clamp(min=0))  # [B, T, k, C]

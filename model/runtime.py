@@ -60,6 +60,26 @@ class SequenceShard:
         """Sum over the slices of one sequence (no gradient)."""
         return t
 
+    def replay(self, start: int, total_len: int, entries: dict, input_ids: torch.Tensor) -> SequenceShard:
+        """The shard of a CED bounded replay: tokens [start, total_len) of input_ids [B, total_len],
+        whose global entries (layer, name) -> [B, S, .] are already computed."""
+        return ReplayShard(start, total_len, entries, input_ids)
+
+
+class ReplayShard(SequenceShard):
+    """Decoder layers over the last tokens of a prompt (CED bounded replay): global entries come
+    precomputed from the encoder output; no window rows exist before the first replayed token."""
+
+    def __init__(self, start: int, total_len: int, entries: dict, input_ids: torch.Tensor):
+        B = input_ids.shape[0]
+        doc_start = torch.zeros(B, total_len - start, dtype=torch.long, device=input_ids.device)
+        history = input_ids[:, max(start - HISTORY_TOKENS, 0):start] if start > 0 else None
+        super().__init__(start, total_len, doc_start, history)
+        self.entries = entries
+
+    def gather(self, t: torch.Tensor, layer: int = -1, name: str = "") -> torch.Tensor:
+        return self.entries[(layer, name)]
+
 
 class _Sealable:
     """Forward state that ignores writes once sealed. Activation checkpointing re-runs a block's

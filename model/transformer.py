@@ -176,15 +176,51 @@ class Transformer(nn.Module):
 
     def hidden(self, input_ids: torch.Tensor, rt: AttentionRuntime) -> torch.Tensor:
         """input_ids [B, T] -> final normed hidden state [B, T, D]."""
+        h, pre = self.embed_streams(input_ids)
+        h, pre = self.run_layers(h, pre, input_ids, rt, self.layers)
+        return self.norm(mix_streams(pre, h))
+
+    def embed_streams(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids [B, T] -> streams h [B, T, n, D] and the first sub-layer's one-hot pre-mix."""
         h = self.embed(input_ids).unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1).contiguous()  # [B, T, n, D]
-        pre = initial_pre(h)
+        return h, initial_pre(h)
+
+    def run_layers(self, h: torch.Tensor, pre: torch.Tensor, input_ids: torch.Tensor, rt: AttentionRuntime,
+                   layers) -> tuple[torch.Tensor, torch.Tensor]:
+        """Streams of the tokens input_ids [B, T] through `layers` (each preceded by its Engram)."""
         lookup = self.lookup_map[input_ids] if len(self.engrams) else None
         history = rt.shard.history
         if history is not None and lookup is not None:
             history = self.lookup_map[history]
-        for layer in self.layers:
+        for layer in layers:
             engram = self.engrams[str(layer.spec.layer_id)] if layer.spec.engram else None
             if engram is not None:
                 h = engram(h, lookup, rt.doc_start, rt.positions, history)
             h, pre = layer(h, pre, rt)
-        return self.norm(mix_streams(pre, h))
+        return h, pre
+
+    def forward_ced(self, input_ids: torch.Tensor, replay: int, shard: Optional[SequenceShard] = None) -> torch.Tensor:
+        """CED prefill with bounded replay (SPEC §2) -> logits [B, R, V] of the last R = min(replay, N)
+        positions of input_ids [B, N] (one document).
+
+        The encoder layers run over all N tokens. The decoder's global KV comes from the encoder
+        output, for all N tokens, through the first decoder layer's KV writer. The decoder layers
+        run over the last R tokens only: their window sees replayed tokens only, and those
+        tokens' deeper-layer state never saw older tokens' decoder state (the approximation the
+        boundary makes; exact when N <= replay). `shard`: the decode cache (rl/engine)."""
+        B, N = input_ids.shape
+        R = min(replay, N)
+        n_enc = self.plan.n_encoder_layers
+        owner = self.layers[n_enc] if n_enc < len(self.layers) else None
+        if owner is None or not owner.spec.owns_kv:
+            raise ValueError("CED prefill needs a decoder whose first layer owns the global KV")
+        rt = AttentionRuntime(B, N, input_ids.device, shard=shard)
+        h, pre = self.embed_streams(input_ids)
+        h, pre = self.run_layers(h, pre, input_ids, rt, self.layers[:n_enc])
+        owner.attn.write_global_kv(owner.attn_norm(mix_streams(pre, h)), rt)  # [B, N] entries from H_enc
+        keys = {(owner.spec.layer_id, "kv"): rt.kv[owner.spec.layer_id],
+                (owner.spec.layer_id, "index_k"): rt.index_k[owner.spec.layer_id]}
+        replay_shard = rt.shard.replay(N - R, N, keys, input_ids)
+        rt_dec = AttentionRuntime(B, R, input_ids.device, shard=replay_shard)
+        h, pre = self.run_layers(h[:, N - R:], pre[:, N - R:], input_ids[:, N - R:], rt_dec, self.layers[n_enc:])
+        return wide(self.head(self.norm(mix_streams(pre, h))))

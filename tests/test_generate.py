@@ -8,7 +8,7 @@ import torch
 from conf.model import TinyModelConfig
 from model.transformer import Transformer
 from rl.engine.cache import DecodeCache
-from rl.engine.generate import forward_new, generate
+from rl.engine.generate import forward_new, generate, prefill_ced
 
 # small window and top-k so the cache's window rows and the selection both matter at T=48
 CFG = dataclasses.replace(TinyModelConfig(vocab_size=97), engram_min_rows=50, window=8, index_topk=4,
@@ -97,3 +97,37 @@ def test_generate_cli_from_a_checkpoint(flashtrain, tmp_path):
                         (["generate.prompt=x", f"generate.checkpoint={tmp_path / 'nope'}"], "nope")):
         p = flashtrain("generate", *bad, f"hydra.run.dir={tmp_path / 'bad'}")
         assert p.returncode == 2 and needle in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+
+
+def test_ced_prefill_is_exact_when_the_prompt_fits_the_replay(model):
+    """N <= replay: the decoder layers see the whole prompt, so CED prefill (encoder over N,
+    decoder KV from the encoder output, decoder over N) is the plain forward; decoding goes on
+    from its cache. Token-layer passes: N x encoder + R x decoder, then n_layers per token."""
+    ids = _ids(40)
+    with torch.no_grad():
+        want = model(ids).logits
+        torch.testing.assert_close(model.forward_ced(ids, replay=128), want, rtol=0, atol=1e-10)
+    cache = DecodeCache(2, packed=model.packed_cache)
+    got = [prefill_ced(model, cache, ids[:, :30], replay=128)]
+    got += [forward_new(model, cache, ids[:, p:p + 1]) for p in range(30, 40)]
+    torch.testing.assert_close(torch.cat(got, dim=1), want, rtol=0, atol=1e-10)
+    n_enc, n = model.plan.n_encoder_layers, len(model.layers)
+    assert cache.token_layer_passes == 30 * n_enc + 30 * (n - n_enc) + 10 * n
+
+
+def test_bounded_replay_matches_the_boundary_forward(model):
+    """N > replay: the engine's cached CED prefill equals the model's boundary forward (the one
+    training can run), and differs from the exact full forward (the approximation is real)."""
+    ids, R = _ids(48), 16
+    cache = DecodeCache(2, packed=model.packed_cache)
+    got = prefill_ced(model, cache, ids, replay=R)  # [2, R, V]
+    with torch.no_grad():
+        boundary = model.forward_ced(ids, R)
+        exact = model(ids).logits[:, -R:]
+    torch.testing.assert_close(got, boundary, rtol=0, atol=1e-10)
+    gap = (boundary - exact).abs().amax().item()
+    assert 1e-6 < gap < 10, gap
+    n_enc, n = model.plan.n_encoder_layers, len(model.layers)
+    assert cache.token_layer_passes == 48 * n_enc + R * (n - n_enc) < 48 * n
+    with pytest.raises(ValueError, match="must be empty"):
+        prefill_ced(model, cache, ids[:, :4])

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from model.csa import _with_halo
+from model.csa import _with_halo, window_doc_start
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 LOG2E = 1.4426950408889634
@@ -311,6 +311,7 @@ def sparse_attention_triton(q: torch.Tensor, win_kv: torch.Tensor, glob_kv: Opti
     # splits its gradient back into win_kv and halo
     kv = _with_halo(win_kv.to(q.dtype), window, halo).contiguous()
     q = q.contiguous()
+    doc_start = window_doc_start(doc_start, positions, halo)  # no halo: nothing before the first query
     doc_start, positions = doc_start.contiguous(), positions.contiguous()
     if glob_kv is not None:
         glob_kv, idx = glob_kv.to(q.dtype).contiguous(), idx.contiguous()

@@ -57,6 +57,8 @@ class DecodeCache(SequenceShard):
         self.window: dict[int, _Store] = {}  # layer -> the last W-1 window rows [B, W-1, C]
         self.entries: dict[tuple[int, str], _Store] = {}  # (owner layer, "kv" | "index_k") -> [B, S, .]
         self.pending: dict[int, torch.Tensor] = {}  # owner layer -> layer inputs [B, r < m, D]
+        self.replaying: set[tuple[int, str]] = set()
+        self.token_layer_passes = 0  # tokens x layers run so far (CED prefill skips most decoder passes)  # entries a CED replay reads but must not append to
 
     def begin(self, input_ids: torch.Tensor) -> None:
         """Before a forward over input_ids [B, T] that follow the cached tokens."""
@@ -67,8 +69,21 @@ class DecodeCache(SequenceShard):
         self.doc_start = torch.zeros(B, T, dtype=torch.long, device=input_ids.device)  # one document
         self.history = self.ids
 
+    def replay(self, start: int, total_len: int, entries: dict, input_ids: torch.Tensor) -> DecodeCache:
+        """CED bounded replay of a prefill into an empty cache (model.transformer.forward_ced): the
+        decoder layers see tokens [start, total_len); their global entries are cached already and
+        their window rows start with the first replayed token."""
+        if self.length:
+            raise ValueError("CED prefill starts a sequence: the cache must be empty")
+        self.offset, self.total_len = start, total_len
+        self.doc_start = torch.zeros(self.batch, total_len - start, dtype=torch.long, device=input_ids.device)
+        self.history = input_ids[:, max(start - HISTORY_TOKENS, 0):start] if start > 0 else None
+        self.replaying = set(entries)
+        return self
+
     def end(self, input_ids: torch.Tensor) -> None:
         """After the forward: the new tokens are part of the cached prefix."""
+        self.replaying = set()
         ids = input_ids if self.ids is None else torch.cat((self.ids, input_ids), dim=1)
         self.ids = ids[:, -HISTORY_TOKENS:]
         self.length += input_ids.shape[1]
@@ -77,6 +92,8 @@ class DecodeCache(SequenceShard):
 
     def gather(self, t: torch.Tensor, layer: int = -1, name: str = "") -> torch.Tensor:
         store = self.entries.setdefault((layer, name), _Store(name, self.packed))
+        if (layer, name) in self.replaying:
+            return store.read(t.dtype)
         if t.shape[1]:
             store.append(t)
         return store.read(t.dtype) if store.parts is not None else t

@@ -28,6 +28,21 @@ def forward_new(model: Transformer, cache: DecodeCache, input_ids: torch.Tensor)
     cache.begin(input_ids)
     logits = model(input_ids, shard=cache).logits
     cache.end(input_ids)
+    cache.token_layer_passes += input_ids.shape[1] * len(model.layers)
+    return logits
+
+
+@torch.no_grad()
+def prefill_ced(model: Transformer, cache: DecodeCache, input_ids: torch.Tensor, replay: int = 128) -> torch.Tensor:
+    """CED prefill of input_ids [B, N] into an empty cache: encoder over all N tokens, decoder over
+    the last min(replay, N) (SPEC §2) -> logits [B, R, V] of those positions. Counts token-layer
+    passes in cache.token_layer_passes."""
+    N = input_ids.shape[1]
+    n_enc = model.plan.n_encoder_layers
+    cache.begin(input_ids)
+    logits = model.forward_ced(input_ids, replay, shard=cache)
+    cache.end(input_ids)
+    cache.token_layer_passes += N * n_enc + min(replay, N) * (len(model.layers) - n_enc)
     return logits
 
 
