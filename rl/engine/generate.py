@@ -65,9 +65,10 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: to
 @torch.no_grad()
 def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
              top_p: float = 1.0, stop: Optional[set[int]] = None, seed: int = 0,
-             policy_version: int = 0, packed: bool = True) -> list[Generation]:
+             policy_version: int = 0, packed: bool = True, replay: Optional[int] = 128) -> list[Generation]:
     """Each prompt is prefilled once, then decoded a token at a time from the cache
-    (`packed`: the cache stores FP4 / MXFP4 / FP8, see rl/engine/cache.py)."""
+    (`packed`: the cache stores FP4 / MXFP4 / FP8, see rl/engine/cache.py). `replay`: CED
+    prefill with bounded replay of that many tokens (None: every layer over the whole prompt)."""
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 0")
     device = next(model.parameters()).device
@@ -78,7 +79,11 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
         if not prompt:
             raise ValueError("an empty prompt: there is no position to predict from")
         cache = DecodeCache(1, packed=packed)
-        logits = forward_new(model, cache, torch.tensor([prompt], device=device))[:, -1]
+        ids = torch.tensor([prompt], device=device)
+        if replay is None:
+            logits = forward_new(model, cache, ids)[:, -1]
+        else:
+            logits = prefill_ced(model, cache, ids, replay)[:, -1]
         gen = Generation(policy_version=policy_version)
         for _ in range(max_new_tokens):
             token, logp = sample(logits.float(), temperature, top_p, generator)
