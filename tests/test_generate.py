@@ -131,3 +131,27 @@ def test_bounded_replay_matches_the_boundary_forward(model):
     assert cache.token_layer_passes == 48 * n_enc + R * (n - n_enc) < 48 * n
     with pytest.raises(ValueError, match="must be empty"):
         prefill_ced(model, cache, ids[:, :4])
+
+
+def test_prefix_cache_hit_skips_the_prefix_and_matches(model):
+    """Agent loop: a request continues a finished one (its prompt + generation + new tool output).
+    The hit restores the global KV, replays the prefix's last tokens to rebuild window rows, and
+    runs only the new tokens; within the replay span it gives the uncached greedy result."""
+    from rl.engine.prefix import PrefixCache
+    prefix_cache = PrefixCache(max_bytes=10**9)
+    first_prompt = _ids(21, seed=3)[0].tolist()
+    (first,) = generate(model, [first_prompt], max_new_tokens=6, temperature=0, packed=model.packed_cache,
+                        prefix_cache=prefix_cache)
+    assert prefix_cache.misses == 1 and prefix_cache.nbytes() > 0
+    tool = _ids(9, seed=4)[0].tolist()
+    prompt = first_prompt + first.tokens[:-1] + [first.tokens[-1]] + tool
+    (hit,) = generate(model, [prompt], max_new_tokens=5, temperature=0, packed=model.packed_cache,
+                      prefix_cache=prefix_cache)
+    (miss,) = generate(model, [prompt], max_new_tokens=5, temperature=0, packed=model.packed_cache)
+    assert prefix_cache.hits == 1 and hit.tokens == miss.tokens
+    P = len(first_prompt) + len(first.tokens) - 1  # the last sampled token was never fed
+    n = len(model.layers)
+    assert hit.token_layer_passes == P * n + (len(prompt) - P) * n + 4 * n  # replay (P <= 128), new, decode
+    small = PrefixCache(max_bytes=1)
+    generate(model, [first_prompt], max_new_tokens=2, temperature=0, prefix_cache=small)
+    assert small.nbytes() == 0  # evicted: over its byte budget

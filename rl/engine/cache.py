@@ -70,11 +70,12 @@ class DecodeCache(SequenceShard):
         self.history = self.ids
 
     def replay(self, start: int, total_len: int, entries: dict, input_ids: torch.Tensor) -> DecodeCache:
-        """CED bounded replay of a prefill into an empty cache (model.transformer.forward_ced): the
-        decoder layers see tokens [start, total_len); their global entries are cached already and
-        their window rows start with the first replayed token."""
-        if self.length:
-            raise ValueError("CED prefill starts a sequence: the cache must be empty")
+        """A bounded replay of tokens [start, total_len): the layers that run see those tokens only
+        (window rows start with the first replayed token) and read the cached global entries of
+        `entries` without adding to them. CED prefill replays the decoder layers of a prompt
+        (model.transformer.forward_ced); a prefix-cache hit replays every layer (rl/engine/prefix.py)."""
+        if self.length and self.length != total_len:
+            raise ValueError("a replay starts a sequence or rebuilds a restored prefix: the cache must be empty")
         self.offset, self.total_len = start, total_len
         self.doc_start = torch.zeros(self.batch, total_len - start, dtype=torch.long, device=input_ids.device)
         self.history = input_ids[:, max(start - HISTORY_TOKENS, 0):start] if start > 0 else None
@@ -109,6 +110,8 @@ class DecodeCache(SequenceShard):
         return old
 
     def block_input(self, x: torch.Tensor, layer: int, m: int) -> tuple[torch.Tensor, int]:
+        if (layer, "kv") in self.replaying:  # its entries are cached; what it computes now is dropped
+            return x, self.offset // m
         old = self.pending.get(layer)
         full = x if old is None else torch.cat((old, x), dim=1)
         done = full.shape[1] // m * m

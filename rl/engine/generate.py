@@ -12,6 +12,7 @@ import torch
 
 from model.transformer import Transformer
 from rl.engine.cache import DecodeCache
+from rl.engine.prefix import PrefixCache
 
 
 @dataclass
@@ -20,6 +21,7 @@ class Generation:
     logprobs: list[float] = field(default_factory=list)
     finish: str = "length"  # length | stop
     policy_version: int = 0
+    token_layer_passes: int = 0  # prefill and decode work, in tokens x layers
 
 
 @torch.no_grad()
@@ -65,10 +67,13 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: to
 @torch.no_grad()
 def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
              top_p: float = 1.0, stop: Optional[set[int]] = None, seed: int = 0,
-             policy_version: int = 0, packed: bool = True, replay: Optional[int] = 128) -> list[Generation]:
+             policy_version: int = 0, packed: bool = True, replay: Optional[int] = 128,
+             prefix_cache: Optional[PrefixCache] = None) -> list[Generation]:
     """Each prompt is prefilled once, then decoded a token at a time from the cache
     (`packed`: the cache stores FP4 / MXFP4 / FP8, see rl/engine/cache.py). `replay`: CED
-    prefill with bounded replay of that many tokens (None: every layer over the whole prompt)."""
+    prefill with bounded replay of that many tokens (None: every layer over the whole prompt).
+    `prefix_cache`: prompts that extend a finished sequence reuse its global KV (agent loops:
+    the same conversation plus new tool output), and every finished sequence is offered to it."""
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 0")
     device = next(model.parameters()).device
@@ -78,12 +83,20 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
     for prompt in prompts:
         if not prompt:
             raise ValueError("an empty prompt: there is no position to predict from")
-        cache = DecodeCache(1, packed=packed)
         ids = torch.tensor([prompt], device=device)
-        if replay is None:
-            logits = forward_new(model, cache, ids)[:, -1]
+        hit = prefix_cache.longest_prefix(prompt) if prefix_cache is not None else None
+        if hit is not None:
+            prefix_cache.hits += 1
+            cache = prefix_cache.restore(model, hit, replay or 128, packed, device)
+            logits = forward_new(model, cache, ids[:, len(hit):])[:, -1]
         else:
-            logits = prefill_ced(model, cache, ids, replay)[:, -1]
+            if prefix_cache is not None:
+                prefix_cache.misses += 1
+            cache = DecodeCache(1, packed=packed)
+            if replay is None:
+                logits = forward_new(model, cache, ids)[:, -1]
+            else:
+                logits = prefill_ced(model, cache, ids, replay)[:, -1]
         gen = Generation(policy_version=policy_version)
         for _ in range(max_new_tokens):
             token, logp = sample(logits.float(), temperature, top_p, generator)
@@ -92,6 +105,11 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
             if stop and int(token) in stop:
                 gen.finish = "stop"
                 break
+            if len(gen.tokens) == max_new_tokens:  # nothing left to predict: the last token is not fed
+                break
             logits = forward_new(model, cache, token[:, None])[:, -1]
+        gen.token_layer_passes = cache.token_layer_passes
+        if prefix_cache is not None:
+            prefix_cache.put((list(prompt) + gen.tokens)[:cache.length], cache)
         out.append(gen)
     return out
