@@ -155,3 +155,19 @@ def test_prefix_cache_hit_skips_the_prefix_and_matches(model):
     small = PrefixCache(max_bytes=1)
     generate(model, [first_prompt], max_new_tokens=2, temperature=0, prefix_cache=small)
     assert small.nbytes() == 0  # evicted: over its byte budget
+
+
+def test_flash_layout_is_890_bytes_per_token_in_the_engine_buffers():
+    """The engine's own storage for the `flash` plan (3 encoder sources at m=2, the decoder's
+    at m=1; 512-d latent, 128-d index keys), filled for 1024 tokens: 890 bytes per token."""
+    from conf.model import FlashModelConfig
+    from model.plan import build_layer_plan
+    cfg = FlashModelConfig()
+    owners = [s for s in build_layer_plan(cfg).layers if s.owns_kv]
+    assert [(s.layer_id, s.compress_ratio) for s in owners] == [(2, 2), (8, 2), (14, 2), (20, 1)]
+    cache, N = DecodeCache(1), 1024
+    for s in owners:
+        cache.gather(torch.randn(1, N // s.compress_ratio, cfg.kv_dim), s.layer_id, "kv")
+        cache.gather(torch.randn(1, N // s.compress_ratio, cfg.index_dim), s.layer_id, "index_k")
+    cache.length = N
+    assert cache.global_bytes_per_token() == 890

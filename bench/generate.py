@@ -1,0 +1,123 @@
+"""Generation engine vs a plain full-forward loop, side by side in one run; prints one JSON object.
+
+  prefill   tokens/s of CED prefill (encoder over the prompt, decoder over the last 128) vs one
+            plain forward through every layer, at each prompt length
+  decode    tokens/s of cached decoding (FP4-packed cache) vs re-running the whole sequence per
+            token, at each batch size (rows of one batch share a length)
+  prefix    latency of a prompt that extends a cached sequence (hit: replay + new tokens) vs the
+            same prompt without the prefix cache (miss: CED prefill of everything)
+
+    python -m bench.generate [--model small] [--prefill 8192,32768] [--batches 1,64]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from conf.model import SmallModelConfig, TinyModelConfig
+from model.transformer import Transformer
+from rl.engine.cache import DecodeCache
+from rl.engine.generate import forward_new, generate, prefill_ced
+from rl.engine.prefix import PrefixCache
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _seconds(fn, device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def _ids(batch: int, length: int, vocab: int, device, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, length), generator=g).to(device)
+
+
+@torch.no_grad()
+def bench_prefill(model, lengths, vocab, device) -> dict:
+    out = {}
+    for n in lengths:
+        ids = _ids(1, n, vocab, device)
+        prefill_ced(model, DecodeCache(1), ids[:, :256])  # warm-up
+        ced = _seconds(lambda ids=ids: prefill_ced(model, DecodeCache(1), ids), device)
+        plain = _seconds(lambda ids=ids: model(ids), device)
+        out[n] = {"ced_tokens_per_s": n / ced, "plain_tokens_per_s": n / plain, "ced_speedup": plain / ced}
+    return out
+
+
+@torch.no_grad()
+def bench_decode(model, batches, prompt_len, steps, vocab, device) -> dict:
+    out = {}
+    for b in batches:
+        ids = _ids(b, prompt_len + steps, vocab, device)
+        cache = DecodeCache(b)
+        prefill_ced(model, cache, ids[:, :prompt_len])
+        cached = _seconds(lambda ids=ids, cache=cache: [forward_new(model, cache, ids[:, p:p + 1])
+                                                        for p in range(prompt_len, prompt_len + steps)], device)
+        plain_steps = min(steps, 4)  # the plain loop is O(length) per token: a few steps suffice
+        plain = _seconds(lambda ids=ids, k=plain_steps: [model(ids[:, :p + 1])
+                                                         for p in range(prompt_len, prompt_len + k)], device)
+        out[b] = {"cached_tokens_per_s": b * steps / cached, "plain_tokens_per_s": b * plain_steps / plain,
+                  "speedup": (b * steps / cached) / (b * plain_steps / plain)}
+    return out
+
+
+def bench_prefix(model, prefix_len, new_tokens, vocab, device) -> dict:
+    prefix = _ids(1, prefix_len, vocab, device, seed=1)[0].tolist()
+    prompt = prefix + _ids(1, new_tokens, vocab, device, seed=2)[0].tolist()
+    cache = PrefixCache(max_bytes=1 << 40)
+    generate(model, [prefix + prompt[prefix_len:prefix_len + 1]], max_new_tokens=1, temperature=0, prefix_cache=cache)
+    hit = _seconds(lambda: generate(model, [prompt], max_new_tokens=1, temperature=0, prefix_cache=cache), device)
+    miss = _seconds(lambda: generate(model, [prompt], max_new_tokens=1, temperature=0), device)
+    return {"prefix_tokens": prefix_len, "new_tokens": new_tokens, "hit_s": hit, "miss_s": miss,
+            "miss_over_hit": miss / hit, "hits": cache.hits}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="small", choices=["small", "tiny"])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--prefill", default="8192,32768")
+    ap.add_argument("--batches", default="1,64")
+    ap.add_argument("--prompt-len", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--prefix-len", type=int, default=16384)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--vocab", type=int, default=129_280)
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    base = SmallModelConfig() if args.model == "small" else TinyModelConfig()
+    cfg = dataclasses.replace(base, vocab_size=args.vocab, max_seq_len=max(base.max_seq_len, 32768))
+    torch.manual_seed(0)
+    with device:
+        model = Transformer(cfg)
+    model.eval()
+    if device.type == "cuda":
+        model.to(torch.bfloat16)  # inference weights
+    commit = os.environ.get("FLASHTRAIN_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    result = {"bench": "generate", "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "date": datetime.date.today().isoformat(), "commit": commit,
+              "model": args.model}
+    result["prefill"] = bench_prefill(model, [int(x) for x in args.prefill.split(",")], args.vocab, device)
+    result["decode"] = bench_decode(model, [int(x) for x in args.batches.split(",")], args.prompt_len, args.steps,
+                                    args.vocab, device)
+    result["prefix"] = bench_prefix(model, args.prefix_len, args.new_tokens, args.vocab, device)
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
