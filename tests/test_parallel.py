@@ -37,11 +37,20 @@ def base_runs(tmp_path_factory, data_cache, port_base):
     return runs
 
 
+def assert_same_trajectory(a: dict[int, float], b: dict[int, float], steps, tight: int) -> None:
+    """The first `tight` steps agree to fp64 round-off (a layout bug shows there at once). Later
+    steps only to 1e-3 relative: top-k choices (experts, indexer, pool) are discontinuous, so a
+    1e-15 difference in summation order eventually flips one and the runs drift apart
+    (measured: 8e-10 by step 5, up to 7e-5 relative by step 20)."""
+    for i, step in enumerate(steps):
+        tol = 1e-8 if i < tight else 1e-3 * abs(a[step])
+        assert abs(a[step] - b[step]) < tol, (step, a[step], b[step])
+
+
 def test_ep2_matches_one_process(base_runs):
     a, b = losses(base_runs["ep1"]), losses(base_runs["ep2"])
     assert sorted(a) == sorted(b) == list(STEPS)
-    for step in STEPS:
-        assert abs(a[step] - b[step]) < 1e-5, (step, a[step], b[step])
+    assert_same_trajectory(a, b, STEPS, tight=5)
 
 
 @pytest.mark.parametrize("saved, resumed", [("ep2", "ep1"), ("ep1", "ep2")])
@@ -57,8 +66,7 @@ def test_resume_at_another_ep_degree(base_runs, flashtrain, tmp_path, saved, res
     p = flashtrain("pretrain", *EXACT, *args, f"hydra.run.dir={run}")
     assert p.returncode == 0, p.stderr[-3000:]
     a, b = losses(base_runs[saved]), losses(run)
-    for step in range(11, 21):
-        assert abs(a[step] - b[step]) < 1e-5, (step, a[step], b[step])
+    assert_same_trajectory(a, b, range(11, 21), tight=3)
 
 
 def test_two_node_run_on_one_machine(tmp_path, data_cache, port_base):
