@@ -35,3 +35,14 @@ def matmul_tflops(n: int = 8192) -> float:
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     ms = timed_ms(lambda: a @ b)
     return 2 * n**3 / ms / 1e9
+
+
+def timed_into(out: dict, key: str, fn, **kw) -> float:
+    """out[key] = timed_ms(fn, **kw); NaN (and out[key + '_oom'] = 1) when the GPU runs out of
+    memory, so one oversized entry does not lose the others. Returns out[key]."""
+    try:
+        out[key] = timed_ms(fn, **kw)
+    except torch.OutOfMemoryError:
+        out[key], out[f"{key}_oom"] = float("nan"), 1
+    torch.cuda.empty_cache()
+    return out[key]

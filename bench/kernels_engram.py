@@ -29,22 +29,13 @@ import json
 
 import torch
 
-from bench.kernel_timing import copy_bandwidth_gbs, timed_ms
+from bench.kernel_timing import copy_bandwidth_gbs, timed_into, timed_ms
 from conf.model import FlashModelConfig
 from model.engram import Engram
 from model.kernels.engram import engram_addresses_triton, engram_lookup_triton
 from model.runtime import document_starts
 
 LAYER = 1
-
-
-def _measure(out: dict, key: str, fn, **kw) -> float:
-    try:
-        out[key] = timed_ms(fn, **kw)
-    except torch.OutOfMemoryError:
-        out[key], out[f"{key}_oom"] = float("nan"), 1
-    torch.cuda.empty_cache()
-    return out[key]
 
 
 def _engram(rows_per_head: int, device: torch.device, pinned_table: bool) -> Engram:
@@ -92,13 +83,13 @@ def _bench_gpu_table(out: dict, ids, doc, rows_per_head: int, copy_gbs: float, d
     row_bytes = batch * seq * lookups * E * W.element_size()
     out.update(lookups=lookups, engram_dim=E, gpu_table_gb=W.numel() * W.element_size() / 1e9, row_bytes=row_bytes)
     with torch.no_grad():
-        _measure(out, "addresses_triton_ms", lambda: engram_addresses_triton(
+        timed_into(out, "addresses_triton_ms", lambda: engram_addresses_triton(
             ids, eng.multipliers, eng.orders, eng.primes, eng.offsets, doc_start=doc))
-        _measure(out, "addresses_ref_ms", lambda: eng.addresses(ids, doc))
-        ms = _measure(out, "gpu_gather_triton_ms", lambda: engram_lookup_triton(eng, ids, doc))
+        timed_into(out, "addresses_ref_ms", lambda: eng.addresses(ids, doc))
+        ms = timed_into(out, "gpu_gather_triton_ms", lambda: engram_lookup_triton(eng, ids, doc))
         out["gpu_gather_triton_gbs"] = 2 * row_bytes / ms / 1e6
         out["gpu_gather_triton_frac_copy"] = out["gpu_gather_triton_gbs"] / copy_gbs
-        ms = _measure(out, "gpu_gather_ref_ms", lambda: eng.table.lookup(eng.addresses(ids, doc)))
+        ms = timed_into(out, "gpu_gather_ref_ms", lambda: eng.table.lookup(eng.addresses(ids, doc)))
         out["gpu_gather_ref_gbs"] = 2 * row_bytes / ms / 1e6
         out["gpu_gather_ref_frac_copy"] = out["gpu_gather_ref_gbs"] / copy_gbs
         out["gpu_gather_speedup"] = out["gpu_gather_ref_ms"] / out["gpu_gather_triton_ms"]
@@ -110,9 +101,9 @@ def _bench_gpu_table(out: dict, ids, doc, rows_per_head: int, copy_gbs: float, d
     for sparse in (False, True):  # forward + backward: the table gradient, nothing accumulated
         eng.table.sparse_grad = sparse
         kind = "sparse" if sparse else "dense"
-        _measure(out, f"gpu_fwd_bwd_{kind}_triton_ms",
+        timed_into(out, f"gpu_fwd_bwd_{kind}_triton_ms",
                  lambda: torch.autograd.grad(engram_lookup_triton(eng, ids, doc), W, up), reps=5)
-        _measure(out, f"gpu_fwd_bwd_{kind}_ref_ms",
+        timed_into(out, f"gpu_fwd_bwd_{kind}_ref_ms",
                  lambda: torch.autograd.grad(eng.table.lookup(eng.addresses(ids, doc)), W, up), reps=5)
 
 
@@ -129,7 +120,7 @@ def _bench_host_table(out: dict, ids, doc, rows_per_head: int, copy_gbs: float, 
     with torch.no_grad():
         for key, fn in paths:
             try:
-                ms = _measure(out, f"{key}_ms", fn, reps=reps, warmup=1)
+                ms = timed_into(out, f"{key}_ms", fn, reps=reps, warmup=1)
             except Exception:  # the unverified UVA path reports its failure instead of raising
                 out[f"{key}_failed"] = 1
                 continue

@@ -22,19 +22,9 @@ import json
 
 import torch
 
-from bench.kernel_timing import matmul_tflops, timed_ms
+from bench.kernel_timing import matmul_tflops, timed_into
 from model.indexer import candidate_pool, index_scores, index_scores_at, select_topk
 from model.kernels.indexer import index_scores_at_triton, index_scores_triton
-
-
-def _measure(out: dict, key: str, fn, **kw) -> float:
-    """out[key] = timed_ms(fn); NaN (and key_oom = 1) when the GPU runs out of memory."""
-    try:
-        out[key] = timed_ms(fn, **kw)
-    except torch.OutOfMemoryError:
-        out[key], out[f"{key}_oom"] = float("nan"), 1
-    torch.cuda.empty_cache()
-    return out[key]
 
 
 def _pool_ids(T: int, S: int, blocks: int, block: int, device) -> torch.Tensor:
@@ -55,18 +45,18 @@ def _bench_context(S: int, T: int, H: int, Di: int, pool_blocks: int, pool_block
     positions = torch.arange(S - T, S, device=device).unsqueeze(0)  # the last T queries, m = 1
     doc_start = torch.zeros_like(positions)
     with torch.no_grad():
-        ms = _measure(out, "dense_triton_ms", lambda: index_scores_triton(q, w, k))
+        ms = timed_into(out, "dense_triton_ms", lambda: index_scores_triton(q, w, k))
         out["dense_triton_tflops"] = flops / ms / 1e9
         out["dense_triton_frac_matmul"] = out["dense_triton_tflops"] / peak
-        _measure(out, "dense_triton_masked_ms",
+        timed_into(out, "dense_triton_masked_ms",
                  lambda: index_scores_triton(q, w, k, positions=positions, doc_start=doc_start, m=1))
-        ms = _measure(out, "dense_ref_ms", lambda: index_scores(q, w, k), reps=ref_reps, warmup=1)
+        ms = timed_into(out, "dense_ref_ms", lambda: index_scores(q, w, k), reps=ref_reps, warmup=1)
         out["dense_ref_tflops"] = flops / ms / 1e9
         out["dense_speedup"] = out["dense_ref_ms"] / out["dense_triton_ms"]
 
         j = torch.arange(S, device=device)
         visible = (j + 1 <= positions.unsqueeze(-1) + 1) & (j >= doc_start.unsqueeze(-1))  # rt.visible(1)
-        _measure(out, "dense_ref_masked_ms",
+        timed_into(out, "dense_ref_masked_ms",
                  lambda: index_scores(q, w, k).masked_fill(~visible, float("-inf")), reps=ref_reps, warmup=1)
 
         try:
@@ -75,10 +65,10 @@ def _bench_context(S: int, T: int, H: int, Di: int, pool_blocks: int, pool_block
             scores = None
             out["scores_oom"] = 1
         if scores is not None:
-            _measure(out, "torch_topk_ms", lambda: torch.topk(scores, topk, dim=-1))
-            _measure(out, "select_topk_ms", lambda: select_topk(scores, topk))
+            timed_into(out, "torch_topk_ms", lambda: torch.topk(scores, topk, dim=-1))
+            timed_into(out, "select_topk_ms", lambda: select_topk(scores, topk))
             newest = positions.clone()  # m = 1, one document: the query's own entry
-            _measure(out, "candidate_pool_ms", lambda: candidate_pool(scores, newest, pool_block, pool_blocks),
+            timed_into(out, "candidate_pool_ms", lambda: candidate_pool(scores, newest, pool_block, pool_blocks),
                      reps=5, warmup=1)
             del scores
         torch.cuda.empty_cache()
@@ -91,10 +81,10 @@ def _bench_context(S: int, T: int, H: int, Di: int, pool_blocks: int, pool_block
         if cand is not None:
             P = cand.shape[-1]
             out["reindex_candidates"] = P
-            ms = _measure(out, "reindex_triton_ms", lambda: index_scores_at_triton(q, w, k, cand))
+            ms = timed_into(out, "reindex_triton_ms", lambda: index_scores_at_triton(q, w, k, cand))
             out["reindex_triton_tflops"] = 2 * T * H * P * Di / ms / 1e9
             out["reindex_triton_key_gbs"] = T * P * Di * k.element_size() / ms / 1e6  # gathered key bytes
-            _measure(out, "reindex_ref_ms", lambda: index_scores_at(q, w, k, cand), reps=ref_reps, warmup=1)
+            timed_into(out, "reindex_ref_ms", lambda: index_scores_at(q, w, k, cand), reps=ref_reps, warmup=1)
             out["reindex_speedup"] = out["reindex_ref_ms"] / out["reindex_triton_ms"]
             del cand
         torch.cuda.empty_cache()
@@ -111,8 +101,8 @@ def _bench_context(S: int, T: int, H: int, Di: int, pool_blocks: int, pool_block
     def fwd_bwd(fn):
         torch.autograd.grad((fn(*leaves, sel) * up).sum(), leaves)
 
-    _measure(out, "kl_fwd_bwd_triton_ms", lambda: fwd_bwd(index_scores_at_triton))
-    _measure(out, "kl_fwd_bwd_ref_ms", lambda: fwd_bwd(index_scores_at), reps=ref_reps, warmup=1)
+    timed_into(out, "kl_fwd_bwd_triton_ms", lambda: fwd_bwd(index_scores_at_triton))
+    timed_into(out, "kl_fwd_bwd_ref_ms", lambda: fwd_bwd(index_scores_at), reps=ref_reps, warmup=1)
     out["kl_fwd_bwd_speedup"] = out["kl_fwd_bwd_ref_ms"] / out["kl_fwd_bwd_triton_ms"]
     return out
 
