@@ -1,9 +1,11 @@
 """Generation engine vs a plain full-forward loop, side by side in one run; prints one JSON object.
 
   prefill   tokens/s of CED prefill (encoder over the prompt, decoder over the last 128) vs one
-            plain forward through every layer, at each prompt length
-  decode    tokens/s of cached decoding (FP4-packed cache) vs re-running the whole sequence per
-            token, at each batch size (rows of one batch share a length)
+            plain forward through every layer (logits of the last position only, as a plain
+            generation loop needs), at each prompt length
+  decode    tokens/s of the engine's continuous-batching decode step (every busy slot of a
+            SlotCache, FP4-packed, one token each) vs re-running the whole sequences per token,
+            at each batch size
   prefix    latency of a prompt that extends a cached sequence (hit: replay + new tokens) vs the
             same prompt without the prefix cache (miss: CED prefill of everything)
 
@@ -24,9 +26,11 @@ import torch
 
 from conf.model import SmallModelConfig, TinyModelConfig
 from model.transformer import Transformer
+from model.runtime import AttentionRuntime
 from rl.engine.cache import DecodeCache
-from rl.engine.generate import forward_new, generate, prefill_ced
+from rl.engine.generate import generate, prefill_ced
 from rl.engine.prefix import PrefixCache
+from rl.engine.slots import SlotCache
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -47,13 +51,21 @@ def _ids(batch: int, length: int, vocab: int, device, seed: int = 0) -> torch.Te
 
 
 @torch.no_grad()
+def plain_next_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """The plain loop's step: every layer over the whole of ids [B, T], logits of the last position."""
+    h = model.hidden(ids, AttentionRuntime(ids.shape[0], ids.shape[1], ids.device))
+    return model.head(h[:, -1:])
+
+
+@torch.no_grad()
 def bench_prefill(model, lengths, vocab, device) -> dict:
     out = {}
     for n in lengths:
         ids = _ids(1, n, vocab, device)
         prefill_ced(model, DecodeCache(1), ids[:, :256])  # warm-up
+        plain_next_logits(model, ids[:, :256])
         ced = _seconds(lambda ids=ids: prefill_ced(model, DecodeCache(1), ids), device)
-        plain = _seconds(lambda ids=ids: model(ids), device)
+        plain = _seconds(lambda ids=ids: plain_next_logits(model, ids), device)
         out[n] = {"ced_tokens_per_s": n / ced, "plain_tokens_per_s": n / plain, "ced_speedup": plain / ced}
     return out
 
@@ -63,12 +75,22 @@ def bench_decode(model, batches, prompt_len, steps, vocab, device) -> dict:
     out = {}
     for b in batches:
         ids = _ids(b, prompt_len + steps, vocab, device)
-        cache = DecodeCache(b)
-        prefill_ced(model, cache, ids[:, :prompt_len])
-        cached = _seconds(lambda ids=ids, cache=cache: [forward_new(model, cache, ids[:, p:p + 1])
-                                                        for p in range(prompt_len, prompt_len + steps)], device)
+        slots = SlotCache(model, b)
+        for row in range(b):  # the engine prefills each prompt on its own, then hands it a slot
+            cache = DecodeCache(1)
+            prefill_ced(model, cache, ids[row:row + 1, :prompt_len])
+            slots.insert(row, cache)
+        busy = list(range(b))
+
+        def decode(ids=ids, slots=slots, busy=busy):
+            for p in range(prompt_len, prompt_len + steps):
+                slots.begin(busy, ids[:, p:p + 1])
+                model(ids[:, p:p + 1], shard=slots)
+                slots.end(ids[:, p:p + 1])
+
+        cached = _seconds(decode, device)
         plain_steps = min(steps, 4)  # the plain loop is O(length) per token: a few steps suffice
-        plain = _seconds(lambda ids=ids, k=plain_steps: [model(ids[:, :p + 1])
+        plain = _seconds(lambda ids=ids, k=plain_steps: [plain_next_logits(model, ids[:, :p + 1])
                                                          for p in range(prompt_len, prompt_len + k)], device)
         out[b] = {"cached_tokens_per_s": b * steps / cached, "plain_tokens_per_s": b * plain_steps / plain,
                   "speedup": (b * steps / cached) / (b * plain_steps / plain)}

@@ -17,6 +17,7 @@ class SamplingConfig:
     top_p: float = 0.95
     seed: int = 0
     packed_cache: bool = True  # FP4 / MXFP4 / FP8 decode cache, as inference stores it
+    max_batch: int = 64  # sequences decoded together (continuous batching)
     device: str = "auto"  # auto | cpu | cuda
 
 

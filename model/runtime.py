@@ -41,6 +41,10 @@ class SequenceShard:
         self.offset, self.total_len, self.doc_start, self.history, self.parts = (
             offset, total_len, doc_start, history, parts)
 
+    def positions(self, batch: int, seq_len: int, device: torch.device) -> torch.Tensor:
+        """[B, T] global positions of the slice's tokens (rows of a continuous batch differ)."""
+        return (self.offset + torch.arange(seq_len, device=device)).expand(batch, seq_len)
+
     def gather(self, t: torch.Tensor, layer: int = -1, name: str = "") -> torch.Tensor:
         """[B, S_local, ...] of every slice, concatenated along dim 1 in sequence order
         (`name`: which of the layer's global tensors: "kv" or "index_k")."""
@@ -52,7 +56,8 @@ class SequenceShard:
 
     def block_input(self, x: torch.Tensor, layer: int, m: int) -> tuple[torch.Tensor, int]:
         """The compressor's input for this slice: x [B, T, D] preceded by the rows of an
-        unfinished m-block before the slice, and the global id of its first entry. The default
+        unfinished m-block before the slice, and the global id of its first entry (an int, or
+        [B, 1] when rows sit at different positions). The default
         (and context parallelism) starts slices on block boundaries."""
         return x, self.offset // m
 
@@ -115,7 +120,7 @@ class AttentionRuntime:
         self.shard = shard or SequenceShard()
         self.total_len = self.shard.total_len or seq_len
         offset = self.shard.offset
-        self.positions = (offset + torch.arange(seq_len, device=device)).expand(batch, seq_len)  # [B, T] global
+        self.positions = self.shard.positions(batch, seq_len, device)  # [B, T] global
         if self.shard.doc_start is not None:
             self.doc_start = self.shard.doc_start
         elif doc_ids is None:

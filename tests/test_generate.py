@@ -171,3 +171,74 @@ def test_flash_layout_is_890_bytes_per_token_in_the_engine_buffers():
         cache.gather(torch.randn(1, N // s.compress_ratio, cfg.index_dim), s.layer_id, "index_k")
     cache.length = N
     assert cache.global_bytes_per_token() == 890
+
+
+def test_slot_decoding_at_different_lengths_equals_the_whole_sequence(model):
+    """Continuous batching: three sequences prefilled to different lengths (window rows, unfinished
+    m-blocks and global entry counts all differ) decode together one token each per forward;
+    every row's logits are those of one forward over its whole sequence. Then a slot is freed and
+    refilled by a new sequence mid-run, with a page size small enough that pages are reused."""
+    from rl.engine.slots import SlotCache
+    ids = _ids(48, seed=7)
+    seqs = [ids[0, :40], ids[1, :33], ids[0, 5:46], ids[1, 2:29]]
+    with torch.no_grad():
+        want = [model(s[None]).logits[0] for s in seqs]  # [T, V] each
+    slots = SlotCache(model, 3, packed=model.packed_cache, page=4)
+    starts = {0: (0, 17), 1: (1, 9), 2: (2, 30)}  # slot -> (sequence, prompt length)
+    for slot, (i, n) in starts.items():
+        cache = DecodeCache(1, packed=model.packed_cache)
+        forward_new(model, cache, seqs[i][None, :n])
+        slots.insert(slot, cache)
+    at = {slot: n for slot, (i, n) in starts.items()}
+    seq_of = {slot: i for slot, (i, _) in starts.items()}
+    refilled = False
+    for _ in range(14):
+        busy = sorted(at)
+        feed = torch.stack([seqs[seq_of[s]][at[s]] for s in busy])[:, None]  # [B, 1]
+        slots.begin(busy, feed)
+        with torch.no_grad():
+            logits = model(feed, shard=slots).logits[:, 0]
+        slots.end(feed)
+        for b, s in enumerate(busy):
+            torch.testing.assert_close(logits[b], want[seq_of[s]][at[s]], rtol=0, atol=1e-10)
+            at[s] += 1
+        if not refilled and at[2] == 35:  # sequence 2 leaves; sequence 3 takes its slot
+            slots.release(2)
+            cache = DecodeCache(1, packed=model.packed_cache)
+            forward_new(model, cache, seqs[3][None, :11])
+            slots.insert(2, cache)
+            at[2], seq_of[2], refilled = 11, 3, True
+    assert refilled and at[2] > 11
+    # a slot copied back out holds what a 1-sequence cache of the same tokens holds
+    ref = DecodeCache(1, packed=model.packed_cache)
+    forward_new(model, ref, seqs[0][None, :at[0]])
+    got = slots.extract(0)
+    assert got.length == ref.length and got.nbytes()["global"] == ref.nbytes()["global"]
+    for key, store in ref.entries.items():
+        torch.testing.assert_close(got.entries[key].read(torch.float64), store.read(torch.float64), rtol=0, atol=1e-12)
+
+
+def test_continuous_batching_gives_each_prompt_what_it_gets_alone(model):
+    """Seven prompts of different lengths through 3 slots (so finished sequences hand their slot
+    on), greedy and sampled: every prompt's tokens equal those of generating it alone, and a stop
+    token ends a sequence early without disturbing the others. (Sampled tokens match across
+    max_batch because prompt i draws from its own generator.)"""
+    prompts = [_ids(n, seed=10 + n)[0].tolist() for n in (5, 19, 3, 27, 11, 8, 40)]
+    kw = dict(max_new_tokens=9, packed=model.packed_cache)
+    for temperature in (0.0, 1.0):
+        batched = generate(model, prompts, temperature=temperature, seed=3, max_batch=3, **kw)
+        one_slot = generate(model, prompts, temperature=temperature, seed=3, max_batch=1, **kw)
+        assert [g.tokens for g in batched] == [g.tokens for g in one_slot]
+        for a, b in zip(batched, one_slot):
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-9)
+            assert a.token_layer_passes == b.token_layer_passes
+        if temperature == 0:
+            alone = [generate(model, [p], temperature=0, **kw)[0] for p in prompts]
+            assert [g.tokens for g in batched] == [g.tokens for g in alone]
+    stop = {batched[1].tokens[2]}
+    with_stop = generate(model, prompts, temperature=1.0, seed=3, max_batch=3, stop=stop, **kw)
+    for a, b in zip(with_stop, batched):
+        cut = next((k + 1 for k, t in enumerate(b.tokens) if t in stop), len(b.tokens))
+        assert a.tokens == b.tokens[:cut] and a.finish == ("stop" if cut < len(b.tokens) or b.tokens[-1] in stop else "length")
+    with pytest.raises(ValueError, match="max_batch"):
+        generate(model, prompts, max_new_tokens=1, max_batch=0)

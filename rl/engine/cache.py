@@ -8,7 +8,8 @@ and Engram reads the token ids just before the new ones. A forward over new toke
 positions [length, length + T) then computes exactly what the training forward computes for
 those positions of the whole sequence (tests/test_generate.py).
 
-Rows of one batch share a length (sequences are prefilled and decoded in lockstep).
+Rows of one batch share a length (prefill, and the equal-length decoding of tests and benchmarks);
+continuous batching of sequences at different lengths decodes from rl/engine/slots.py.
 
 Packed (the default), the cache stores what inference stores (SPEC §4): the main latent in
 FP4 (E2M1, E4M3 scale per 16), index keys in MXFP4, window rows in FP8; reads dequantise.

@@ -17,9 +17,9 @@ from trainer.pretrain import build_model
 
 def run_generate(cfg: GenerateConfig, run_dir: Path) -> dict:
     g = cfg.generate
-    if g.max_new_tokens < 0 or not 0 < g.top_p <= 1 or g.temperature < 0:
-        raise ConfigError(f"generate: need max_new_tokens >= 0, 0 < top_p <= 1, temperature >= 0; got "
-                          f"{g.max_new_tokens}, {g.top_p}, {g.temperature}")
+    if g.max_new_tokens < 0 or not 0 < g.top_p <= 1 or g.temperature < 0 or g.max_batch < 1:
+        raise ConfigError(f"generate: need max_new_tokens >= 0, 0 < top_p <= 1, temperature >= 0, max_batch >= 1; "
+                          f"got {g.max_new_tokens}, {g.top_p}, {g.temperature}, {g.max_batch}")
     device = torch.device("cuda" if g.device == "auto" and torch.cuda.is_available() else
                           (g.device if g.device != "auto" else "cpu"))
     _, _, tok = build_datasets(cfg.data)  # the tokenizer the run trained (cached next to the data)
@@ -29,7 +29,7 @@ def run_generate(cfg: GenerateConfig, run_dir: Path) -> dict:
     model.to(device)
     prompt = [tok.bos_id, *tok.encode(g.prompt)]
     (out,) = generate(model, [prompt], g.max_new_tokens, g.temperature, g.top_p, stop={tok.eos_id},
-                      seed=g.seed, packed=g.packed_cache)
+                      seed=g.seed, packed=g.packed_cache, max_batch=g.max_batch)
     text = tok.decode(out.tokens, skip_special_tokens=True)
     result = {"prompt": g.prompt, "completion": text, "tokens": out.tokens, "logprobs": out.logprobs,
               "finish": out.finish, "checkpoint": g.checkpoint}

@@ -1,10 +1,12 @@
-"""Prefill, decode and sampling over a DecodeCache.
+"""Prefill, decode and sampling: prompts are prefilled one by one into a DecodeCache, then decoded
+together from a SlotCache (continuous batching).
 
 `generate` returns, per prompt, the new tokens and the log-probability of each under the
 distribution it was sampled from (temperature and top-p applied), as RL needs them.
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -13,6 +15,7 @@ import torch
 from model.transformer import Transformer
 from rl.engine.cache import DecodeCache
 from rl.engine.prefix import PrefixCache
+from rl.engine.slots import SlotCache
 
 
 @dataclass
@@ -48,8 +51,9 @@ def prefill_ced(model: Transformer, cache: DecodeCache, input_ids: torch.Tensor,
     return logits
 
 
-def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator):
+def sample(logits: torch.Tensor, temperature: float, top_p: float, generators: list[torch.Generator]):
     """logits [B, V] -> (token ids [B], their log-probabilities under the sampled distribution [B]).
+    Row b draws from generators[b] (a sequence's draws do not depend on what it is batched with).
     temperature 0 is greedy (log-probability of the argmax under the plain softmax)."""
     if temperature <= 0:
         token = logits.argmax(-1)
@@ -60,56 +64,105 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: to
         keep = sorted_logp.exp().cumsum(-1) - sorted_logp.exp() < top_p
         masked = torch.full_like(logp, float("-inf")).scatter(-1, order, sorted_logp.masked_fill(~keep, float("-inf")))
         logp = masked.log_softmax(-1)
-    token = torch.multinomial(logp.exp(), 1, generator=generator)[:, 0]
+    probs = logp.exp()
+    token = torch.cat([torch.multinomial(probs[b:b + 1], 1, generator=g)[0] for b, g in enumerate(generators)])
     return token, logp.gather(-1, token[:, None])[:, 0]
+
+
+def _prefill(model: Transformer, prompt: list[int], replay: Optional[int], packed: bool,
+             prefix_cache: Optional[PrefixCache], device) -> tuple[DecodeCache, torch.Tensor]:
+    """A 1-sequence cache holding `prompt` and the logits [1, V] after its last token: from the
+    longest cached prefix when there is one, else CED prefill (or a plain forward: replay=None)."""
+    ids = torch.tensor([prompt], device=device)
+    hit = prefix_cache.longest_prefix(prompt) if prefix_cache is not None else None
+    if hit is not None:
+        prefix_cache.hits += 1
+        cache = prefix_cache.restore(model, hit, replay or 128, packed, device)
+        return cache, forward_new(model, cache, ids[:, len(hit):])[:, -1]
+    if prefix_cache is not None:
+        prefix_cache.misses += 1
+    cache = DecodeCache(1, packed=packed)
+    if replay is None:
+        return cache, forward_new(model, cache, ids)[:, -1]
+    return cache, prefill_ced(model, cache, ids, replay)[:, -1]
 
 
 @torch.no_grad()
 def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
              top_p: float = 1.0, stop: Optional[set[int]] = None, seed: int = 0,
              policy_version: int = 0, packed: bool = True, replay: Optional[int] = 128,
-             prefix_cache: Optional[PrefixCache] = None) -> list[Generation]:
-    """Each prompt is prefilled once, then decoded a token at a time from the cache
-    (`packed`: the cache stores FP4 / MXFP4 / FP8, see rl/engine/cache.py). `replay`: CED
-    prefill with bounded replay of that many tokens (None: every layer over the whole prompt).
-    `prefix_cache`: prompts that extend a finished sequence reuse its global KV (agent loops:
-    the same conversation plus new tool output), and every finished sequence is offered to it."""
+             prefix_cache: Optional[PrefixCache] = None, max_batch: int = 64) -> list[Generation]:
+    """Continuous batching: up to `max_batch` sequences decode together, one token each per
+    forward (rl/engine/slots.py); a finished sequence frees its slot for the next waiting prompt,
+    which is prefilled on its own first. Prompt i samples from its own generator (seeded by
+    `seed` and i), so its tokens do not depend on max_batch or on the other prompts.
+
+    `packed`: the cache stores FP4 / MXFP4 / FP8 (rl/engine/cache.py). `replay`: CED prefill with
+    bounded replay of that many tokens (None: every layer over the whole prompt). `prefix_cache`:
+    prompts that extend a finished sequence reuse its global KV (agent loops: the same
+    conversation plus new tool output), and every finished sequence is offered to it."""
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 0")
+    if max_batch < 1:
+        raise ValueError(f"max_batch={max_batch}: must be >= 1")
+    if any(not p for p in prompts):
+        raise ValueError("an empty prompt: there is no position to predict from")
     device = next(model.parameters()).device
-    generator = torch.Generator(device=device).manual_seed(seed)
     model.eval()
-    out = []
-    for prompt in prompts:
-        if not prompt:
-            raise ValueError("an empty prompt: there is no position to predict from")
-        ids = torch.tensor([prompt], device=device)
-        hit = prefix_cache.longest_prefix(prompt) if prefix_cache is not None else None
-        if hit is not None:
-            prefix_cache.hits += 1
-            cache = prefix_cache.restore(model, hit, replay or 128, packed, device)
-            logits = forward_new(model, cache, ids[:, len(hit):])[:, -1]
-        else:
-            if prefix_cache is not None:
-                prefix_cache.misses += 1
-            cache = DecodeCache(1, packed=packed)
-            if replay is None:
-                logits = forward_new(model, cache, ids)[:, -1]
-            else:
-                logits = prefill_ced(model, cache, ids, replay)[:, -1]
-        gen = Generation(policy_version=policy_version)
-        for _ in range(max_new_tokens):
-            token, logp = sample(logits.float(), temperature, top_p, generator)
-            gen.tokens.append(int(token))
-            gen.logprobs.append(float(logp))
-            if stop and int(token) in stop:
-                gen.finish = "stop"
-                break
-            if len(gen.tokens) == max_new_tokens:  # nothing left to predict: the last token is not fed
-                break
-            logits = forward_new(model, cache, token[:, None])[:, -1]
-        gen.token_layer_passes = cache.token_layer_passes
+    n_layers = len(model.layers)
+    out = [Generation(policy_version=policy_version) for _ in prompts]
+    generators = [torch.Generator(device=device).manual_seed((seed * 1_000_003 + i) % 2**63) for i in range(len(prompts))]
+    slots = SlotCache(model, min(max_batch, max(len(prompts), 1)), packed)
+    free = list(range(slots.slots))[::-1]
+    running: dict[int, int] = {}  # slot -> prompt index
+    last: dict[int, int] = {}  # slot -> the sampled token it feeds next
+    waiting = deque(range(len(prompts)))
+
+    def took(i: int, token: torch.Tensor, logp: torch.Tensor) -> bool:
+        """Record a sampled token of prompt i; True when its generation is over."""
+        gen = out[i]
+        gen.tokens.append(int(token))
+        gen.logprobs.append(float(logp))
+        if stop and gen.tokens[-1] in stop:
+            gen.finish = "stop"
+            return True
+        return len(gen.tokens) == max_new_tokens  # nothing left to predict: the last token is not fed
+
+    def offer(i: int, cache: DecodeCache) -> None:
         if prefix_cache is not None:
-            prefix_cache.put((list(prompt) + gen.tokens)[:cache.length], cache)
-        out.append(gen)
+            prefix_cache.put((list(prompts[i]) + out[i].tokens)[:cache.length], cache)
+
+    while waiting or running:
+        while waiting and free:
+            i = waiting.popleft()
+            cache, logits = _prefill(model, prompts[i], replay, packed, prefix_cache, device)
+            out[i].token_layer_passes = cache.token_layer_passes
+            if max_new_tokens == 0:
+                offer(i, cache)
+                continue
+            token, logp = sample(logits.float(), temperature, top_p, [generators[i]])
+            if took(i, token[0], logp[0]):
+                offer(i, cache)
+                continue
+            slot = free.pop()
+            slots.insert(slot, cache)
+            running[slot], last[slot] = i, int(token[0])
+        if not running:
+            continue
+        busy = sorted(running)
+        ids = torch.tensor([[last[s]] for s in busy], device=device)  # [B, 1]
+        slots.begin(busy, ids)
+        logits = model(ids, shard=slots).logits[:, -1]
+        slots.end(ids)
+        tokens, logps = sample(logits.float(), temperature, top_p, [generators[running[s]] for s in busy])
+        for b, s in enumerate(busy):
+            i = running[s]
+            out[i].token_layer_passes += n_layers
+            last[s] = int(tokens[b])
+            if took(i, tokens[b], logps[b]):
+                if prefix_cache is not None:
+                    offer(i, slots.extract(s))
+                slots.release(s)
+                free.append(s)
+                del running[s], last[s]
     return out
