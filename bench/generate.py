@@ -19,6 +19,7 @@ import datetime
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -52,8 +53,17 @@ def _ids(batch: int, length: int, vocab: int, device, seed: int = 0) -> torch.Te
 
 @torch.no_grad()
 def plain_next_logits(model, ids: torch.Tensor) -> torch.Tensor:
-    """The plain loop's step: every layer over the whole of ids [B, T], logits of the last position."""
-    h = model.hidden(ids, AttentionRuntime(ids.shape[0], ids.shape[1], ids.device))
+    """The plain loop's step: every layer over the whole of ids [B, T], logits of the last position.
+    Query chunks shrink with the batch so a chunk's gathered KV stays as large as at batch 1."""
+    attns = [layer.attn for layer in model.layers]
+    chunk = attns[0].attn_chunk
+    for a in attns:
+        a.attn_chunk = max(chunk // ids.shape[0], a.window) if chunk else 0
+    try:
+        h = model.hidden(ids, AttentionRuntime(ids.shape[0], ids.shape[1], ids.device))
+    finally:
+        for a in attns:
+            a.attn_chunk = chunk
     return model.head(h[:, -1:])
 
 
@@ -135,6 +145,7 @@ def main() -> None:
               "torch": torch.__version__, "date": datetime.date.today().isoformat(), "commit": commit,
               "model": args.model}
     result["prefill"] = bench_prefill(model, [int(x) for x in args.prefill.split(",")], args.vocab, device)
+    print(json.dumps(result["prefill"]), file=sys.stderr, flush=True)
     result["decode"] = bench_decode(model, [int(x) for x in args.batches.split(",")], args.prompt_len, args.steps,
                                     args.vocab, device)
     result["prefix"] = bench_prefix(model, args.prefix_len, args.new_tokens, args.vocab, device)
