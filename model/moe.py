@@ -39,11 +39,16 @@ class SharedExpert(nn.Module):
 
 
 class RoutedExperts(nn.Module):
-    """E experts stored as stacked weights [E, ...], so expert parallelism can shard dim 0."""
+    """E experts stored as stacked weights [E, ...], so expert parallelism can shard dim 0.
 
-    def __init__(self, n_experts: int, dim: int, inter_dim: int, limit: float):
+    Two ways to compute the same thing: a loop over experts (the reference; one matmul per
+    expert, and the row counts must be on the host) and grouped GEMMs (torch._grouped_mm: three
+    launches for all experts, row offsets stay on the device, so routing needs no host sync).
+    `grouped`: None picks grouped where PyTorch has a fast kernel for it (CUDA, bf16 compute)."""
+
+    def __init__(self, n_experts: int, dim: int, inter_dim: int, limit: float, grouped: bool | None = None):
         super().__init__()
-        self.limit = limit
+        self.limit, self.grouped = limit, grouped
         self.w1 = nn.Parameter(torch.empty(n_experts, inter_dim, dim))  # gate
         self.w3 = nn.Parameter(torch.empty(n_experts, inter_dim, dim))  # up
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, inter_dim))  # down
@@ -52,8 +57,19 @@ class RoutedExperts(nn.Module):
     def n_experts(self) -> int:
         return self.w1.shape[0]
 
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """x [N, D] sorted by expert, counts[e] rows for local expert e -> [N, D]."""
+    def use_grouped(self, x: torch.Tensor) -> bool:
+        if self.grouped is not None:
+            return self.grouped
+        dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
+        return x.is_cuda and dtype == torch.bfloat16
+
+    def forward(self, x: torch.Tensor, counts: list[int] | torch.Tensor) -> torch.Tensor:
+        """x [N, D] sorted by expert, counts[e] rows for local expert e (a list or a device
+        tensor) -> [N, D]."""
+        if self.use_grouped(x):
+            return self.forward_grouped(x, torch.as_tensor(counts, device=x.device))
+        if isinstance(counts, torch.Tensor):
+            counts = counts.tolist()
         outs = []
         for e, rows in enumerate(torch.split(x, counts)):
             if rows.shape[0] == 0:
@@ -61,6 +77,16 @@ class RoutedExperts(nn.Module):
             h = clamped_swiglu(rows @ self.w1[e].T, rows @ self.w3[e].T, self.limit)
             outs.append(h @ self.w2[e].T)
         return torch.cat(outs) if outs else x.new_zeros(0, x.shape[-1])
+
+    def forward_grouped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        offsets = counts.cumsum(0).to(torch.int32)  # [E] end row of each expert's group
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        w1, w3, w2 = (w.to(dtype).transpose(-2, -1) for w in (self.w1, self.w3, self.w2))  # [E, in, out] views
+        with torch.autocast(x.device.type, enabled=False):  # _grouped_mm has no autocast rule: cast here
+            x = x.to(dtype)
+            h = clamped_swiglu(torch._grouped_mm(x, w1, offs=offsets), torch._grouped_mm(x, w3, offs=offsets),
+                               self.limit)
+            return torch._grouped_mm(h, w2, offs=offsets)
 
 
 class Router(nn.Module):
@@ -106,10 +132,10 @@ class MoE(nn.Module):
         flat = chosen.flatten()
         order = flat.argsort(stable=True)
         token = order // self.topk
-        counts = torch.bincount(flat, minlength=self.n_routed).tolist()
+        counts = torch.bincount(flat, minlength=self.n_routed)  # [E], on the device
         y = self.experts(x.index_select(0, token), counts)  # [N*k, D], grouped by expert
         y = y * weights.flatten()[order].unsqueeze(-1).to(y.dtype)
-        return torch.zeros_like(x).index_add_(0, token, y)
+        return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))  # autocast: y may be narrower
 
     def forward(self, x: torch.Tensor, shard=None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, D] -> (y [B, T, D], sequence-wise balance loss scalar). `shard`: where the T

@@ -162,7 +162,7 @@ class ExpertParallelDispatch:
         out = out[perm.argsort()]  # back to (source, expert) order
         returned = _AllToAll.apply(out, send_splits, recv_splits, group)  # [N*k, D] in `order`
         returned = returned * weights.flatten()[order].unsqueeze(-1).to(returned.dtype)
-        return torch.zeros_like(x).index_add_(0, token, returned)
+        return torch.zeros_like(x).index_add_(0, token, returned.to(x.dtype))
 
 
 def checkpoint_blocks(model: nn.Module) -> int:
