@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from conf.model import FlashModelConfig, TinyModelConfig
 from model.engram import Engram
@@ -120,6 +121,26 @@ def test_table_gradient_equal(sparse):
         got, want = got.coalesce().to_dense(), want.coalesce().to_dense()
     assert got.dtype == want.dtype and torch.equal(got, want)
     assert (got != 0).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [24, 128])
+def test_other_widths_and_narrow_table_gradient(width, dtype):
+    """Row widths other than the tiny config's: 24 (column mask), 128 (two column chunks in the
+    interpreter, no mask); a bf16 table's dense gradient sums in fp32 and rounds once."""
+    eng = make_engram()
+    ids, doc = batch(B=2, T=40, high=50, seed=9)  # few distinct ids: rows hit many times
+    addr = eng.addresses(ids, doc)
+    n_rows = int(eng.offsets[-1] + eng.primes[-1])
+    table = torch.randn(n_rows, width, generator=torch.Generator().manual_seed(9)).to(DEV, dtype).requires_grad_()
+    got = engram_gather_triton(ids, table, eng.multipliers, eng.orders, eng.primes, eng.offsets, doc)
+    assert torch.equal(got, F.embedding(addr, table))
+    # integers < 2^8: exact in bf16, fp32 sums exact, but sums of several often need > 8 significant bits
+    up = torch.randint(-255, 256, got.shape, generator=torch.Generator().manual_seed(10)).float().to(DEV)
+    (grad,) = torch.autograd.grad((got * up).sum(), table)
+    wide = table.detach().float().requires_grad_()
+    (want,) = torch.autograd.grad((F.embedding(addr, wide) * up).sum(), wide)
+    assert grad.dtype == dtype and torch.equal(grad, want.to(dtype)) and (grad != 0).any()
 
 
 def test_gradient_through_the_module():
