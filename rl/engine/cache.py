@@ -12,7 +12,8 @@ Rows of one batch share a length (prefill, and the equal-length decoding of test
 continuous batching of sequences at different lengths decodes from rl/engine/slots.py.
 
 Packed (the default), the cache stores what inference stores (SPEC §4): the main latent in
-FP4 (E2M1, E4M3 scale per 16), index keys in MXFP4, window rows in FP8; reads dequantise.
+FP4 (E2M1, E4M3 scale per 16), index keys in MXFP4, window rows in FP8; reads dequantise
+(model/quant.py on CPU, its bit-exact Triton kernels on CUDA).
 A model trained with KV QAT (model.kv_quant=qat) computed exactly these values, so a packed
 cache reproduces its training forward bit for bit; without QAT packing is an approximation.
 """
@@ -29,6 +30,22 @@ from model.runtime import HISTORY_TOKENS, SequenceShard
 FORMATS = {"kv": (pack_kv_fp4, unpack_kv_fp4), "index_k": (pack_mxfp4, unpack_mxfp4), "window": (pack_fp8, unpack_fp8)}
 
 
+def _kernel_formats() -> dict:
+    """The Triton kernels of the same formats (bit-exact with model/quant.py for bf16 inputs)."""
+    from model.kernels import quant as k
+    return {"kv": (k.pack_kv_fp4, k.unpack_kv_fp4), "index_k": (k.pack_mxfp4, k.unpack_mxfp4),
+            "window": (k.pack_fp8, k.unpack_fp8)}
+
+
+def pack(kind: str, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """t [..., d] -> its packed parts (codes, scales); on CUDA through the Triton kernels."""
+    return (_kernel_formats() if t.is_cuda else FORMATS)[kind][0](t)
+
+
+def unpack(kind: str, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
+    return (_kernel_formats() if parts[0].is_cuda else FORMATS)[kind][1](*parts, dtype)
+
+
 class _Store:
     """Rows appended along dim 1, kept packed (codes, scales) or as they came."""
 
@@ -37,14 +54,14 @@ class _Store:
         self.parts: Optional[tuple[torch.Tensor, ...]] = None
 
     def append(self, t: torch.Tensor) -> None:
-        new = FORMATS[self.kind][0](t) if self.packed else (t,)
+        new = pack(self.kind, t) if self.packed else (t,)
         self.parts = new if self.parts is None else tuple(torch.cat(p, dim=1) for p in zip(self.parts, new))
 
     def keep_last(self, n: int) -> None:
         self.parts = tuple(p[:, -n:] for p in self.parts)
 
     def read(self, dtype: torch.dtype) -> torch.Tensor:
-        return FORMATS[self.kind][1](*self.parts, dtype) if self.packed else self.parts[0].to(dtype)
+        return unpack(self.kind, self.parts, dtype) if self.packed else self.parts[0].to(dtype)
 
     def size(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.parts or ())

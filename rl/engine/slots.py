@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from model.runtime import HISTORY_TOKENS, SequenceShard
-from rl.engine.cache import FORMATS, DecodeCache, _Store
+from rl.engine.cache import DecodeCache, _Store, pack, unpack
 
 
 class PagedStore:
@@ -48,7 +48,7 @@ class PagedStore:
         self.free.extend(range(n, 2 * n))
 
     def write(self, slot: int, parts: tuple[torch.Tensor, ...]) -> None:
-        """Append rows: parts as FORMATS packs them, each [1, S, ...]."""
+        """Append rows: parts as cache.pack makes them, each [1, S, ...]."""
         S = parts[0].shape[1]
         at = 0
         while at < S:
@@ -73,7 +73,7 @@ class PagedStore:
 
     def read(self, slots: list[int], rows: int, dtype: torch.dtype) -> torch.Tensor:
         parts = self.read_parts(slots, rows)
-        return FORMATS[self.kind][1](*parts, dtype) if self.packed else parts[0].to(dtype)
+        return unpack(self.kind, parts, dtype) if self.packed else parts[0].to(dtype)
 
     def release(self, slot: int) -> None:
         for p in self.tables[slot]:  # zeroed so the padding page stays the only page read as padding
@@ -182,7 +182,7 @@ class SlotCache(SequenceShard):
         done = self._done[layer]
         for b in done.nonzero()[:, 0].tolist():
             row = t[b:b + 1]
-            paged.write(self.busy[b], FORMATS[name][0](row) if self.packed else (row,))
+            paged.write(self.busy[b], pack(name, row) if self.packed else (row,))
         rows = self.total_len // self.ratio[layer]
         if rows == 0:
             return t[:, :0]
@@ -191,13 +191,13 @@ class SlotCache(SequenceShard):
     def halo(self, t: torch.Tensor, n: int, layer: int = -1) -> Optional[torch.Tensor]:
         if layer not in self.window:  # never prefilled (a prompt shorter than the layer's first use)
             zeros = t.new_zeros(self.slots, n, t.shape[2])
-            self.window[layer] = FORMATS["window"][0](zeros) if self.packed else (zeros,)
+            self.window[layer] = pack("window", zeros) if self.packed else (zeros,)
         parts = self.window[layer]
         old = tuple(p[self._rows] for p in parts)  # [B, n, ...]
-        new = FORMATS["window"][0](t) if self.packed else (t.to(parts[0].dtype),)
+        new = pack("window", t) if self.packed else (t.to(parts[0].dtype),)
         for p, o, x in zip(parts, old, new):
             p[self._rows] = torch.cat((o[:, 1:], x), dim=1)
-        return FORMATS["window"][1](*old, t.dtype) if self.packed else old[0].to(t.dtype)
+        return unpack("window", old, t.dtype) if self.packed else old[0].to(t.dtype)
 
     def block_input(self, x: torch.Tensor, layer: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
         # x [B, 1, D] -> each row's block [B, m, D] with x written after its filled rows, and the
