@@ -10,6 +10,9 @@ Sections (bench/kernels_<name>.py, each `bench(device) -> dict`):
   e2e        the `small` training step, kernels off vs on: tokens/s ratio and MFU
 
     python -m bench.kernels [--only attention,mhc] [--out bench/results/kernels-h200.json]
+
+With --only and an existing --out, the sections run replace theirs in that file and the others
+are kept; `measured` says which commit and date each section comes from.
 """
 from __future__ import annotations
 
@@ -37,8 +40,16 @@ def main() -> None:
     commit = os.environ.get("FLASHTRAIN_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     import triton
+    today = datetime.date.today().isoformat()
     result = {"bench": "kernels", "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-              "triton": triton.__version__, "date": datetime.date.today().isoformat(), "commit": commit}
+              "triton": triton.__version__, "date": today, "commit": commit}
+    if args.out and Path(args.out).exists():  # keep the sections not run now, with where they came from
+        old = json.loads(Path(args.out).read_text())
+        measured = old.get("measured") or {k: {"commit": old.get("commit"), "date": old.get("date")}
+                                           for k in SECTIONS if k in old}
+        result.update({k: old[k] for k in SECTIONS if k in old})
+        result["measured"] = measured
+    result.setdefault("measured", {})
     for name in args.only.split(","):
         if name not in SECTIONS:
             raise SystemExit(f"bench.kernels: unknown section {name!r}; expected some of {', '.join(SECTIONS)}")
@@ -47,6 +58,7 @@ def main() -> None:
         except Exception as e:  # one failing section must not lose the others' numbers
             traceback.print_exc()
             result[name] = {"error": f"{type(e).__name__}: {e}"}
+        result["measured"][name] = {"commit": commit, "date": today}
         torch.cuda.empty_cache()
         print(json.dumps({name: result[name]}), flush=True)
     text = json.dumps(result, indent=1)

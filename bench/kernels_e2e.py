@@ -1,7 +1,8 @@
 """End-to-end training step of `small` on one GPU, Triton kernels off vs on, in one process:
 tokens/s, their ratio, and MFU (model FLOPs per token x tokens/s over the datasheet bf16 peak).
 
-Each path runs at the settings it needs: the reference attention keeps an O(T x k x C) gather
+Off is every reference path (the per-expert MoE loop included); on is every fast path (Triton
+kernels and grouped-GEMM experts). Each path runs at the settings it needs: the reference attention keeps an O(T x k x C) gather
 per query chunk, so it runs in query chunks of 2048 (model.attn_chunk_tokens, as `small`
 defaults); the kernel needs no chunking. Both: bf16 autocast, fp32 master weights, the Muon +
 Sinkhorn + AdamW composite, no activation checkpointing, one sequence of random tokens.
@@ -16,6 +17,7 @@ import torch
 from conf.model import SmallModelConfig
 from conf.optim import MuonConfig
 from model.accounting import train_flops_per_token
+from model.moe import RoutedExperts
 from model.transformer import Transformer
 from optim import build_optimizer
 from trainer.metrics import device_peak_flops
@@ -27,6 +29,9 @@ def _tokens_per_s(kernels: bool, seq_len: int, micro_batch: int, steps: int, voc
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = Transformer(cfg)
+    for module in model.modules():
+        if isinstance(module, RoutedExperts):
+            module.grouped = None if kernels else False  # None: grouped GEMMs under bf16 autocast
     opt = build_optimizer(model, MuonConfig(), zero_stage=0)
     g = torch.Generator(device="cuda").manual_seed(0)
     torch.cuda.reset_peak_memory_stats()
@@ -63,4 +68,5 @@ def bench(device, seq_len: int = 4096, micro_batch: int = 2, steps: int = 3, voc
     return {"model": "small", "seq_len": seq_len, "micro_batch": micro_batch, "timed_steps": steps,
             "kernels_off": off, "kernels_on": on, "tokens_per_s_ratio": on["tokens_per_s"] / off["tokens_per_s"],
             "kernels_used": "sparse attention fwd+bwd, indexer scoring (dense with fused mask, Reindex, KL), "
-                            "fused mHC at the attention->MoE boundary; not wired: block-end mHC, Engram, KV quant"}
+                            "fused mHC at the attention->MoE boundary, grouped-GEMM experts; "
+                            "not wired: block-end mHC, Engram, KV quant"}
