@@ -129,10 +129,12 @@ def main() -> None:
     ap.add_argument("--prefix-len", type=int, default=16384)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--vocab", type=int, default=129_280)
+    ap.add_argument("--kernels", action="store_true", help="model.kernels=true (Triton attention, indexer, mHC)")
     args = ap.parse_args()
     device = torch.device(args.device)
     base = SmallModelConfig() if args.model == "small" else TinyModelConfig()
-    cfg = dataclasses.replace(base, vocab_size=args.vocab, max_seq_len=max(base.max_seq_len, 32768))
+    cfg = dataclasses.replace(base, vocab_size=args.vocab, max_seq_len=max(base.max_seq_len, 32768),
+                              kernels=args.kernels)
     torch.manual_seed(0)
     with device:
         model = Transformer(cfg)
@@ -143,7 +145,7 @@ def main() -> None:
         ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     result = {"bench": "generate", "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "date": datetime.date.today().isoformat(), "commit": commit,
-              "model": args.model}
+              "model": args.model, "kernels": args.kernels}
     result["prefill"] = bench_prefill(model, [int(x) for x in args.prefill.split(",")], args.vocab, device)
     print(json.dumps(result["prefill"]), file=sys.stderr, flush=True)
     result["decode"] = bench_decode(model, [int(x) for x in args.batches.split(",")], args.prompt_len, args.steps,
