@@ -82,9 +82,11 @@ def bench_prefill(model, lengths, vocab, device) -> dict:
 
 @torch.no_grad()
 def bench_decode(model, batches, prompt_len, steps, vocab, device) -> dict:
+    """`steps` untimed decode steps first (kernel compilation: Triton specialises on sizes that
+    change as the cache grows), then `steps` timed ones."""
     out = {}
     for b in batches:
-        ids = _ids(b, prompt_len + steps, vocab, device)
+        ids = _ids(b, prompt_len + 2 * steps, vocab, device)
         slots = SlotCache(model, b)
         for row in range(b):  # the engine prefills each prompt on its own, then hands it a slot
             cache = DecodeCache(1)
@@ -92,16 +94,19 @@ def bench_decode(model, batches, prompt_len, steps, vocab, device) -> dict:
             slots.insert(row, cache)
         busy = list(range(b))
 
-        def decode(ids=ids, slots=slots, busy=busy):
-            for p in range(prompt_len, prompt_len + steps):
+        def decode(start, ids=ids, slots=slots, busy=busy):
+            for p in range(start, start + steps):
                 slots.begin(busy, ids[:, p:p + 1])
                 model(ids[:, p:p + 1], shard=slots)
                 slots.end(ids[:, p:p + 1])
 
-        cached = _seconds(decode, device)
+        decode(prompt_len)
+        cached = _seconds(lambda: decode(prompt_len + steps), device)
         plain_steps = min(steps, 4)  # the plain loop is O(length) per token: a few steps suffice
-        plain = _seconds(lambda ids=ids, k=plain_steps: [plain_next_logits(model, ids[:, :p + 1])
-                                                         for p in range(prompt_len, prompt_len + k)], device)
+        at = prompt_len + steps
+        [plain_next_logits(model, ids[:, :p + 1]) for p in range(at - 2, at)]  # warm-up
+        plain = _seconds(lambda: [plain_next_logits(model, ids[:, :p + 1]) for p in range(at, at + plain_steps)],
+                         device)
         out[b] = {"cached_tokens_per_s": b * steps / cached, "plain_tokens_per_s": b * plain_steps / plain,
                   "speedup": (b * steps / cached) / (b * plain_steps / plain)}
     return out
