@@ -157,20 +157,28 @@ def test_prefix_cache_hit_skips_the_prefix_and_matches(model):
     assert small.nbytes() == 0  # evicted: over its byte budget
 
 
-def test_flash_layout_is_890_bytes_per_token_in_the_engine_buffers():
-    """The engine's own storage for the `flash` plan (3 encoder sources at m=2, the decoder's
-    at m=1; 512-d latent, 128-d index keys), filled for 1024 tokens: 890 bytes per token."""
-    from conf.model import FlashModelConfig
+@pytest.mark.parametrize("name,owners,want", [
+    ("tiny", [(1, 2), (3, 1)], 79.5),
+    ("small", [(1, 2), (4, 2), (7, 2), (8, 1)], 890),
+    ("flash", [(2, 2), (8, 2), (14, 2), (20, 1)], 890),
+])
+def test_global_kv_bytes_per_token_in_the_engine_buffers(name, owners, want):
+    """The engine's own storage per plan, filled for 1024 tokens. An entry is the latent in FP4
+    (C/2 code bytes + C/16 E4M3 scales) plus index keys in MXFP4 (Di/2 + Di/32): 288 + 68 = 356
+    bytes at C=512, Di=128, so 3 encoder sources at m=2 and the decoder's at m=1 give
+    3 * 356/2 + 356 = 890 (`flash`, and `small` with the same widths); `tiny` (C=64, Di=32):
+    53/2 + 53 = 79.5."""
+    from conf.model import FlashModelConfig, SmallModelConfig, TinyModelConfig
     from model.plan import build_layer_plan
-    cfg = FlashModelConfig()
-    owners = [s for s in build_layer_plan(cfg).layers if s.owns_kv]
-    assert [(s.layer_id, s.compress_ratio) for s in owners] == [(2, 2), (8, 2), (14, 2), (20, 1)]
+    cfg = {"tiny": TinyModelConfig, "small": SmallModelConfig, "flash": FlashModelConfig}[name]()
+    specs = [s for s in build_layer_plan(cfg).layers if s.owns_kv]
+    assert [(s.layer_id, s.compress_ratio) for s in specs] == owners
     cache, N = DecodeCache(1), 1024
-    for s in owners:
+    for s in specs:
         cache.gather(torch.randn(1, N // s.compress_ratio, cfg.kv_dim), s.layer_id, "kv")
         cache.gather(torch.randn(1, N // s.compress_ratio, cfg.index_dim), s.layer_id, "index_k")
     cache.length = N
-    assert cache.global_bytes_per_token() == 890
+    assert cache.global_bytes_per_token() == want
 
 
 def test_slot_decoding_at_different_lengths_equals_the_whole_sequence(model):
