@@ -1,0 +1,82 @@
+"""The RL objective: GRPO-style group-normalised advantages, a clipped importance ratio against
+the rollout engine's own log-probs (truncated), effort-dependent length penalties and masking
+of stale tokens. Pure functions on tensors; the loop lives in rl/coordinator.py.
+
+Notation per response token t: logp = log pi_theta(token) under the weights being trained,
+behaviour = the log-prob the rollout engine sampled it with (its weights, temperature and top-p),
+version = the policy version that produced it (rl/engine stamps every Generation).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from data.chat import EFFORT_MAX, EFFORT_MIN
+
+
+def length_penalty_coef(effort: torch.Tensor | int, base: float, scale: float) -> torch.Tensor:
+    """scale * base ** ((100 - effort) / 99): `scale` at effort 100, `base` times stronger at
+    effort 1, exponential in between (each effort point lower multiplies it by base^(1/99))."""
+    effort = torch.as_tensor(effort, dtype=torch.float64)
+    if bool(((effort < EFFORT_MIN) | (effort > EFFORT_MAX)).any()):
+        raise ValueError(f"effort must be in {EFFORT_MIN}-{EFFORT_MAX}, got {effort.tolist()}")
+    if base < 1 or scale < 0:
+        raise ValueError(f"length penalty needs base >= 1 and scale >= 0, got base={base}, scale={scale}")
+    return scale * base ** ((EFFORT_MAX - effort) / (EFFORT_MAX - EFFORT_MIN))
+
+
+def shaped_reward(task_reward: torch.Tensor, length: torch.Tensor, effort: torch.Tensor, max_len: int,
+                  base: float, scale: float) -> torch.Tensor:
+    """task reward - coef(effort) * length / max_len, per sample [N]."""
+    coef = length_penalty_coef(effort, base, scale)
+    return task_reward.double() - coef * length.double() / max_len
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
+    """rewards [G * n] in groups of n samples of one prompt -> (r - group mean) / (group std + eps).
+    A group whose samples all score alike carries no signal: its advantages are 0."""
+    if rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    r = rewards.double().view(-1, group_size)
+    std = r.std(dim=1, unbiased=False, keepdim=True)
+    return ((r - r.mean(dim=1, keepdim=True)) / (std + eps)).view(-1)
+
+
+def stale_mask(versions: torch.Tensor, current: int, max_staleness: int) -> torch.Tensor:
+    """versions [...] of the policy that produced each token -> True where the token may train:
+    at most `max_staleness` versions older than `current` (a version from the future is a bug)."""
+    if bool((versions > current).any()):
+        raise ValueError(f"token versions {int(versions.max())} > trainer version {current}")
+    return current - versions <= max_staleness
+
+
+def policy_loss(logp: torch.Tensor, behaviour: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                clip_low: float, clip_high: float, is_cap: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """Token-level clipped surrogate with truncated importance sampling.
+
+    logp, behaviour, mask [N, T]; advantages [N] (one per sample, broadcast over its tokens).
+    ratio = pi_theta / pi_behaviour, truncated at is_cap (its value; a truncated token keeps the
+    capped weight and passes no gradient through the ratio). The loss is
+    -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A), averaged over unmasked tokens.
+    Returns (loss, stats: clip fraction, truncated fraction, mean ratio)."""
+    ratio = torch.exp(logp - behaviour)
+    truncated = ratio.detach() > is_cap
+    ratio = torch.where(truncated, torch.full_like(ratio, is_cap), ratio)
+    adv = advantages.to(logp.dtype).unsqueeze(-1).expand_as(logp)
+    clipped = ratio.clamp(1 - clip_low, 1 + clip_high)
+    surrogate = torch.minimum(ratio * adv, clipped * adv)
+    m = mask.to(logp.dtype)
+    n = m.sum().clamp(min=1)
+    loss = -(surrogate * m).sum() / n
+    with torch.no_grad():
+        was_clipped = ((ratio * adv) != surrogate) & mask
+        stats = {"clip_frac": float(was_clipped.sum() / n), "truncated_frac": float((truncated & mask).sum() / n),
+                 "ratio_mean": float((ratio * m).sum() / n)}
+    return loss, stats
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (nearest rank) of a non-empty list."""
+    ordered = sorted(values)
+    return float(ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))])
