@@ -5,7 +5,14 @@ import math
 import pytest
 import torch
 
-from rl.algorithm import group_advantages, length_penalty_coef, percentile, policy_loss, shaped_reward, stale_mask
+from rl.algorithm import (
+    group_advantages,
+    length_penalty_coef,
+    percentile,
+    policy_loss,
+    shaped_reward,
+    stale_mask,
+)
 
 
 def test_length_penalty_grows_exponentially_as_effort_falls():

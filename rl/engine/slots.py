@@ -93,7 +93,7 @@ class SlotCache(SequenceShard):
     def __init__(self, model, slots: int, packed: bool = True, page: int = 64):
         super().__init__(offset=0, total_len=0, parts=1)
         self.slots, self.packed, self.page = slots, packed, page
-        self.ratio = {l.spec.layer_id: l.spec.compress_ratio for l in model.layers if l.spec.owns_kv}
+        self.ratio = {b.spec.layer_id: b.spec.compress_ratio for b in model.layers if b.spec.owns_kv}
         self.lengths = [0] * slots
         self.ids: Optional[torch.Tensor] = None  # [slots, HISTORY_TOKENS]
         self.entries: dict[tuple[int, str], PagedStore] = {}
