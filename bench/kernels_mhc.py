@@ -6,6 +6,11 @@ Reports forward and forward+backward medians, the fused speedup, the fused forwa
 bytes per token next to the (2n + 2) * D * 2 ideal, and its achieved GB/s as a fraction of
 the measured device copy bandwidth.
 
+Also the Sinkhorn projection of the comb logits (model/kernels/sinkhorn.py, one launch
+forward and one backward) against the eager `sinkhorn_comb` (~80 / ~160 launches), fp32,
+n = 4, 20 rounds: keys sinkhorn_{train,decode}_* at [2, 4096, 4, 4] (a training call) and
+[1, 1, 4, 4] (a decode step's call, launch-bound).
+
     python -m bench.kernels_mhc
 """
 from __future__ import annotations
@@ -21,9 +26,12 @@ from model.kernels.mhc import (
     fused_mhc_step,
     reference_mhc_step,
 )
+from model.kernels.sinkhorn import sinkhorn_comb_triton
 from model.mhc import sinkhorn_comb
 
 TOKENS, N_STREAMS, DIMS, EPS = 16384, 4, (4096, 1024), 1e-6
+SINKHORN_ITERS = 20
+SINKHORN_SHAPES = {"train": (2, 4096), "decode": (1, 1)}  # leading dims of the [..., n, n] logits
 
 
 def _inputs(dim: int, device: torch.device):
@@ -71,8 +79,31 @@ def _bench_dim(dim: int, device: torch.device, copy_gbs: float) -> dict:
     return out
 
 
+def _bench_sinkhorn(lead: tuple, device: torch.device) -> dict:
+    """Triton vs eager Sinkhorn of fp32 [*lead, n, n] logits: forward, forward + backward."""
+    x = torch.randn(*lead, N_STREAMS, N_STREAMS, device=device)
+    x_grad = x.clone().requires_grad_()
+    cot = torch.randn_like(x)
+
+    def fwd(fn):
+        with torch.no_grad():
+            fn(x, SINKHORN_ITERS, EPS)
+
+    def fwd_bwd(fn):
+        torch.autograd.grad(fn(x_grad, SINKHORN_ITERS, EPS), [x_grad], cot)
+
+    out = {"triton_fwd_ms": timed_ms(lambda: fwd(sinkhorn_comb_triton), reps=50),
+           "ref_fwd_ms": timed_ms(lambda: fwd(sinkhorn_comb), reps=50),
+           "triton_fwd_bwd_ms": timed_ms(lambda: fwd_bwd(sinkhorn_comb_triton), reps=50),
+           "ref_fwd_bwd_ms": timed_ms(lambda: fwd_bwd(sinkhorn_comb), reps=50)}
+    out["fwd_speedup"] = out["ref_fwd_ms"] / out["triton_fwd_ms"]
+    out["fwd_bwd_speedup"] = out["ref_fwd_bwd_ms"] / out["triton_fwd_bwd_ms"]
+    return out
+
+
 def bench(device: torch.device) -> dict:
-    """A flat dict of numbers, keys prefixed d{D}_: times in ms, bytes per token, GB/s."""
+    """A flat dict of numbers, keys prefixed d{D}_ (fused step: times in ms, bytes per token,
+    GB/s) and sinkhorn_{train,decode}_ (times in ms, speedups)."""
     device = torch.device(device)
     if device.type != "cuda":
         raise RuntimeError("bench.kernels_mhc needs a CUDA device")
@@ -83,6 +114,8 @@ def bench(device: torch.device) -> dict:
         for dim in DIMS:
             out.update({f"d{dim}_{k}": v for k, v in _bench_dim(dim, device, copy_gbs).items()})
             torch.cuda.empty_cache()
+        for name, lead in SINKHORN_SHAPES.items():
+            out.update({f"sinkhorn_{name}_{k}": v for k, v in _bench_sinkhorn(lead, device).items()})
     return out
 
 

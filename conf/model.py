@@ -17,7 +17,7 @@ class ModelConfig:
     init_std: float = 0.02
     loss_chunk_tokens: int = 0  # >0: the LM loss materialises logits for this many tokens at a time
     attn_chunk_tokens: int = 0  # >0: attention and indexer run this many queries at a time (>= window)
-    kernels: bool = False  # Triton kernels (model/kernels/): sparse attention, indexer scoring, fused mHC step
+    kernels: bool = False  # Triton kernels (model/kernels/): sparse attention, indexer scoring, fused mHC step, Sinkhorn
 
     # --- CED and the CSA2 layer plan (§2, §3). The plan is derived from these numbers
     # unless `compress_ratios` / `layer_modes` spell it out layer by layer.

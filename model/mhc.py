@@ -42,6 +42,8 @@ class HyperConnection(nn.Module):
         self.fn = nn.Parameter(torch.empty(n_out, n_streams * dim, dtype=torch.float32))
         self.base = nn.Parameter(torch.zeros(n_out, dtype=torch.float32))
         self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))  # pre, post, comb gains
+        # [..., n, n] logits -> comb; Block swaps in the Triton kernel when model.kernels=true
+        self.sinkhorn = sinkhorn_comb
 
     def reset_parameters(self) -> None:
         # keep the mixing logits O(0.1) at init: near-uniform comb, pre ~ 0.5, post ~ 1
@@ -67,7 +69,7 @@ class HyperConnection(nn.Module):
         next_pre = torch.sigmoid(mix[..., :n] * self.scale[0] + base[:n]) + self.eps
         post = 2 * torch.sigmoid(mix[..., n:2 * n] * self.scale[1] + base[n:2 * n])
         comb_logits = (mix[..., 2 * n:] * self.scale[2] + base[2 * n:]).unflatten(-1, (n, n))
-        return post, sinkhorn_comb(comb_logits, self.iters, self.eps), next_pre
+        return post, self.sinkhorn(comb_logits, self.iters, self.eps), next_pre
 
 
 def mix_streams(pre: torch.Tensor, h: torch.Tensor) -> torch.Tensor:

@@ -56,7 +56,9 @@ class Block(nn.Module):
         self.fused_mhc = None
         if cfg.kernels:  # the attention -> MoE boundary inside a block, in one pass over the streams
             from model.kernels.mhc import fused_mhc_step
+            from model.kernels.sinkhorn import sinkhorn_comb_triton
             self.fused_mhc = fused_mhc_step
+            self.attn_hc.sinkhorn = self.ffn_hc.sinkhorn = sinkhorn_comb_triton  # one launch, not ~80
 
     def forward(self, h: torch.Tensor, pre: torch.Tensor, rt: AttentionRuntime):
         """h [B, T, n, D] streams, pre [B, T, n] this layer's input mix -> (h', next pre)."""

@@ -24,11 +24,11 @@ Not fusable, so left to the reference: a layer boundary with an Engram in betwee
 rewrites h before the next attn_hc), the first sub-layer (no update before it) and the
 last (no next HyperConnection: final norm of mix_streams only).
 
-The epilogue (sigmoid, 2*sigmoid, Sinkhorn of the n x n comb) stays in PyTorch, in
+The epilogue (sigmoid, 2*sigmoid, Sinkhorn of the n x n comb) is not in this kernel, but in
 `hc_coefficients`: it acts on [T, 2n + n*n] fp32 logits (96 bytes a token for n = 4, against
-~80 KB of streams at D = 4096), needs the sum over all D blocks first (the forward splits D
-over programs), and its 20 Sinkhorn rounds are simpler and safer to differentiate with
-autograd than by hand. A candidate for torch.compile, not for this kernel.
+~80 KB of streams at D = 4096) and needs the sum over all D blocks first (the forward splits D
+over programs). Its 20 Sinkhorn rounds run in one launch of their own kernel
+(model/kernels/sinkhorn.py) when model.kernels=true.
 
 Contract (`fused_mhc_step`), any leading dims `...` (flattened to T tokens inside):
     h    [..., n, D]   bf16 / fp16 / fp32 streams    -> h_new [..., n, D] same dtype
