@@ -61,10 +61,9 @@ def main() -> None:
         result["measured"][name] = {"commit": commit, "date": today}
         torch.cuda.empty_cache()
         print(json.dumps({name: result[name]}), flush=True)
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+        if args.out:  # after every section: a run cut short keeps what it measured
+            Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":
