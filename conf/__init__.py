@@ -8,13 +8,13 @@ from conf.launcher import LocalLauncherConfig, MultinodeLauncherConfig, RayLaunc
 from conf.logger import NoLoggerConfig, WandbLoggerConfig
 from conf.long_context import FlashSchedule, SmallSchedule, TinySchedule
 from conf.model import FlashModelConfig, SmallModelConfig, TinyModelConfig
-from conf.optim import AdamWConfig, MuonConfig
+from conf.optim import AdamWConfig, MuonConfig, RLAdamWConfig
 from conf.trainer import TrainerConfig
 
 GROUPS = {
     "model": {"tiny": TinyModelConfig, "small": SmallModelConfig, "flash": FlashModelConfig},
     "data": {"stdlib": StdlibDataConfig, "files": FilesDataConfig, "hub": HubDataConfig},
-    "optim": {"adamw": AdamWConfig, "muon": MuonConfig},
+    "optim": {"adamw": AdamWConfig, "muon": MuonConfig, "rl": RLAdamWConfig},
     "trainer": {"default": TrainerConfig},
     "logger": {"wandb": WandbLoggerConfig, "none": NoLoggerConfig},
     "schedule": {"tiny": TinySchedule, "small": SmallSchedule, "flash": FlashSchedule},

@@ -47,6 +47,19 @@ def describe_config_error(exc: BaseException) -> str:
     return " ".join(lines[:2]) if lines else type(exc).__name__
 
 
+def keyword_alias(override: str) -> str:
+    """Config fields named after Python keywords carry a trailing underscore (`rl.async_`); the
+    CLI takes the plain spelling too: `rl.async=false` -> `rl.async_=false`."""
+    import keyword
+
+    key, sep, value = override.partition("=")
+    if not sep:
+        return override
+    prefix = "".join(c for c in key[:2] if c in "+~")
+    parts = key[len(prefix):].split(".")
+    return prefix + ".".join(p + "_" if keyword.iskeyword(p) else p for p in parts) + sep + value
+
+
 def compose(stage: str, overrides: list[str]):
     """Compose the stage's config. Returns (job config without the hydra node, run dir)."""
     from hydra import compose as hydra_compose
@@ -57,7 +70,8 @@ def compose(stage: str, overrides: list[str]):
 
     GlobalHydra.instance().clear()
     with initialize(version_base=None, config_path=None):
-        cfg = hydra_compose(config_name=stage, overrides=overrides, return_hydra_config=True)
+        cfg = hydra_compose(config_name=stage, overrides=[keyword_alias(o) for o in overrides],
+                            return_hydra_config=True)
     HydraConfig.instance().set_config(cfg)  # lets ${now:...} and ${hydra:...} resolve
     run_dir = Path(str(cfg.hydra.run.dir))
     with open_dict(cfg):

@@ -1,0 +1,76 @@
+"""`flashtrain rl`: GRPO-style RL with rollouts, rewards and training as Ray actors.
+
+`rl.async` is spelled `async_` in Python (a keyword); the CLI accepts `rl.async=false`."""
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import MISSING
+
+from conf.data import DataConfig
+from conf.launcher import LauncherConfig
+from conf.logger import LoggerConfig
+from conf.model import ModelConfig
+from conf.optim import OptimConfig
+from conf.trainer import TrainerConfig
+
+
+@dataclass
+class RLLoopConfig:
+    policy: Optional[str] = None  # an SFT checkpoint (or run's checkpoints/ dir); None: run the built-in SFT first
+    sft_overrides: list[str] = field(default_factory=list)  # extra `flashtrain sft` overrides for that SFT
+    task: str = "arithmetic"  # built-in name or a dotted path to a Task class (rl/tasks)
+    task_kwargs: dict[str, Any] = field(default_factory=dict)
+    steps: int = 30  # trainer updates (policy versions)
+    prompts_per_step: int = 8  # prompt groups per update
+    group_size: int = 4  # samples per prompt (GRPO group)
+    max_new_tokens: int = 40
+    temperature: float = 1.0
+    top_p: float = 1.0
+    efforts: list[int] = field(default_factory=lambda: [50, 75, 100])  # sampled per prompt...
+    effort_weights: list[float] = field(default_factory=lambda: [1.0, 1.0, 1.0])  # ...with these weights
+    length_penalty_base: float = 8.0  # the penalty at effort 1 is `base` times the one at effort 100
+    length_penalty_scale: float = 0.2  # coefficient at effort 100, on length / max_new_tokens
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    is_cap: float = 2.0  # truncated importance sampling: ratios to the behaviour policy capped here
+    max_staleness: int = 1  # tokens more than this many versions old are masked out of the loss
+    async_: bool = True  # rollouts and training overlap (false: generate, score, train, repeat)
+    rollout_workers: int = 2
+    reward_workers: int = 1
+    trainer_workers: int = 1  # DeepSpeed data-parallel ranks (one Ray actor each)
+    prompts_per_request: int = 2  # prompts per rollout call
+    rollout_batch: int = 16  # sequences a rollout worker decodes together
+    rollout_threads: int = 1  # torch threads per rollout worker (CPU)
+    trainer_gpus: float = 0.0  # GPUs per trainer actor (0 on CPU)
+    rollout_gpus: float = 0.0
+    timeout_s: float = 300.0  # any one generation, scoring, weight transfer or training call
+    save_every: int = 10  # versions between checkpoints (0: only at the end)
+    eval_every: int = 10  # versions between greedy evaluations (0: start and end only)
+    eval_prompts: int = 16  # per effort
+    seed: int = 0
+    ray_address: Optional[str] = None  # None: start a local Ray instance
+    ray_num_cpus: Optional[int] = None
+
+
+RL_DEFAULTS = [
+    "_self_",
+    {"model": "tiny"},
+    {"data": "stdlib"},
+    {"optim": "rl"},  # AdamW, constant fine-tuning lr
+    {"trainer": "default"},
+    {"logger": "wandb"},
+    {"launcher": "local"},
+]
+
+
+@dataclass
+class RLConfig:
+    defaults: list[Any] = field(default_factory=lambda: list(RL_DEFAULTS))
+    stage: str = "rl"
+    model: ModelConfig = MISSING
+    data: DataConfig = MISSING  # the pretraining corpus: only its tokenizer is used
+    optim: OptimConfig = MISSING
+    trainer: TrainerConfig = MISSING
+    logger: LoggerConfig = MISSING
+    launcher: LauncherConfig = MISSING
+    rl: RLLoopConfig = field(default_factory=RLLoopConfig)

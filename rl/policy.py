@@ -1,0 +1,152 @@
+"""The RL trainer: the policy in a DeepSpeed engine, one process per data-parallel rank (a Ray
+actor each; rl/coordinator.py starts them with RANK / WORLD_SIZE / MASTER_* set). Every call
+that the coordinator makes is collective: each rank gets its share of the same batch.
+
+A sample here is a dict: prompt (ids), response (ids), behaviour (the engine's per-token
+log-probs), version (the policy version that generated it), advantage, effort.
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from rl.algorithm import policy_loss, stale_mask
+
+
+def _pad(rows: list[list[int]], value: int) -> torch.Tensor:
+    width = max(len(r) for r in rows)
+    return torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=torch.long)
+
+
+def response_logprobs(model, samples: list[dict], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs under `model` of each sample's response tokens -> (logp [N, R], mask [N, R]),
+    R the longest response; prompt and response go through one forward, right-padded."""
+    seqs = [s["prompt"] + s["response"] for s in samples]
+    ids = _pad(seqs, pad_id).to(next(model.parameters()).device)
+    logits = model(ids[:, :-1]).logits.float()  # [N, L-1, V]: position i predicts token i+1
+    logp_all = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None])[..., 0]  # [N, L-1]
+    R = max(len(s["response"]) for s in samples)
+    logp = logp_all.new_zeros(len(samples), R)
+    mask = torch.zeros(len(samples), R, dtype=torch.bool, device=logp.device)
+    for i, s in enumerate(samples):
+        p, r = len(s["prompt"]), len(s["response"])
+        logp[i, :r] = logp_all[i, p - 1:p - 1 + r]
+        mask[i, :r] = True
+    return logp, mask
+
+
+class PolicyTrainer:
+    def __init__(self, cfg, tokenizer_path: str, policy: Optional[str], run_dir: str, env: dict[str, str]):
+        os.environ.update(env)  # this rank's RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT
+        from data.tokenizer import TextTokenizer
+        from optim import CompositeOptimizer, build_optimizer, lr_multiplier
+        from trainer.checkpoint import CheckpointManager, load_model_weights
+        from trainer.distributed import init_distributed
+        from trainer.engine import build_engine
+        from trainer.pretrain import build_model, seed_everything
+
+        if cfg.trainer.torch_threads:
+            torch.set_num_threads(cfg.trainer.torch_threads)
+        self.cfg, self.rl = cfg, cfg.rl
+        self.dist = init_distributed()
+        seed_everything(cfg.trainer.seed)
+        self.tokenizer = TextTokenizer.from_file(tokenizer_path)
+        self.model = build_model(cfg, self.tokenizer)
+        if policy:
+            load_model_weights(self.model, Path(policy))
+        self.optimizer = build_optimizer(self.model, cfg.optim, cfg.trainer.zero_stage, self.dist.rank,
+                                         self.dist.world_size, verbose=False)
+        self.own_optimizer_state = isinstance(self.optimizer, CompositeOptimizer)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_multiplier(cfg.optim, self.rl.steps))
+        self.engine, _ = build_engine(self.model, self.optimizer, self.scheduler, cfg.trainer, self.dist,
+                                      whole_param_optimizer=self.own_optimizer_state)
+        self.ckpts = CheckpointManager(Path(run_dir) / "checkpoints", cfg.trainer.keep_last, self.dist.rank)
+        self.version = 0  # optimizer steps taken: the version of the current weights
+        self.busy_s, self.started = 0.0, time.perf_counter()
+
+    # ------------------------------------------------------------------ weights out
+    def weights(self) -> tuple[int, dict[str, torch.Tensor]]:
+        """(version, a CPU copy of the model's state dict) for the rollout workers."""
+        return self.version, {k: v.detach().to("cpu", copy=True) for k, v in self.engine.module.state_dict().items()}
+
+    # ------------------------------------------------------------------ one update
+    def train_step(self, samples: list[dict]) -> dict[str, Any]:
+        """One optimizer step on this rank's share of the batch (all ranks get the same list).
+        Tokens more than rl.max_staleness versions old are masked out of the loss."""
+        start = time.perf_counter()
+        rl, d = self.rl, self.dist
+        mine = samples[d.rank::d.world_size]
+        fresh = stale_mask(torch.tensor([s["version"] for s in mine]), self.version, rl.max_staleness)
+        self.engine.train()
+        logp, mask = response_logprobs(self.engine, mine, self.tokenizer.pad_id)
+        behaviour = torch.zeros_like(logp)
+        for i, s in enumerate(mine):
+            behaviour[i, :len(s["behaviour"])] = torch.tensor(s["behaviour"], dtype=logp.dtype)
+        mask = mask & fresh.to(mask.device)[:, None]
+        adv = torch.tensor([s["advantage"] for s in mine], dtype=logp.dtype, device=logp.device)
+        loss, stats = policy_loss(logp, behaviour.to(logp.device), adv, mask, rl.clip_low, rl.clip_high, rl.is_cap)
+        # the loss is a token mean on this rank; ranks see similar token counts, so the
+        # engine's gradient mean over ranks is the batch token mean up to that imbalance
+        self.engine.backward(loss)
+        if self.own_optimizer_state:
+            self._reduce_and_clip()
+        self.engine.step()
+        self.version += 1
+        took = time.perf_counter() - start
+        self.busy_s += took
+        stale = [len(s["response"]) for s, ok in zip(mine, fresh.tolist()) if not ok]
+        with torch.no_grad():
+            kl = ((behaviour.to(logp.device) - logp.detach()) * mask).sum() / mask.sum().clamp(min=1)
+        return {"loss": float(loss.detach()), **stats, "behaviour_kl": float(kl), "version": self.version,
+                "train_s": took, "stale_samples": len(stale), "stale_tokens": sum(stale),
+                "stale_lengths": stale, "trained_tokens": int(mask.sum())}
+
+    def _reduce_and_clip(self) -> None:
+        """Muon / Sinkhorn composite: whole-parameter gradients, averaged and clipped here."""
+        import torch.distributed as dist
+
+        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+        if dist.is_initialized() and self.dist.world_size > 1:
+            for g in grads:
+                dist.all_reduce(g)
+                g /= self.dist.world_size
+        if self.cfg.trainer.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.engine.module.parameters(), self.cfg.trainer.grad_clip)
+
+    def idle_fraction(self) -> float:
+        wall = time.perf_counter() - self.started
+        return max(0.0, 1.0 - self.busy_s / max(wall, 1e-9))
+
+    def reset_clock(self) -> None:
+        self.busy_s, self.started = 0.0, time.perf_counter()
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, rl_state: dict[str, Any]) -> str:
+        from trainer.pretrain import rng_state
+
+        rank_state = {"rng": rng_state()}
+        if self.own_optimizer_state:
+            rank_state["optimizer"] = self.optimizer.state_dict()
+        return str(self.ckpts.save(self.engine, self.version, {"step": self.version, "rl": rl_state}, rank_state))
+
+    def resume(self, resume: str) -> Optional[dict[str, Any]]:
+        """Restore policy, optimizer and version from the newest valid checkpoint (trainer.resume);
+        returns the coordinator's RL state saved with it, or None when starting fresh."""
+        from optim import CompositeOptimizer
+        from trainer.pretrain import set_rng_state
+
+        ckpt = self.ckpts.resolve(resume)
+        if ckpt is None:
+            return None
+        trainer_state, rank_state = self.ckpts.load(self.engine, ckpt, load_optimizer_states=not self.own_optimizer_state)
+        if self.own_optimizer_state:
+            shards = [s["optimizer"] for s in self.ckpts.all_rank_states(ckpt)]
+            self.optimizer.load_state_dict(CompositeOptimizer.merge_state_dicts(shards))
+        set_rng_state(rank_state.get("rng", {}))
+        self.version = trainer_state["step"]
+        return trainer_state["rl"]
+

@@ -1,0 +1,98 @@
+"""`flashtrain rl`: tokenizer and policy in place, a Ray cluster, then the coordinator's loop.
+
+The policy is `rl.policy` (an SFT checkpoint) or, by default, the built-in SFT run first into
+<run>/sft, so `flashtrain rl` works on a fresh machine. Metrics go to <run>/metrics.jsonl and
+the tracker (W&B) with per-effort reward, accuracy and lengths.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+
+def builtin_sft_policy(cfg, run_dir: Path) -> Path:
+    """Run (or resume) the built-in SFT for this model and tokenizer; its newest checkpoint."""
+    from launch.cli import compose
+    from trainer.checkpoint import CheckpointManager
+    from trainer.sft import run_sft
+
+    sft_dir = run_dir / "sft"
+    sft_cfg, _ = compose("sft", list(cfg.rl.sft_overrides))
+    typed = OmegaConf.to_object(sft_cfg)
+    typed = dataclasses.replace(typed, model=cfg.model, data=cfg.data, logger=cfg.logger)
+    ckpts = CheckpointManager(sft_dir / "checkpoints", 1, 0)
+    done = ckpts.find_latest_valid()
+    if done is None or int(done.name.split("_")[-1]) < typed.trainer.max_steps:
+        print(f"flashtrain rl: no rl.policy given: running the built-in SFT into {sft_dir}", flush=True)
+        run_sft(typed, sft_dir, OmegaConf.to_yaml(OmegaConf.structured(typed)))
+        done = ckpts.find_latest_valid()
+    return done
+
+
+def run_rl(cfg, run_dir: Path, config_yaml: str) -> dict[str, Any]:
+    import ray
+
+    from data import build_datasets
+    from rl.coordinator import Coordinator
+    from trainer.metrics import MetricsLog
+    from trainer.tracking import build_tracker
+
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(config_yaml)
+    _, _, tokenizer = build_datasets(cfg.data)  # the pretraining tokenizer (cached)
+    tokenizer_path = run_dir / "tokenizer.json"
+    tokenizer.save(tokenizer_path)
+    policy = cfg.rl.policy
+    if policy is None:
+        policy = str(builtin_sft_policy(cfg, run_dir))
+    else:
+        from trainer.checkpoint import CheckpointManager
+        policy = str(CheckpointManager(run_dir / "unused", 1, 0).resolve(policy))
+
+    rl = cfg.rl
+    needed = rl.trainer_workers + rl.rollout_workers + rl.reward_workers
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        ray.init(address=rl.ray_address, num_cpus=None if rl.ray_address else (rl.ray_num_cpus or max(needed, os.cpu_count() or 1)),
+                 include_dashboard=False, log_to_driver=True, configure_logging=False)
+    id_file = run_dir / "wandb_run_id"
+    resuming = (run_dir / "checkpoints" / "latest").exists() and cfg.trainer.resume != "none"
+    container = OmegaConf.to_container(OmegaConf.create(config_yaml), resolve=True)
+    tracker = build_tracker(cfg.logger, run_dir, container, id_file.read_text().strip() if resuming and id_file.exists()
+                            else None, 0)
+    if tracker.run_id:
+        id_file.write_text(tracker.run_id)
+    metrics = MetricsLog(run_dir / "metrics.jsonl", resume_step=_checkpoint_step(run_dir) if resuming else None,
+                         enabled=True)
+
+    def log(row: dict[str, Any]) -> None:
+        metrics.write(row)
+        tracker.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
+        if "loss" in row:
+            efforts = "  ".join(f"e{k.split('/')[0][7:]} len {v:.1f}" for k, v in row.items() if k.endswith("/len_mean"))
+            print(f"rl step {row['step']}: task_reward {row['task_reward']:.3f} reward {row['reward']:+.3f} "
+                  f"samples/s {row['samples_per_s']:.2f} idle {row['trainer_idle_frac']:.2f}  {efforts}", flush=True)
+        else:
+            print(f"rl eval at {row['step']}: " + "  ".join(f"{k[5:]} {v:.3f}" for k, v in row.items() if k != "step"),
+                  flush=True)
+
+    coordinator = Coordinator(cfg, run_dir, str(tokenizer_path), policy, log)
+    try:
+        summary = coordinator.run()
+    finally:
+        coordinator.shutdown()
+        tracker.finish()
+        if started_ray:
+            ray.shutdown()
+    summary["policy"] = policy
+    return summary
+
+
+def _checkpoint_step(run_dir: Path) -> int:
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    return int(latest.split("_")[-1])

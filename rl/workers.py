@@ -1,0 +1,74 @@
+"""Rollout and reward workers: plain classes that rl/coordinator.py runs as Ray actors.
+
+A request is a list of prompts: {"id": prompt id, "effort": 1-100, "ids": prompt token ids}.
+The rollout worker answers each with `group_size` samples from the generation engine
+(rl/engine), every one stamped with the policy version of the weights that produced it; the
+reward worker parses and verifies them.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+import torch
+
+
+class RolloutWorker:
+    def __init__(self, cfg, tokenizer_path: str, seed: int):
+        from data.chat import ChatFormat
+        from data.tokenizer import TextTokenizer
+        from trainer.pretrain import build_model
+
+        torch.set_num_threads(max(1, cfg.rl.rollout_threads))
+        self.cfg, self.rl = cfg, cfg.rl
+        self.tokenizer = TextTokenizer.from_file(tokenizer_path)
+        self.chat = ChatFormat(self.tokenizer)
+        self.model = build_model(cfg, self.tokenizer).eval()
+        self.version: Optional[int] = None  # no weights yet
+        self.seed, self.calls = seed, 0
+
+    def set_weights(self, weights: tuple[int, dict[str, torch.Tensor]]) -> int:
+        """(version, state dict) as PolicyTrainer.weights returns it."""
+        version, state = weights
+        self.model.load_state_dict(state)
+        self.version = version
+        return version
+
+    def generate(self, prompts: list[dict], greedy: bool = False) -> dict[str, Any]:
+        """prompts -> {"samples": group_size samples per prompt (1 when greedy), "gen_s": seconds}."""
+        from rl.engine.generate import generate
+
+        if self.version is None:  # a restarted actor: the coordinator re-queues and sends weights
+            return {"no_weights": True, "samples": [], "gen_s": 0.0}
+        start = time.perf_counter()
+        n = 1 if greedy else self.rl.group_size
+        flat = [p for p in prompts for _ in range(n)]
+        self.calls += 1
+        gens = generate(self.model, [p["ids"] for p in flat], self.rl.max_new_tokens,
+                        temperature=0.0 if greedy else self.rl.temperature, top_p=self.rl.top_p,
+                        stop=self.chat.stop_ids(), seed=self.seed * 1_000_003 + self.calls,
+                        policy_version=self.version, max_batch=self.rl.rollout_batch)
+        samples = [{"id": p["id"], "effort": p["effort"], "prompt": p["ids"], "response": g.tokens,
+                    "behaviour": g.logprobs, "version": g.policy_version, "finish": g.finish}
+                   for p, g in zip(flat, gens)]
+        return {"samples": samples, "gen_s": time.perf_counter() - start}
+
+
+class RewardWorker:
+    def __init__(self, cfg, tokenizer_path: str):
+        from data.chat import ChatFormat
+        from data.tokenizer import TextTokenizer
+        from rl.tasks import load_task
+
+        self.rl = cfg.rl
+        self.chat = ChatFormat(TextTokenizer.from_file(tokenizer_path))
+        self.task = load_task(cfg.rl.task, **dict(cfg.rl.task_kwargs))
+
+    def score(self, samples: list[dict], problems: dict[int, Any]) -> list[dict]:
+        """Adds "task_reward" (the verifier's, in [0, 1]) and "length" (response tokens) to each."""
+        out = []
+        for s in samples:
+            _, answer = self.chat.parse_response(s["response"])
+            reward = float(self.task.verify(problems[s["id"]], answer))
+            out.append({**s, "task_reward": reward, "length": len(s["response"])})
+        return out
