@@ -95,7 +95,7 @@ class Trainer:
             (self.run_dir / "config.yaml").write_text(config_yaml)
 
         seed_everything(tc.seed)  # identical initial weights on every rank
-        self.train_ds, self.val_ds, self.tokenizer = build_datasets(cfg.data)
+        self.train_ds, self.val_ds, self.tokenizer = self.build_data()
         self.model = build_model(cfg, self.tokenizer)
         self.model.indexer_mode = indexer_mode
         if train_only_indexer:  # the indexer warm-up: everything else is frozen
@@ -133,6 +133,11 @@ class Trainer:
         self.peak_flops, self.peak_source = device_peak_flops(d.device, tc.peak_flops)
         if d.is_main:
             self._announce()
+
+    def build_data(self):
+        """(train split, validation split, tokenizer): the packed corpus of cfg.data. A stage that
+        trains on other data (SFT) overrides this; the splits need `__len__`, `get_batch`, `seq_len`."""
+        return build_datasets(self.cfg.data)
 
     def _build_optimizer(self) -> None:
         cfg, tc, d, layout = self.cfg, self.cfg.trainer, self.dist, self.layout
