@@ -62,9 +62,10 @@ class MuonConfig(OptimConfig):
 
 @dataclass
 class RLAdamWConfig(OptimConfig):
-    """Policy-gradient updates: AdamW at a fine-tuning lr, constant, no warm-up."""
+    """Policy-gradient updates: AdamW at a fine-tuning lr, constant, no warm-up. On `tiny`
+    after the built-in SFT, 3e-4 lowered the sampled accuracy over 30 versions (0.69 -> 0.38)."""
     name: str = "adamw"
-    lr: float = 3e-4
+    lr: float = 5e-5
     weight_decay: float = 0.0
     schedule: str = "constant"
     warmup_steps: int = 0

@@ -30,6 +30,7 @@ class RLLoopConfig:
     effort_weights: list[float] = field(default_factory=lambda: [1.0, 1.0, 1.0])  # ...with these weights
     length_penalty_base: float = 8.0  # the penalty at effort 1 is `base` times the one at effort 100
     length_penalty_scale: float = 0.2  # coefficient at effort 100, on length / max_new_tokens
+    adv_std_floor: float = 0.1  # group advantages divide by max(std, this): no unit advantage from a 1-token gap
     clip_low: float = 0.2
     clip_high: float = 0.28
     is_cap: float = 2.0  # truncated importance sampling: ratios to the behaviour policy capped here

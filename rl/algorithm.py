@@ -28,18 +28,23 @@ def length_penalty_coef(effort: torch.Tensor | int, base: float, scale: float) -
 
 def shaped_reward(task_reward: torch.Tensor, length: torch.Tensor, effort: torch.Tensor, max_len: int,
                   base: float, scale: float) -> torch.Tensor:
-    """task reward - coef(effort) * length / max_len, per sample [N]."""
+    """task reward * (1 - coef(effort) * length / max_len), per sample [N]. The penalty scales
+    with the task reward: a wrong answer scores 0 whatever its length, so a group of wrong answers
+    carries no length signal (without that, a weak policy learns to be short before it learns
+    to be right) and, while coef <= 1, a right answer always beats a wrong one."""
     coef = length_penalty_coef(effort, base, scale)
-    return task_reward.double() - coef * length.double() / max_len
+    return task_reward.double() * (1 - coef * length.double() / max_len)
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
-    """rewards [G * n] in groups of n samples of one prompt -> (r - group mean) / (group std + eps).
-    A group whose samples all score alike carries no signal: its advantages are 0."""
+def group_advantages(rewards: torch.Tensor, group_size: int, std_floor: float = 0.0, eps: float = 1e-6) -> torch.Tensor:
+    """rewards [G * n] in groups of n samples of one prompt -> (r - group mean) / max(group std,
+    std_floor) (+ eps). A group whose samples all score alike carries no signal: advantages 0.
+    The floor keeps tiny differences (two right answers a token apart in length) from being
+    blown up to unit advantages, as plain std normalisation does."""
     if rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
     r = rewards.double().view(-1, group_size)
-    std = r.std(dim=1, unbiased=False, keepdim=True)
+    std = r.std(dim=1, unbiased=False, keepdim=True).clamp(min=std_floor)
     return ((r - r.mean(dim=1, keepdim=True)) / (std + eps)).view(-1)
 
 

@@ -152,7 +152,7 @@ class Coordinator:
                                torch.tensor([s["length"] for s in samples]),
                                torch.tensor([s["effort"] for s in samples]), rl.max_new_tokens,
                                rl.length_penalty_base, rl.length_penalty_scale)
-        adv = group_advantages(shaped, rl.group_size)
+        adv = group_advantages(shaped, rl.group_size, rl.adv_std_floor)
         for s, r, a in zip(samples, shaped.tolist(), adv.tolist()):
             s["reward"], s["advantage"] = r, a
         refs = [t.train_step.remote(samples) for t in self.trainers]

@@ -25,6 +25,10 @@ def test_length_penalty_grows_exponentially_as_effort_falls():
     # same answer, same length: the lower effort pays more
     r = shaped_reward(torch.ones(3), torch.full((3,), 20.0), torch.tensor([100, 75, 50]), 40, base, scale)
     assert r[0] > r[1] > r[2] and float(r[0]) == pytest.approx(1 - scale * 0.5)
+    # a wrong answer scores 0 at any length; a right one always beats it
+    wrong = shaped_reward(torch.zeros(2), torch.tensor([2.0, 40.0]), torch.tensor([1, 1]), 40, base, scale)
+    assert wrong.tolist() == [0.0, 0.0]
+    assert float(shaped_reward(torch.ones(1), torch.tensor([40.0]), torch.tensor([1]), 40, 4.0, 0.2)) > 0
     with pytest.raises(ValueError, match="effort"):
         length_penalty_coef(0, base, scale)
     with pytest.raises(ValueError, match="base"):
@@ -40,6 +44,10 @@ def test_group_advantages_are_normalised_per_group():
     assert adv[2].argmax() == 0 and adv[2].argmin() == 1
     with pytest.raises(ValueError, match="groups"):
         group_advantages(torch.ones(5), 4)
+    # two right answers a token apart: plain std normalisation makes that a full +-1 signal
+    close = torch.tensor([0.99, 0.98])
+    assert group_advantages(close, 2).abs().max() == pytest.approx(1.0, abs=1e-3)
+    assert group_advantages(close, 2, std_floor=0.1).abs().max() == pytest.approx(0.05, abs=1e-3)
 
 
 def test_stale_mask_and_version_checks():
