@@ -6,7 +6,7 @@ newest weights each rollout worker has received; every sample carries the versio
 it and the trainer masks tokens more than rl.max_staleness versions old. Synchronous: generate
 a batch, score it, train, push weights, repeat.
 
-Admission control: at most prompts_per_step * (1 + max_staleness) prompts are admitted and not
+Admission control: at most prompts_per_step * max(max_staleness, 1) prompts are admitted and not
 yet trained (queued, generating, scoring or waiting), so rollouts cannot run further ahead than
 staleness allows and nothing is generated only to be dropped for being too old.
 
@@ -103,7 +103,12 @@ class Coordinator:
         self.queue.append(pid)
 
     def _limit(self) -> int:
-        return self.rl.prompts_per_step * (1 + self.rl.max_staleness) if self.rl.async_ else self.rl.prompts_per_step
+        """Admitted, untrained prompts. A batch starts generating only once the batch s places
+        ahead of it has gone to the trainer (at version V - s, whose weights the workers get
+        before that generation call), so it trains at lag <= s = max_staleness. With s = 0
+        async still overlaps one batch, whose samples arrive a version late and are masked:
+        use rl.async=false for strictly on-policy training."""
+        return self.rl.prompts_per_step * max(self.rl.max_staleness, 1)
 
     # ------------------------------------------------------------------ calls
     def _call(self, ref, call: _Call) -> None:
