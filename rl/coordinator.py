@@ -82,7 +82,6 @@ class Coordinator:
         self.weights_ref = None
         self.busy_rollout: set[int] = set()
         self.next_reward = 0
-        self.history: list[dict] = []
 
     # ------------------------------------------------------------------ state
     def state(self) -> dict[str, Any]:
@@ -296,7 +295,6 @@ class Coordinator:
                 row = self._done(call, result)
                 if row is not None:
                     self.log(row)
-                    self.history.append(row)
                     last.update(row)
                     if rl.save_every and self.version % rl.save_every == 0 and self.version < rl.steps:
                         self.save()

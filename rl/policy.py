@@ -66,7 +66,6 @@ class PolicyTrainer:
                                       whole_param_optimizer=self.own_optimizer_state)
         self.ckpts = CheckpointManager(Path(run_dir) / "checkpoints", cfg.trainer.keep_last, self.dist.rank)
         self.version = 0  # optimizer steps taken: the version of the current weights
-        self.busy_s, self.started = 0.0, time.perf_counter()
 
     # ------------------------------------------------------------------ weights out
     def weights(self) -> tuple[int, dict[str, torch.Tensor]]:
@@ -97,7 +96,6 @@ class PolicyTrainer:
         self.engine.step()
         self.version += 1
         took = time.perf_counter() - start
-        self.busy_s += took
         stale = [len(s["response"]) for s, ok in zip(mine, fresh.tolist()) if not ok]
         with torch.no_grad():
             kl = ((behaviour.to(logp.device) - logp.detach()) * mask).sum() / mask.sum().clamp(min=1)
@@ -116,13 +114,6 @@ class PolicyTrainer:
                 g /= self.dist.world_size
         if self.cfg.trainer.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.engine.module.parameters(), self.cfg.trainer.grad_clip)
-
-    def idle_fraction(self) -> float:
-        wall = time.perf_counter() - self.started
-        return max(0.0, 1.0 - self.busy_s / max(wall, 1e-9))
-
-    def reset_clock(self) -> None:
-        self.busy_s, self.started = 0.0, time.perf_counter()
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, rl_state: dict[str, Any]) -> str:

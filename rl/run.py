@@ -26,7 +26,7 @@ def builtin_sft_policy(cfg, run_dir: Path) -> Path:
     typed = dataclasses.replace(typed, model=cfg.model, data=cfg.data, logger=cfg.logger)
     ckpts = CheckpointManager(sft_dir / "checkpoints", 1, 0)
     done = ckpts.find_latest_valid()
-    if done is None or int(done.name.split("_")[-1]) < typed.trainer.max_steps:
+    if done is None or _checkpoint_step(done.name) < typed.trainer.max_steps:
         print(f"flashtrain rl: no rl.policy given: running the built-in SFT into {sft_dir}", flush=True)
         run_sft(typed, sft_dir, OmegaConf.to_yaml(OmegaConf.structured(typed)))
         done = ckpts.find_latest_valid()
@@ -67,7 +67,8 @@ def run_rl(cfg, run_dir: Path, config_yaml: str) -> dict[str, Any]:
                             else None, 0)
     if tracker.run_id:
         id_file.write_text(tracker.run_id)
-    metrics = MetricsLog(run_dir / "metrics.jsonl", resume_step=_checkpoint_step(run_dir) if resuming else None,
+    latest = run_dir / "checkpoints" / "latest"
+    metrics = MetricsLog(run_dir / "metrics.jsonl", resume_step=_checkpoint_step(latest.read_text()) if resuming else None,
                          enabled=True)
 
     def log(row: dict[str, Any]) -> None:
@@ -93,6 +94,7 @@ def run_rl(cfg, run_dir: Path, config_yaml: str) -> dict[str, Any]:
     return summary
 
 
-def _checkpoint_step(run_dir: Path) -> int:
-    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
-    return int(latest.split("_")[-1])
+def _checkpoint_step(tag: str) -> int:
+    """step_00000100 -> 100 (trainer/checkpoint.py's tag format)."""
+    from trainer.checkpoint import TAG_PREFIX
+    return int(tag.strip()[len(TAG_PREFIX):])

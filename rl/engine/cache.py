@@ -19,6 +19,7 @@ cache reproduces its training forward bit for bit; without QAT packing is an app
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -30,6 +31,7 @@ from model.runtime import HISTORY_TOKENS, SequenceShard
 FORMATS = {"kv": (pack_kv_fp4, unpack_kv_fp4), "index_k": (pack_mxfp4, unpack_mxfp4), "window": (pack_fp8, unpack_fp8)}
 
 
+@functools.cache
 def _kernel_formats() -> dict:
     """The Triton kernels of the same formats (bit-exact with model/quant.py for bf16 inputs)."""
     from model.kernels import quant as k
