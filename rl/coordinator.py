@@ -38,6 +38,8 @@ class _Call:
 
 
 class Coordinator:
+    RETRYABLE = ("gen", "score")  # call kinds whose actor restarts and whose work is retried
+
     def __init__(self, cfg, run_dir: Path, tokenizer_path: str, policy: Optional[str], log):
         import ray
 
@@ -159,8 +161,18 @@ class Coordinator:
         adv = group_advantages(shaped, rl.group_size, rl.adv_std_floor)
         for s, r, a in zip(samples, shaped.tolist(), adv.tolist()):
             s["reward"], s["advantage"] = r, a
-        refs = [t.train_step.remote(samples) for t in self.trainers]
+        refs = self._train_calls(samples)
         self._call(refs[0], _Call("train", payload=(samples, refs[1:])))
+
+    def _train_calls(self, samples: list[dict]) -> list:
+        """One train_step call per trainer rank (flashtrain distill adds teacher heads)."""
+        return [t.train_step.remote(samples) for t in self.trainers]
+
+    def _dispatch_more(self) -> None:
+        """Calls of further roles, after rollouts and training (flashtrain distill: teachers)."""
+
+    def _actor_of(self, call: _Call):
+        return (self.rollouts if call.kind == "gen" else self.rewards)[call.actor]
 
     # ------------------------------------------------------------------ results
     def _failed(self, call: _Call, error: BaseException) -> None:
@@ -198,8 +210,7 @@ class Coordinator:
                 by_prompt.setdefault(s["id"], []).append(s)
             for pid, group in by_prompt.items():
                 if self.admitted.get(pid) == "score" and len(group) == self.rl.group_size:
-                    self.admitted[pid] = "ready"
-                    self.ready[pid] = group
+                    self._scored(pid, group)
         elif call.kind == "train":
             samples, others = call.payload
             stats = [result] + self.ray.get(others, timeout=self.rl.timeout_s)
@@ -210,11 +221,16 @@ class Coordinator:
             return self._row(samples, stats)
         return None
 
+    def _scored(self, pid: int, group: list[dict]) -> None:
+        """A prompt's scored group is complete: ready to train (flashtrain distill: to its teacher)."""
+        self.admitted[pid] = "ready"
+        self.ready[pid] = group
+
     def _row(self, samples: list[dict], stats: list[dict]) -> dict:
         wall = time.perf_counter() - self.wall_start
         row: dict[str, Any] = {"step": self.version, "loss": sum(s["loss"] for s in stats) / len(stats),
-                               "clip_frac": stats[0]["clip_frac"], "truncated_frac": stats[0]["truncated_frac"],
-                               "behaviour_kl": stats[0]["behaviour_kl"],
+                               **{k: stats[0][k] for k in ("clip_frac", "truncated_frac", "behaviour_kl")
+                                  if k in stats[0]},  # policy-loss stats (distillation may have none)
                                "reward": sum(s["reward"] for s in samples) / len(samples),
                                "task_reward": sum(s["task_reward"] for s in samples) / len(samples),
                                "samples_per_s": self.samples_trained / wall,
@@ -277,6 +293,7 @@ class Coordinator:
         while self.version < rl.steps:
             self._dispatch_rollouts()
             self._dispatch_training()
+            self._dispatch_more()
             ready, _ = ray.wait(list(self.pending), num_returns=1, timeout=1.0)
             now = time.monotonic()
             for ref in ready:
@@ -284,7 +301,7 @@ class Coordinator:
                 try:
                     result = ray.get(ref)
                 except ray.exceptions.RayActorError as e:  # the actor died (Ray restarts it)
-                    if call.kind in ("gen", "score"):
+                    if call.kind in self.RETRYABLE:
                         self._failed(call, e)
                     elif call.kind == "weights":
                         self._call(self.rollouts[call.actor].set_weights.remote(self.weights_ref),
@@ -305,11 +322,10 @@ class Coordinator:
                         last.update(ev)
             for ref, call in list(self.pending.items()):
                 if now > call.deadline:
-                    if call.kind not in ("gen", "score"):
+                    if call.kind not in self.RETRYABLE:
                         raise TimeoutError(f"rl: a {call.kind} call took longer than rl.timeout_s={rl.timeout_s}")
                     del self.pending[ref]
-                    actor = (self.rollouts if call.kind == "gen" else self.rewards)[call.actor]
-                    ray.kill(actor, no_restart=False)  # restarted by Ray; its prompts go back to the queue
+                    ray.kill(self._actor_of(call), no_restart=False)  # restarted by Ray; its prompts go back to the queue
                     self._failed(call, TimeoutError(f"{call.kind} call over {rl.timeout_s}s"))
         self.save()
         self._drain_weights()

@@ -7,6 +7,7 @@ log-probs), version (the policy version that generated it), advantage, effort.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from pathlib import Path
@@ -66,6 +67,8 @@ class PolicyTrainer:
                                       whole_param_optimizer=self.own_optimizer_state)
         self.ckpts = CheckpointManager(Path(run_dir) / "checkpoints", cfg.trainer.keep_last, self.dist.rank)
         self.version = 0  # optimizer steps taken: the version of the current weights
+        self.distill = getattr(cfg, "distill", None)  # `flashtrain distill`: the reverse KL to teachers
+        self.teacher_heads: dict[str, torch.Tensor] = {}  # teacher key -> LM head, sent once per teacher
 
     # ------------------------------------------------------------------ weights out
     def weights(self) -> tuple[int, dict[str, torch.Tensor]]:
@@ -73,14 +76,18 @@ class PolicyTrainer:
         return self.version, {k: v.detach().to("cpu", copy=True) for k, v in self.engine.module.state_dict().items()}
 
     # ------------------------------------------------------------------ one update
-    def train_step(self, samples: list[dict]) -> dict[str, Any]:
+    def train_step(self, samples: list[dict], heads: Optional[dict[str, torch.Tensor]] = None) -> dict[str, Any]:
         """One optimizer step on this rank's share of the batch (all ranks get the same list).
-        Tokens more than rl.max_staleness versions old are masked out of the loss."""
+        Tokens more than rl.max_staleness versions old are masked out of the loss. Distillation
+        (cfg.distill): the reverse KL to each sample's teacher, `heads` the teacher LM heads
+        not sent before."""
         start = time.perf_counter()
         rl, d = self.rl, self.dist
         mine = samples[d.rank::d.world_size]
         fresh = stale_mask(torch.tensor([s["version"] for s in mine]), self.version, rl.max_staleness)
         self.engine.train()
+        if self.distill is not None:
+            return self._distill_step(mine, fresh, heads, start)
         logp, mask = response_logprobs(self.engine, mine, self.tokenizer.pad_id)
         behaviour = torch.zeros_like(logp)
         for i, s in enumerate(mine):
@@ -102,6 +109,35 @@ class PolicyTrainer:
         return {"loss": float(loss.detach()), **stats, "behaviour_kl": float(kl), "version": self.version,
                 "train_s": took, "stale_samples": len(stale), "stale_tokens": sum(stale),
                 "stale_lengths": stale, "trained_tokens": int(mask.sum())}
+
+    def _distill_step(self, mine: list[dict], fresh: torch.Tensor, heads, start: float) -> dict[str, Any]:
+        from rl.distill.student import distill_objective
+
+        self.teacher_heads.update(heads or {})
+        loss, stats = distill_objective(self.engine.module, mine, fresh, self.teacher_heads, self.tokenizer.pad_id,
+                                        self.distill, self.rl)
+        self.engine.backward(loss)
+        if self.own_optimizer_state:
+            self._reduce_and_clip()
+        self.engine.step()
+        self.version += 1
+        stale = [len(s["response"]) for s, ok in zip(mine, fresh.tolist()) if not ok]
+        return {"loss": float(loss.detach()), **stats, "version": self.version, "train_s": time.perf_counter() - start,
+                "stale_samples": len(stale), "stale_tokens": sum(stale), "stale_lengths": stale,
+                "trained_tokens": sum(len(s["response"]) for s, ok in zip(mine, fresh.tolist()) if ok)}
+
+    @torch.no_grad()
+    def kl_eval(self, samples: list[dict], heads: Optional[dict[str, torch.Tensor]] = None) -> dict[str, list[float]]:
+        """Reverse KL to the teachers on `samples` without an update: {domain: [KL sum, tokens]}."""
+        from rl.distill.student import distill_objective
+
+        self.teacher_heads.update(heads or {})
+        self.engine.eval()
+        fresh = torch.ones(len(samples), dtype=torch.bool)
+        kl_only = dataclasses.replace(self.distill, kl_weight=1.0, reward_weight=0.0)
+        _, stats = distill_objective(self.engine.module, samples, fresh, self.teacher_heads, self.tokenizer.pad_id,
+                                     kl_only, self.rl)
+        return stats["kl_by_domain"]
 
     def _reduce_and_clip(self) -> None:
         """Muon / Sinkhorn composite: whole-parameter gradients, averaged and clipped here."""

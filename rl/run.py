@@ -33,7 +33,11 @@ def builtin_sft_policy(cfg, run_dir: Path) -> Path:
     return done
 
 
-def run_rl(cfg, run_dir: Path, config_yaml: str) -> dict[str, Any]:
+def run_rl(cfg, run_dir: Path, config_yaml: str, make_coordinator=None, console=None,
+           extra_actors: int = 0) -> dict[str, Any]:
+    """make_coordinator(cfg, run_dir, tokenizer_path, policy, log) (default rl.coordinator's),
+    console(row) -> the line printed for a metrics row, extra_actors: Ray actors beyond the RL
+    roles (flashtrain distill's teacher workers)."""
     import ray
 
     from data import build_datasets
@@ -55,7 +59,7 @@ def run_rl(cfg, run_dir: Path, config_yaml: str) -> dict[str, Any]:
         policy = str(CheckpointManager(run_dir / "unused", 1, 0).resolve(policy))
 
     rl = cfg.rl
-    needed = rl.trainer_workers + rl.rollout_workers + rl.reward_workers
+    needed = rl.trainer_workers + rl.rollout_workers + rl.reward_workers + extra_actors
     started_ray = not ray.is_initialized()
     if started_ray:
         ray.init(address=rl.ray_address, num_cpus=None if rl.ray_address else (rl.ray_num_cpus or max(needed, os.cpu_count() or 1)),
@@ -74,7 +78,9 @@ def run_rl(cfg, run_dir: Path, config_yaml: str) -> dict[str, Any]:
     def log(row: dict[str, Any]) -> None:
         metrics.write(row)
         tracker.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
-        if "loss" in row:
+        if console is not None:
+            print(console(row), flush=True)
+        elif "loss" in row:
             efforts = "  ".join(f"e{k.split('/')[0][7:]} len {v:.1f}" for k, v in row.items() if k.endswith("/len_mean"))
             print(f"rl step {row['step']}: task_reward {row['task_reward']:.3f} reward {row['reward']:+.3f} "
                   f"samples/s {row['samples_per_s']:.2f} idle {row['trainer_idle_frac']:.2f}  {efforts}", flush=True)
@@ -82,7 +88,7 @@ def run_rl(cfg, run_dir: Path, config_yaml: str) -> dict[str, Any]:
             print(f"rl eval at {row['step']}: " + "  ".join(f"{k[5:]} {v:.3f}" for k, v in row.items() if k != "step"),
                   flush=True)
 
-    coordinator = Coordinator(cfg, run_dir, str(tokenizer_path), policy, log)
+    coordinator = (make_coordinator or Coordinator)(cfg, run_dir, str(tokenizer_path), policy, log)
     try:
         summary = coordinator.run()
     finally:

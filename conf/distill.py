@@ -1,0 +1,82 @@
+"""`flashtrain distill`: on-policy distillation of many domain teachers into one student, on the
+RL machinery (rl.* settings: rollouts, admission, staleness, workers, checkpoints) plus a
+teacher registry and the distillation loss (distill.*)."""
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import MISSING
+
+from conf.data import DataConfig
+from conf.launcher import LauncherConfig
+from conf.logger import LoggerConfig
+from conf.model import ModelConfig
+from conf.optim import OptimConfig
+from conf.rl import RL_DEFAULTS, RLLoopConfig
+from conf.trainer import TrainerConfig
+
+
+@dataclass
+class TeacherConfig:
+    checkpoint: str = MISSING  # flashtrain: a checkpoint or a run's checkpoints/ dir; hf: a save_pretrained dir
+    arch: str = "flashtrain"  # flashtrain (any model config; read from the checkpoint) | hf (transformers causal LM)
+    replicas: int = 1  # teacher workers that can serve it
+    task: Optional[str] = None  # the domain's prompts: None = the built-in domain of this name (rl/distill/domains.py)
+
+
+# The built-in synthetic domains (rl/distill/domains.py) and their teachers as
+# bench/distill_teachers.py makes them under distill.teacher_root: one flashtrain teacher per
+# domain, except rot1 and rot2 (one teacher trained on both) and length (a transformers Llama).
+SHARED_TEACHERS = {"rot1": "rot", "rot2": "rot"}
+HF_TEACHERS = {"length": "hf_length"}
+
+
+def default_domains() -> dict[str, TeacherConfig]:
+    from rl.distill.domains import BUILTIN_DOMAINS  # plain data: no heavy imports
+
+    out = {}
+    for name in BUILTIN_DOMAINS:
+        if name in HF_TEACHERS:
+            out[name] = TeacherConfig(checkpoint=HF_TEACHERS[name], arch="hf")
+        else:
+            out[name] = TeacherConfig(checkpoint=f"{SHARED_TEACHERS.get(name, name)}/checkpoints")
+    return out
+
+
+@dataclass
+class DistillLoopConfig:
+    teacher_root: str = "teachers"  # relative teacher checkpoints resolve under this directory
+    domains: dict[str, TeacherConfig] = field(default_factory=default_domains)
+    only: list[str] = field(default_factory=list)  # run these domains only (empty: every domain listed)
+    kl_weight: float = 1.0  # on the full-vocabulary reverse KL to the domain's teacher
+    reward_weight: float = 0.0  # on the RL policy loss (group advantages of the task reward); 0: pure distillation
+    teacher_workers: int = 2  # Ray actors that host teachers
+    max_resident: int = 2  # teachers loaded on a worker's device at once (LRU)
+    cpu_cache: int = 8  # evicted teachers a worker keeps in CPU memory (beyond: reloaded from disk)
+    teacher_gpus: float = 0.0
+    teacher_threads: int = 1  # torch threads per teacher worker (CPU)
+    domain_block: int = 4  # consecutive prompts drawn from one domain, so batches and teacher calls share a domain
+    teacher_batch: int = 16  # a teacher is called once it has this many samples waiting (or training needs them)
+    wire_dtype: str = "bfloat16"  # what teachers send: hidden states / log-probs (and heads) in this dtype
+    token_chunk: int = 1024  # reverse KL chunking (rl/distill/kl.py)
+    vocab_chunk: int = 8192
+    eval_prompts: int = 4  # per domain, greedy; with the reverse KL to its teacher on those answers
+
+
+def distill_rl_defaults() -> RLLoopConfig:
+    return RLLoopConfig(efforts=[50], effort_weights=[1.0], group_size=2, prompts_per_step=8, max_new_tokens=16,
+                        steps=40, save_every=20, eval_every=0, prompts_per_request=4, rollout_workers=1,
+                        max_staleness=1)
+
+
+@dataclass
+class DistillConfig:
+    defaults: list[Any] = field(default_factory=lambda: list(RL_DEFAULTS))
+    stage: str = "distill"
+    model: ModelConfig = MISSING  # the student
+    data: DataConfig = MISSING  # the pretraining corpus: only its tokenizer is used (teachers must share it)
+    optim: OptimConfig = MISSING
+    trainer: TrainerConfig = MISSING
+    logger: LoggerConfig = MISSING
+    launcher: LauncherConfig = MISSING
+    rl: RLLoopConfig = field(default_factory=distill_rl_defaults)  # rl.task is set from distill.domains
+    distill: DistillLoopConfig = field(default_factory=DistillLoopConfig)

@@ -1,0 +1,230 @@
+"""The distillation coordinator: the RL coordinator (rl/coordinator.py: admission, version tags,
+staleness, rollouts, rewards, training, weights, faults, save/resume) with one more role in the
+pipeline. After a prompt's samples are scored they wait for their domain's teacher; a teacher
+worker that is idle takes the waiting samples of one of its teachers, preferring one it has
+loaded, and sends back each token's teacher view (rl/distill/teachers.py); then the prompt is
+ready to train.
+
+Batching by domain: prompts come in blocks of one domain (rl/distill/prompts.py), and a teacher
+is called once `distill.teacher_batch` of its samples wait or training is waiting for them
+(they belong to the oldest `prompts_per_step` untrained prompts), so one teacher load serves
+many tokens.
+
+Teacher faults: teacher workers restart (Ray max_restarts); a call that fails or outlives
+rl.timeout_s puts its prompts back among the waiting ones, and the samples are scored again.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from conf.errors import UserError
+from rl.coordinator import Coordinator, _Call
+
+
+class DistillCoordinator(Coordinator):
+    RETRYABLE = ("gen", "score", "teach")
+
+    def __init__(self, cfg, run_dir: Path, tokenizer_path: str, policy: Optional[str], log, student_vocab: int,
+                 teachers: tuple):
+        """teachers: (domain -> teacher key, teacher specs), from rl.distill.teachers.resolve_teachers."""
+        from data.chat import ChatFormat
+        from data.tokenizer import TextTokenizer
+        from rl.distill.prompts import DomainPromptSource
+        from rl.distill.teachers import TeacherWorker, place_teachers
+
+        self.routes, specs = teachers
+        super().__init__(cfg, run_dir, tokenizer_path, policy, log)
+        d, rl, ray = cfg.distill, self.rl, self.ray
+        self.distill = d
+        chat = ChatFormat(TextTokenizer.from_file(tokenizer_path))
+        self.source = DomainPromptSource(self.task, chat, list(rl.efforts), list(rl.effort_weights), rl.seed,
+                                         d.domain_block)
+        Teacher = ray.remote(num_cpus=1, num_gpus=d.teacher_gpus, max_restarts=-1, max_task_retries=0)(TeacherWorker)
+        device = "cuda" if d.teacher_gpus else "cpu"
+        self.hosted = place_teachers(specs, d.teacher_workers)
+        self.teachers = [Teacher.remote(h, tokenizer_path, student_vocab, d.max_resident, d.cpu_cache,
+                                        d.teacher_threads, device, d.wire_dtype) for h in self.hosted]
+        self.hosts = {s.key: [a for a, h in enumerate(self.hosted) if s in h] for s in specs}
+        self.names = {s.key: s.name for s in specs}
+        self.waiting: dict[str, list[int]] = {s.key: [] for s in specs}  # teacher -> scored prompts
+        self.scored: dict[int, list[dict]] = {}  # prompt -> its scored samples, waiting for a teacher
+        self.busy_teacher: set[int] = set()
+        self.loaded: dict[int, list[str]] = {a: [] for a in range(len(self.teachers))}  # as each worker last said
+        self.heads: dict[str, Any] = {}  # teacher key -> LM head, for hidden-state teachers
+        self.heads_sent: set[str] = set()
+        self.restarts["teacher"] = 0
+        self.teacher_tokens, self.teacher_score_s, self.teacher_swap_s = 0, 0.0, 0.0
+
+    # ------------------------------------------------------------------ start
+    def check_teachers(self) -> None:
+        """Every teacher loads (on the worker that hosts it) and has the student's vocabulary;
+        otherwise a UserError naming each teacher that does not."""
+        errors = sorted({e for errs in self.ray.get([t.check.remote() for t in self.teachers]) for e in errs})
+        if errors:
+            raise UserError("; ".join(errors))
+        self.loaded = dict(enumerate(self.ray.get([t.resident_keys.remote() for t in self.teachers])))
+
+    def run(self) -> dict[str, Any]:
+        self.check_teachers()
+        return super().run()
+
+    # ------------------------------------------------------------------ teacher calls
+    def _scored(self, pid: int, group: list[dict]) -> None:
+        domain = self.prompts[pid]["domain"]
+        for s in group:
+            s["domain"] = domain
+        self.admitted[pid] = "teach"
+        self.scored[pid] = group
+        self.waiting[self.routes[domain]].append(pid)
+
+    def _due(self, key: str) -> bool:
+        pids = self.waiting[key]
+        if not pids:
+            return False
+        if len(pids) * self.rl.group_size >= self.distill.teacher_batch:
+            return True
+        oldest = sorted(self.admitted)[:self.rl.prompts_per_step]  # the next training batch
+        return min(pids) <= oldest[-1]
+
+    def _dispatch_more(self) -> None:
+        for a in range(len(self.teachers)):
+            if a in self.busy_teacher:
+                continue
+            due = [k for k in self.waiting if a in self.hosts[k] and self._due(k)]
+            if not due:
+                continue
+            # a teacher already loaded here first (no swap), then the one with most waiting
+            key = max(due, key=lambda k: (k in self.loaded[a], len(self.waiting[k])))
+            take = max(1, self.distill.teacher_batch // self.rl.group_size)
+            pids, self.waiting[key] = self.waiting[key][:take], self.waiting[key][take:]
+            for pid in pids:
+                self.admitted[pid] = "teaching"
+            seqs = [(s["prompt"], s["response"]) for pid in pids for s in self.scored[pid]]
+            self.busy_teacher.add(a)
+            ref = self.teachers[a].score.remote(key, seqs, with_head=key not in self.heads)
+            self._call(ref, _Call("teach", a, pids, payload=key))
+
+    def _actor_of(self, call: _Call):
+        return self.teachers[call.actor] if call.kind == "teach" else super()._actor_of(call)
+
+    def _failed(self, call: _Call, error: BaseException) -> None:
+        if call.kind != "teach":
+            return super()._failed(call, error)
+        self.restarts["teacher"] += 1
+        print(f"flashtrain distill: teacher worker {call.actor} failed ({type(error).__name__}) scoring "
+              f"{self.names[call.payload]!r}; retrying prompts {call.prompts}", flush=True)
+        self.busy_teacher.discard(call.actor)
+        self.loaded[call.actor] = []  # restarted: nothing loaded
+        back = [pid for pid in call.prompts if self.admitted.get(pid) == "teaching"]
+        for pid in back:
+            self.admitted[pid] = "teach"
+        self.waiting[call.payload] = back + self.waiting[call.payload]
+
+    def _done(self, call: _Call, result: Any) -> Optional[dict]:
+        if call.kind != "teach":
+            return super()._done(call, result)
+        key = call.payload
+        self.busy_teacher.discard(call.actor)
+        self.loaded[call.actor] = result["resident"]
+        if "head" in result:
+            self.heads[key] = result["head"]
+        self.teacher_tokens += result["tokens"]
+        self.teacher_score_s += result["score_s"]
+        self.teacher_swap_s += result["swap_s"]
+        outputs = iter(result["outputs"])
+        for pid in call.prompts:  # outputs come in the order the call sent the samples
+            group = self.scored.pop(pid)
+            for s in group:
+                s.update(teacher=key, teacher_kind=result["kind"], teacher_out=next(outputs))
+            self.admitted[pid] = "ready"
+            self.ready[pid] = group
+        return None
+
+    # ------------------------------------------------------------------ training
+    def _new_heads(self, samples: list[dict]) -> dict[str, Any]:
+        keys = {s["teacher"] for s in samples if s["teacher_kind"] == "hidden"} - self.heads_sent
+        self.heads_sent |= keys
+        return {k: self.heads[k] for k in keys}
+
+    def _train_calls(self, samples: list[dict]) -> list:
+        heads = self._new_heads(samples)
+        return [t.train_step.remote(samples, heads) for t in self.trainers]
+
+    def _row(self, samples: list[dict], stats: list[dict]) -> dict:
+        row = super()._row(samples, stats)
+        kl: dict[str, list[float]] = {}
+        for st in stats:
+            for domain, (total, n) in st["kl_by_domain"].items():
+                acc = kl.setdefault(domain, [0.0, 0])
+                acc[0], acc[1] = acc[0] + total, acc[1] + n
+        tokens = sum(n for _, n in kl.values())
+        row["kl"] = sum(t for t, _ in kl.values()) / max(tokens, 1)
+        row.update({f"kl/{d}": t / max(n, 1) for d, (t, n) in sorted(kl.items())})
+        wall = time.perf_counter() - self.wall_start
+        row.update({"teacher_tokens_per_s": self.teacher_tokens / max(self.teacher_score_s + self.teacher_swap_s, 1e-9),
+                    "teacher_swap_s": self.teacher_swap_s, "teacher_score_s": self.teacher_score_s,
+                    "teacher_busy_frac": min(1.0, (self.teacher_score_s + self.teacher_swap_s) / max(wall, 1e-9)),
+                    "restarts_teacher": self.restarts["teacher"], "domains_in_batch": len(kl)})
+        return row
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self) -> dict[str, float]:
+        """Per domain, greedy answers to distill.eval_prompts fixed problems: the task score
+        (1 exact, partial credit below), exact-match rate, and the reverse KL to the domain's
+        teacher on those answers."""
+        ray, t = self.ray, self.rl.timeout_s
+        pairs = self.source.eval_prompts(self.distill.eval_prompts)
+        prompts, problems = [p for p, _ in pairs], {p["id"]: q for p, q in pairs}
+        out = ray.get(self.rollouts[0].generate.remote(prompts, greedy=True), timeout=t)
+        scored = ray.get(self.rewards[0].score.remote(out["samples"], problems), timeout=t)
+        domain_of = {p["id"]: p["domain"] for p in prompts}
+        for s in scored:
+            s.update(domain=domain_of[s["id"]], version=self.version)
+        by_key: dict[str, list[dict]] = {}
+        for s in scored:
+            if s["response"]:
+                by_key.setdefault(self.routes[s["domain"]], []).append(s)
+        for key, group in sorted(by_key.items()):
+            result = self._score_now(key, group)
+            for s, o in zip(group, result["outputs"]):
+                s.update(teacher=key, teacher_kind=result["kind"], teacher_out=o)
+        taught = [s for g in by_key.values() for s in g]
+        kl = ray.get(self.trainers[0].kl_eval.remote(taught, self._new_heads(taught)), timeout=t) if taught else {}
+        row: dict[str, float] = {"step": self.version}
+        for domain in self.source.task.names:
+            part = [s for s in scored if s["domain"] == domain]
+            row[f"eval/{domain}/score"] = sum(s["task_reward"] for s in part) / len(part)
+            row[f"eval/{domain}/exact"] = sum(s["task_reward"] >= 1.0 for s in part) / len(part)
+            if domain in kl:
+                row[f"eval/{domain}/kl"] = kl[domain][0] / max(kl[domain][1], 1)
+        for name in ("score", "exact", "kl"):
+            vals = [v for k, v in row.items() if k.endswith(f"/{name}")]
+            if vals:
+                row[f"eval/mean_{name}"] = sum(vals) / len(vals)
+        return row
+
+    def _score_now(self, key: str, group: list[dict]) -> dict[str, Any]:
+        """A teacher call outside the pipeline (evaluation); a failed worker gets one retry (on
+        the next replica, or on itself once Ray has restarted it)."""
+        seqs = [(s["prompt"], s["response"]) for s in group]
+        hosts = self.hosts[key]
+        try:
+            a = hosts[0]
+            result = self.ray.get(self.teachers[a].score.remote(key, seqs, with_head=key not in self.heads),
+                                  timeout=self.rl.timeout_s)
+        except self.ray.exceptions.RayActorError:
+            self.restarts["teacher"] += 1
+            a = hosts[1 % len(hosts)]
+            result = self.ray.get(self.teachers[a].score.remote(key, seqs, with_head=key not in self.heads),
+                                  timeout=self.rl.timeout_s)
+        if "head" in result:
+            self.heads[key] = result["head"]
+        self.loaded[a] = result["resident"]
+        return result
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        for actor in self.teachers:
+            self.ray.kill(actor)

@@ -1,0 +1,259 @@
+"""`flashtrain distill`: the teacher registry (dedup by checkpoint, vocabulary mismatch refused,
+missing teacher named), domain-blocked prompts, LRU teacher multiplexing, and on a local Ray
+cluster: samples routed to their domain's teacher, a killed teacher worker restarted with its
+samples retried, and a resumed run. The chunked reverse KL itself is tests/test_distill_kl.py."""
+import dataclasses
+import threading
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("ray")
+pytest.importorskip("transformers")
+
+# teacher checkpoint (under teacher_root) -> its domains; "hf" is a transformers Llama
+REGISTRY = {"small_a": ["reverse"], "small_b": ["add7", "upper"], "hf": ["length"]}
+
+
+def small_config(vocab):
+    """A flashtrain teacher config unlike the student's (tiny): narrower and shallower."""
+    from conf.model import TinyModelConfig
+
+    return dataclasses.replace(TinyModelConfig(), vocab_size=vocab, dim=64, n_layers=4, n_encoder_layers=2,
+                               engram_layers=[1], moe_inter_dim=64, n_routed_experts=4)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, data_cache):
+    """Config, tokenizer and teachers (random weights: routing, faults and resume do not need
+    trained ones), plus a random-init student checkpoint as the policy."""
+    from omegaconf import OmegaConf
+
+    import conf
+    from conf.distill import TeacherConfig
+    from data import build_datasets
+    from launch.cli import compose
+    from launch.stages import all_stages
+    from rl.distill.make_teachers import flashtrain_model, hf_llama, save_flashtrain
+
+    conf.register({n: s.config for n, s in all_stages().items()})
+    cfg, _ = compose("distill", ["logger=none", "trainer.torch_threads=1", f"data.cache_dir={data_cache}",
+                                 "rl.steps=4", "rl.prompts_per_step=4", "rl.group_size=2", "rl.max_new_tokens=6",
+                                 "rl.prompts_per_request=2", "rl.save_every=0", "rl.timeout_s=120",
+                                 "distill.eval_prompts=1", "distill.domain_block=2", "distill.teacher_batch=4",
+                                 "distill.max_resident=1", "distill.cpu_cache=1", "distill.teacher_workers=2"])
+    cfg = OmegaConf.to_object(cfg)
+    root = tmp_path_factory.mktemp("distill")
+    _, _, tok = build_datasets(cfg.data)
+    tok.save(root / "tokenizer.json")
+    V = tok.vocab_size
+    for seed, name in enumerate(("small_a", "small_b")):
+        model, mcfg = flashtrain_model(small_config(V), tok, seed + 1)
+        save_flashtrain(model, mcfg, root / "teachers" / name)
+    hf_llama(V, 3).save_pretrained(root / "teachers" / "hf")
+    student, scfg = flashtrain_model(cfg.model, tok, 0)
+    (root / "student").write_text(str(save_flashtrain(student, scfg, root / "student_run")))
+    domains = {d: TeacherConfig(checkpoint=name if name == "hf" else f"{name}/checkpoints",
+                                arch="hf" if name == "hf" else "flashtrain")
+               for name, ds in REGISTRY.items() for d in ds}
+    cfg = dataclasses.replace(cfg, distill=dataclasses.replace(cfg.distill, teacher_root=str(root / "teachers"),
+                                                               domains=domains))
+    return cfg, root, tok
+
+
+def test_registry_dedupes_by_checkpoint_and_names_a_missing_teacher(setup, tmp_path):
+    from conf.distill import DistillLoopConfig, TeacherConfig
+    from rl.distill.teachers import TeacherError, place_teachers, resolve_teachers
+
+    cfg, root, _ = setup
+    routes, specs = resolve_teachers(cfg.distill)
+    assert len(specs) == 3 and set(routes) == {"reverse", "add7", "upper", "length"}
+    assert routes["add7"] == routes["upper"] == str((root / "teachers/small_b/checkpoints/step_00000001").resolve())
+    assert {s.arch for s in specs if s.key == routes["length"]} == {"hf"}
+    hosted = place_teachers(specs, 2)
+    assert sorted(s.key for h in hosted for s in h) == sorted(s.key for s in specs)  # each once (1 replica)
+    two = place_teachers([dataclasses.replace(specs[0], replicas=2)], 2)
+    assert two[0] == two[1] == [dataclasses.replace(specs[0], replicas=2)]
+    assert len(DistillLoopConfig().domains) >= 40  # the default registry
+    broken = dataclasses.replace(cfg.distill, domains={**cfg.distill.domains, "rot1": TeacherConfig(checkpoint="gone")})
+    with pytest.raises(TeacherError, match="teacher 'gone' \\(domain rot1\\) fails to load"):
+        resolve_teachers(broken)
+
+
+def test_vocabulary_mismatch_is_refused_by_name(setup):
+    from conf.distill import TeacherConfig
+    from rl.distill.make_teachers import flashtrain_model, hf_llama, save_flashtrain
+    from rl.distill.teachers import TeacherWorker, resolve_teachers
+
+    cfg, root, tok = setup
+    V = tok.vocab_size
+    model, mcfg = flashtrain_model(small_config(V + 64), tok, 5)  # a padded vocabulary: still not the student's
+    save_flashtrain(model, mcfg, root / "teachers" / "wide")
+    hf_llama(V - 96, 6).save_pretrained(root / "teachers" / "hf_narrow")
+    domains = {"rot1": TeacherConfig(checkpoint="wide/checkpoints"), "rot2": TeacherConfig(checkpoint="hf_narrow", arch="hf"),
+               "reverse": cfg.distill.domains["reverse"]}
+    _, specs = resolve_teachers(dataclasses.replace(cfg.distill, domains=domains))
+    errors = TeacherWorker(specs, str(root / "tokenizer.json"), V, 1, 1).check()
+    assert len(errors) == 2
+    assert any(f"teacher 'wide/checkpoints' (domains rot1) has a {V + 64}-token vocabulary, the student {V}" in e
+               for e in errors)
+    assert any(f"teacher 'hf_narrow' (domains rot2) has a {V - 96}-token vocabulary" in e for e in errors)
+
+
+def test_cli_reports_a_missing_teacher_by_name(flashtrain, tmp_path):
+    p = flashtrain("distill", "logger=none", f"distill.teacher_root={tmp_path}", "distill.only=[reverse,add7]",
+                   f"hydra.run.dir={tmp_path / 'run'}", timeout=120)
+    assert p.returncode == 2
+    assert "teacher 'add7/checkpoints' (domain add7) fails to load" in p.stderr and len(p.stderr.splitlines()) == 1
+
+
+def test_prompts_carry_their_domain_in_blocks():
+    from rl.distill.domains import DomainMixture
+    from rl.distill.prompts import DomainPromptSource
+
+    class Chat:  # the chat format's prompt(), without a tokenizer
+        def prompt(self, text, effort):
+            return [effort, *map(ord, text)]
+
+    names = ["reverse", "add7", "upper", "mod3"]
+    source = DomainPromptSource(DomainMixture(dict.fromkeys(names)), Chat(), [50], [1.0], seed=3, block=3)
+    got = [source.get(i) for i in range(3 * len(names) * 2)]
+    for i, (prompt, problem) in enumerate(got):
+        text = "".join(map(chr, prompt["ids"][1:]))
+        assert text.startswith(prompt["domain"] + ": ") and problem.meta["domain"] == prompt["domain"]
+        assert prompt["domain"] == got[i - i % 3][0]["domain"]  # a block of 3 shares its domain
+        assert source.get(i)[0] == prompt  # a function of the index alone
+    cycle = [got[b * 3][0]["domain"] for b in range(len(names))]
+    assert sorted(cycle) == sorted(names)  # every domain once per cycle
+
+
+def test_teachers_swap_lru_through_the_cpu_cache(setup):
+    from rl.distill.teachers import TeacherWorker, resolve_teachers
+
+    cfg, root, tok = setup
+    routes, specs = resolve_teachers(cfg.distill)
+    a, b, h = routes["reverse"], routes["add7"], routes["length"]
+    worker = TeacherWorker(specs, str(root / "tokenizer.json"), tok.vocab_size, max_resident=1, cpu_cache=1)
+    seqs = [([1, 5, 9, 12], [40, 41, 42]), ([1, 7], [50])]
+    first = worker.score(a, seqs)
+    for key in (b, h, b):
+        worker.score(key, seqs)
+    # a: disk; b: disk (a -> cache); h: disk (b -> cache, a dropped); b: cache (h -> cache)
+    assert (worker.stats["from_disk"], worker.stats["from_cpu"], worker.stats["swaps"]) == (3, 1, 4)
+    again = worker.score(a, seqs)  # a: disk again, the same numbers
+    assert worker.stats["from_disk"] == 4 and worker.resident_keys() == [a]
+    assert first["kind"] == "hidden" and [o.shape for o in first["outputs"]] == [(3, 64), (1, 64)]
+    assert all(torch.equal(x, y) for x, y in zip(first["outputs"], again["outputs"]))
+    hf = worker.score(h, seqs)
+    assert hf["kind"] == "logprobs" and hf["outputs"][0].shape == (3, tok.vocab_size)
+    assert torch.allclose(hf["outputs"][0].float().exp().sum(-1), torch.ones(3), atol=0.02)
+    assert worker.stats["from_cpu"] == 1 and worker.stats["swap_s"] > 0
+
+
+def _expected_teacher_view(setup, key: str, sample: dict) -> torch.Tensor:
+    """What `sample`'s teacher must have sent, computed here from the checkpoint directly."""
+    from pathlib import Path
+
+    from model.runtime import AttentionRuntime
+    from rl.distill.make_teachers import flashtrain_model
+    from trainer.checkpoint import load_model_weights
+
+    cfg, root, tok = setup
+    ids = torch.tensor([sample["prompt"] + sample["response"]])
+    p, r = len(sample["prompt"]), len(sample["response"])
+    if Path(key).name == "hf":
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(key).eval()
+        out = torch.log_softmax(model(input_ids=ids[:, :-1]).logits.float(), -1)
+    else:
+        model, _ = flashtrain_model(small_config(tok.vocab_size), tok, 0)
+        load_model_weights(model, Path(key))
+        out = model.eval().hidden(ids[:, :-1], AttentionRuntime(1, ids.shape[1] - 1, torch.device("cpu")))
+    return out[0, p - 1:p - 1 + r]
+
+
+def test_routing_teacher_crash_recovery_and_resume(setup):
+    """One run on Ray: every trained sample carries its prompt's domain and exactly what that
+    domain's teacher computes for it; a teacher worker killed mid-call is restarted and its
+    samples retried, no prompt lost or trained twice; then a second coordinator resumes."""
+    import ray
+
+    from rl.distill.coordinator import DistillCoordinator
+    from rl.distill.run import distill_rl_config
+    from rl.distill.teachers import resolve_teachers
+
+    cfg, root, tok = setup
+    teachers = resolve_teachers(cfg.distill)
+    cfg = distill_rl_config(cfg, teachers[0])
+    expected_teacher = {d: str((root / "teachers" / n).resolve()) for n, ds in REGISTRY.items() for d in ds}
+
+    class Recording(DistillCoordinator):
+        def _train_calls(self, samples):
+            self.trained_samples = getattr(self, "trained_samples", []) + samples
+            return super()._train_calls(samples)
+
+    ray.init(num_cpus=6, include_dashboard=False, configure_logging=False)
+    rows = []
+    try:
+        coord = Recording(cfg, root / "run", str(root / "tokenizer.json"), (root / "student").read_text(), rows.append,
+                          tok.vocab_size, teachers)
+        result = {}
+
+        def run():
+            try:
+                result.update(coord.run())
+            except BaseException as e:  # surfaced below
+                result["error"] = e
+
+        worker = threading.Thread(target=run, daemon=True)
+        worker.start()
+        deadline = time.time() + 300
+        while coord.restarts["teacher"] == 0 and worker.is_alive() and time.time() < deadline:
+            busy = sorted(coord.busy_teacher)
+            if busy and coord.version >= 1:  # kill a teacher worker in the middle of a call
+                ray.kill(coord.teachers[busy[0]], no_restart=False)
+                time.sleep(0.5)
+            time.sleep(0.02)
+        worker.join(timeout=600)
+        assert not worker.is_alive() and "error" not in result, result.get("error")
+        assert coord.restarts["teacher"] >= 1 and result["duplicates"] == 0
+        assert len(coord.trained) == 4 * 4 and set(coord.trained) | set(coord.admitted) == set(range(coord.cursor))
+
+        samples = coord.trained_samples
+        assert len(samples) == 4 * 4 * 2
+        for s in samples:
+            domain = coord.source.domain_of(s["id"])
+            assert s["domain"] == domain and tok.decode(s["prompt"]).find(f"{domain}: ") >= 0
+            assert str(s["teacher"]).startswith(expected_teacher[domain])
+        seen = {}
+        for s in samples:  # one sample per teacher, recomputed from its checkpoint
+            if s["response"] and s["teacher"] not in seen:
+                seen[s["teacher"]] = s
+        assert len(seen) >= 2
+        for key, s in seen.items():
+            want = _expected_teacher_view(setup, key, s)
+            got = s["teacher_out"].float()
+            assert got.shape == want.shape and torch.allclose(got, want, atol=0.05, rtol=0.02), key
+
+        steps = [r for r in rows if "loss" in r]
+        assert [r["step"] for r in steps] == [1, 2, 3, 4]
+        assert all(r["kl"] > 0 and r["teacher_tokens_per_s"] > 0 for r in steps)
+        assert steps[-1]["restarts_teacher"] >= 1 and steps[-1]["teacher_swap_s"] > 0
+        evals = [r for r in rows if "eval/mean_score" in r]
+        assert len(evals) == 2 and all(f"eval/{d}/kl" in evals[-1] or f"eval/{d}/score" in evals[-1]
+                                       for d in expected_teacher)
+        first_trained = set(coord.trained)
+        coord.shutdown()
+
+        resumed_cfg = dataclasses.replace(cfg, rl=dataclasses.replace(cfg.rl, steps=5))
+        rows.clear()
+        coord = DistillCoordinator(resumed_cfg, root / "run", str(root / "tokenizer.json"), (root / "student").read_text(),
+                                   rows.append, tok.vocab_size, teachers)
+        coord.run()
+        assert coord.version == 5 and [r["step"] for r in rows if "loss" in r] == [5]
+        assert coord.trained and not coord.trained & first_trained  # nothing trained twice across the resume
+        coord.shutdown()
+    finally:
+        ray.shutdown()
