@@ -18,6 +18,10 @@ class ModelConfig:
     loss_chunk_tokens: int = 0  # >0: the LM loss materialises logits for this many tokens at a time
     attn_chunk_tokens: int = 0  # >0: attention and indexer run this many queries at a time (>= window)
     kernels: bool = False  # Triton kernels (model/kernels/): sparse attention, indexer scoring, fused mHC step, Sinkhorn
+    # Starting weights of a training run (pretrain, sft, rl, distill): a flashtrain checkpoint (or a run's
+    # checkpoints/ dir, or a run dir), or a directory in the public DeepSeek-V4.1-Flash layout
+    # (docs/post-train-released-model.md). Weights only; ignored when the run resumes its own checkpoint.
+    init_from: Optional[str] = None
 
     # --- CED and the CSA2 layer plan (§2, §3). The plan is derived from these numbers
     # unless `compress_ratios` / `layer_modes` spell it out layer by layer.

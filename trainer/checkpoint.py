@@ -192,6 +192,9 @@ class CheckpointManager:
     # ------------------------------------------------------------------ load
     def load(self, engine, ckpt: Path, load_optimizer_states: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
         """Restore DeepSpeed state from `ckpt`; return (trainer_state, this rank's rank_state)."""
+        if not (ckpt / TRAINER_STATE).exists():
+            raise CheckpointError(f"{ckpt} holds model weights only (flashtrain convert import): start a run from "
+                                  f"it with model.init_from={ckpt}, not trainer.resume")
         load_path, _ = engine.load_checkpoint(str(ckpt.parent), tag=ckpt.name,
                                               load_optimizer_states=load_optimizer_states,
                                               load_lr_scheduler_states=True)
@@ -209,13 +212,58 @@ class CheckpointManager:
                 for f in sorted(ckpt.glob("rank_*_state.pt"))]
 
 
+def model_state(ckpt: Path) -> dict[str, torch.Tensor]:
+    """The model weights of a checkpoint, memory-mapped (read when touched): DeepSpeed's model
+    states file, or the per-part files of a weights-only checkpoint (flashtrain convert import)."""
+    ckpt = Path(ckpt)
+    files = sorted(ckpt.glob("mp_rank_*_model_states.pt"))
+    if files:
+        return torch.load(files[0], map_location="cpu", weights_only=False, mmap=True)["module"]
+    parts = sorted(ckpt.glob("model_part_*.pt"))
+    if not parts:
+        raise CheckpointError(f"{ckpt}: no model states file")
+    state: dict[str, torch.Tensor] = {}
+    for part in parts:
+        state.update(torch.load(part, map_location="cpu", weights_only=True, mmap=True))
+    return state
+
+
 def load_model_weights(model: torch.nn.Module, ckpt: Path) -> None:
     """Model weights of a (verified) checkpoint into a plain, unsharded model: for evaluation
-    and generation, without an engine. Checkpoints hold every expert (see full_experts)."""
-    files = sorted(Path(ckpt).glob("mp_rank_*_model_states.pt"))
-    if not files:
-        raise CheckpointError(f"{ckpt}: no model states file")
-    state = torch.load(files[0], map_location="cpu", weights_only=False)["module"]
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    and generation, without an engine. Checkpoints hold every expert (see full_experts). A
+    checkpoint without `lookup_map` (an imported one) keeps the map the model built from its
+    tokenizer."""
+    missing, unexpected = model.load_state_dict(model_state(ckpt), strict=False)
+    missing = [k for k in missing if k != "lookup_map"]
     if missing or unexpected:
         raise CheckpointError(f"{ckpt} does not fit this model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+
+
+def load_init_weights(model: torch.nn.Module, source: str, dspark: str = "skip") -> Path:
+    """The starting weights of a run (`model.init_from`): a flashtrain checkpoint, a run's
+    checkpoints/ dir or a run dir holding one (the newest complete checkpoint), or a directory in
+    the public DeepSeek-V4.1-Flash layout (imported on the fly, shard by shard). Weights only: the
+    optimiser and data start fresh. Every rank calls it (a checkpoint search is collective);
+    returns the checkpoint or directory the weights came from."""
+    from trainer.interop.convert import import_into_model, is_public_dir
+
+    path = Path(source).expanduser()
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    if not path.exists():
+        raise CheckpointError(f"model.init_from={source}: no such checkpoint or directory")
+    if is_public_dir(path):
+        import_into_model(model, path, dspark, log=print if rank == 0 else (lambda _: None))
+        return path
+    ckpt = resolve_checkpoint(path)
+    load_model_weights(model, ckpt)
+    return ckpt
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """A checkpoint directory, or the newest complete one of a checkpoints/ dir or a run dir
+    holding checkpoints/ (collective)."""
+    path = Path(path).expanduser()
+    if (path / "checkpoints").is_dir():
+        path = path / "checkpoints"
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    return CheckpointManager(path, 1, rank).resolve(str(path))

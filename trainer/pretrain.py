@@ -20,7 +20,7 @@ from model.accounting import train_flops_per_token
 from model.engram import build_compression_map
 from model.transformer import Transformer
 from optim import CompositeOptimizer, Replicas, build_optimizer, lr_multiplier
-from trainer.checkpoint import CheckpointManager
+from trainer.checkpoint import CheckpointManager, load_init_weights
 from trainer.context_parallel import check_slices, slice_batch
 from trainer.distributed import DistInfo, all_reduce_sum_, init_distributed
 from trainer.engine import build_engine
@@ -81,7 +81,8 @@ def build_model(cfg: PretrainConfig, tokenizer) -> Transformer:
 class Trainer:
     def __init__(self, cfg: PretrainConfig, run_dir: Path, config_yaml: str, init_from: Optional[Path] = None,
                  indexer_mode: str = "sparse", train_only_indexer: bool = False):
-        """init_from: a checkpoint (or checkpoints dir) whose model weights start a fresh run;
+        """init_from: a checkpoint (or checkpoints dir) whose model weights start a fresh run
+        (default: model.init_from, which may also be a public-layout directory);
         indexer_mode / train_only_indexer: the long-context stage's indexer regime."""
         self.cfg, self.run_dir, self.config_yaml = cfg, Path(run_dir), config_yaml
         tc = cfg.trainer
@@ -123,6 +124,8 @@ class Trainer:
         self.step, self.tokens_seen = 0, 0
         self.resumed_from = self.ckpts.resolve(tc.resume)
         run_id = self._resume(self.resumed_from) if self.resumed_from is not None else None
+        init_from = init_from if init_from is not None else cfg.model.init_from
+        self.initialised_from = None
         if self.resumed_from is None and init_from is not None:
             self._load_weights(init_from)
         container = OmegaConf.to_container(OmegaConf.create(config_yaml), resolve=True)
@@ -162,13 +165,14 @@ class Trainer:
             for p, data in local_experts:
                 p.copy_(data)
 
-    def _load_weights(self, source: Path) -> None:
-        """Model weights only (optimiser, schedule and data start fresh): a stage boundary."""
-        ckpt = self.ckpts.resolve(str(source))
+    def _load_weights(self, source) -> None:
+        """Model weights only (optimiser, schedule and data start fresh): a stage boundary, or
+        the released model (a public-layout directory, see trainer/interop)."""
         with full_experts(self.engine.module, self.layout):
-            self.engine.load_checkpoint(str(ckpt.parent), tag=ckpt.name, load_module_only=True,
-                                        load_optimizer_states=False, load_lr_scheduler_states=False)
-        self.initialised_from = ckpt
+            self.initialised_from = load_init_weights(self.engine.module, str(source))
+        refresh = getattr(self.engine.optimizer, "refresh_fp32_params", None)
+        if callable(refresh):  # a partitioned optimiser keeps its own fp32 copies (as DeepSpeed's own load does)
+            refresh()
 
     def _resume(self, ckpt: Path) -> Optional[str]:
         """Restore everything from `ckpt`; returns the W&B run id."""
@@ -187,7 +191,8 @@ class Trainer:
 
     def _announce(self) -> None:
         m, d, total = self.model, self.dist, self.total_params
-        start = f"resuming from {self.resumed_from}" if self.resumed_from else "starting fresh"
+        start = (f"resuming from {self.resumed_from}" if self.resumed_from else
+                 f"weights from {self.initialised_from}" if self.initialised_from else "starting fresh")
         print(f"flashtrain: run {self.run_dir} | model {m.cfg.name}: {total / 1e6:.2f}M params, "
               f"{len(m.plan)} layers ({m.plan.describe()}) | {d.world_size} x {d.device.type} {self.precision} "
               f"({self.layout.describe()}) "

@@ -38,7 +38,9 @@ def resolve_init(init_from: Optional[str]) -> Optional[Path]:
 class SFTTrainer(Trainer):
     def __init__(self, cfg: SFTConfig, run_dir: Path, config_yaml: str):
         self.sft_cfg = cfg
-        init = resolve_init(cfg.init_from)
+        if cfg.init_from is not None and cfg.model.init_from is not None:
+            raise ConfigError(f"init_from={cfg.init_from} and model.init_from={cfg.model.init_from}: give one")
+        init = resolve_init(cfg.init_from if cfg.init_from is not None else cfg.model.init_from)
         tier_efforts(cfg.efforts, cfg.sft.tiers)  # bad tiers fail before anything is built
         # The Trainer sizes sequences (FLOPs, tokens/step, context-parallel slices) by
         # data.seq_len; SFT rows are sft.seq_len long. The tokenizer comes from the unchanged

@@ -1,0 +1,33 @@
+"""The `convert` stage: the public DeepSeek-V4.1-Flash checkpoint layout in and out.
+
+  flashtrain convert import=DIR [out=CKPTS]            public layout -> a weights-only flashtrain
+                                                      checkpoint <out>/step_00000000 (default out:
+                                                      <run dir>/checkpoints); train from it with
+                                                      model.init_from=<out or the run dir>
+  flashtrain convert export=DIR checkpoint=CKPT       a flashtrain checkpoint -> the public layout
+
+`import` is a Python keyword: the field is `import_`, and the CLI takes `import=` for it. The model
+config (model=flash by default) must describe the checkpoint; an unset model.vocab_size is taken from
+config.json (import) or from the checkpoint's embedding (export). launcher.nproc=N shares the parts
+among N processes.
+"""
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import MISSING
+
+from conf.launcher import LauncherConfig
+from conf.model import ModelConfig
+
+
+@dataclass
+class ConvertConfig:
+    defaults: list[Any] = field(default_factory=lambda: ["_self_", {"model": "flash"}, {"launcher": "local"}])
+    stage: str = "convert"
+    import_: Optional[str] = None  # a public-layout directory to import
+    out: Optional[str] = None  # import: the checkpoints directory to write (None: <run dir>/checkpoints)
+    export: Optional[str] = None  # a directory to write the public layout into
+    checkpoint: Optional[str] = None  # export: a flashtrain checkpoint, a run's checkpoints/ dir or a run dir
+    dspark: str = "skip"  # public DSpark tensors (mtp.*) on import: skip (say so) | error
+    model: ModelConfig = MISSING
+    launcher: LauncherConfig = MISSING
