@@ -21,6 +21,36 @@ def timed_ms(fn, reps: int = 20, warmup: int = 3) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def graph_ms(fn, calls: int = 20, reps: int = 9, warmup: int = 3) -> float:
+    """Median GPU milliseconds per call of fn(), from `calls` back-to-back calls captured in one CUDA
+    graph and replayed `reps` times: for kernels of tens of microseconds, where timed_ms would
+    count the host's launch overhead (Python wrapper, allocation, Triton launcher) as kernel
+    time. fn must be capturable (no host sync); its allocations come from the graph's pool."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up (compile, allocator) on a side stream, as capture needs
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    del graph
+    torch.cuda.empty_cache()
+    return sorted(times)[len(times) // 2]
+
+
 def copy_bandwidth_gbs(n_bytes: int = 1 << 30) -> float:
     """Device-to-device copy bandwidth (read + write bytes per second, in GB/s)."""
     src = torch.empty(n_bytes, dtype=torch.uint8, device="cuda")

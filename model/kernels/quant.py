@@ -18,8 +18,8 @@ Kernels (one program = a tile of BLOCK_R rows x BLOCK_B blocks; the input is fla
 Structure, for memory throughput. Near copy bandwidth an H200 moves ~10^12 values a second through one
 of these kernels (2.5-4 bytes each), which leaves roughly 10-15 integer / compare / min-max instructions
 per value (Hopper issues those at half its fp32 rate). The first version spent 30-85 instructions a value
-plus shared-memory layout conversions, and ran at 18-28% of copy bandwidth; this one spends 10-22 (sm_90
-SASS, bf16, 512-wide rows) and converts no layouts. So:
+plus shared-memory layout conversions, and ran at 31-58% of copy bandwidth (GPU time, bf16 [65536, 512]);
+this one spends 10-22 (sm_90 SASS, bf16, 512-wide rows), converts no layouts and runs at 75-99%. So:
 
 * Values travel in pairs (2p, 2p + 1): one int32 word of bf16 input or output (element 2p in the low
   half), one byte of E2M1 nibbles (2p in the low nibble), one int16 of E4M3 bytes. Tiles are pair tiles
@@ -51,7 +51,11 @@ SASS, bf16, 512-wide rows) and converts no layouts. So:
   the pair tiles [block / 8, BLOCK_R, BLOCK_B, 4] in memory so that a block's groups sit in one thread's
   registers: no shuffles for the amax and each block's scale computed once instead of in 2-4 threads
   (10-14% fewer instructions), but each warp-wide access then touches every 2nd or 4th 16 bytes of a span
-  that L1 (loads) or L2 (stores) must merge. Off until measured: ``scratch/quant_sweep.py`` sweeps both.
+  that L1 (loads) or L2 (stores) must merge. Chosen by ``scratch/quant_sweep.py`` (H200, bf16 [65536 and
+  262144, 512], CUDA-graph timing, fraction of copy bandwidth): whole blocks lift unpack from 0.46-0.55 to
+  0.85-0.93 and quant_dequant from 0.64-0.71 to 0.89-0.98 but cost pack 0.05-0.09; small programs of 2
+  warps beat 4 or 8 warps at the same values per thread everywhere (pack kv_fp4 0.67 -> 0.75); 1 warp
+  caps an SM at 32 warps (the 32-programs-per-SM limit) and loses.
 
 Exactness, and why the arithmetic looks the way it does:
 
@@ -89,11 +93,11 @@ from model import quant as ref
 
 # Format ids as the kernels see them (a constexpr selects the arithmetic).
 _KV_FP4, _MXFP4, _FP8 = 0, 1, 2
-# Per kernel: (values per program, warps). 32 values a thread: 4 16-byte loads in flight per thread (8 KB
-# of bf16 per program) at 32-64 registers, which leaves room for 8-16 programs per SM.
-_CONFIG: dict[str, tuple[int, int]] = {"pack": (4096, 4), "unpack": (4096, 4), "quant_dequant": (4096, 4)}
+# Per kernel: (values per program, warps), measured (see "Tunables" above): pack 32 values a thread (4
+# 16-byte loads in flight), unpack and quant_dequant 16.
+_CONFIG: dict[str, tuple[int, int]] = {"pack": (2048, 2), "unpack": (1024, 2), "quant_dequant": (1024, 2)}
 # Per kernel: whole blocks in one thread's registers (see the module docstring).
-_WHOLE_BLOCKS: dict[str, bool] = {"pack": False, "unpack": False, "quant_dequant": False}
+_WHOLE_BLOCKS: dict[str, bool] = {"pack": False, "unpack": True, "quant_dequant": True}
 
 
 def _f32_bits(v: float) -> int:
