@@ -97,7 +97,11 @@ def _bwd_block(Qrow, DOrow, KV, DKV, rows, n_ok, q_v, do_v, lse, delta, dq, offs
     dq += tl.dot(ds.to(dt), v, input_precision=PREC)
     dkv = tl.dot(tl.trans(p.to(dt)), do_v, input_precision=PREC)  # K = V: value part ...
     dkv += tl.dot(tl.trans((ds * scale).to(dt)), q_v, input_precision=PREC)  # ... plus key part
-    tl.atomic_add(DKV + rows[:, None] * C + offs_v[None, :], dkv, mask=n_ok[:, None] & v_ok[None, :])
+    # relaxed: nothing in the kernel reads DKV back, and the kernel's end orders the adds for the reader.
+    # The default acq_rel orders every add (sm_90 PTX: atom.global.gpu.acq_rel.add.v4.f32); relaxed ones
+    # are fire-and-forget reductions (red.global.gpu.relaxed.add.v4.f32), as in the indexer and Engram.
+    tl.atomic_add(DKV + rows[:, None] * C + offs_v[None, :], dkv, mask=n_ok[:, None] & v_ok[None, :],
+                  sem="relaxed")
     return dq
 
 
