@@ -45,7 +45,7 @@ class PolicyTrainer:
         os.environ.update(env)  # this rank's RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT
         from data.tokenizer import TextTokenizer
         from optim import CompositeOptimizer, build_optimizer, lr_multiplier
-        from trainer.checkpoint import CheckpointManager, load_model_weights
+        from trainer.checkpoint import CheckpointManager, load_init_weights
         from trainer.distributed import init_distributed
         from trainer.engine import build_engine
         from trainer.pretrain import build_model, seed_everything
@@ -57,8 +57,8 @@ class PolicyTrainer:
         seed_everything(cfg.trainer.seed)
         self.tokenizer = TextTokenizer.from_file(tokenizer_path)
         self.model = build_model(cfg, self.tokenizer)
-        if policy:
-            load_model_weights(self.model, Path(policy))
+        if policy:  # a checkpoint or a public-layout directory (rl/run.py's initial_policy)
+            load_init_weights(self.model, policy)
         self.optimizer = build_optimizer(self.model, cfg.optim, cfg.trainer.zero_stage, self.dist.rank,
                                          self.dist.world_size, verbose=False)
         self.own_optimizer_state = isinstance(self.optimizer, CompositeOptimizer)

@@ -33,6 +33,25 @@ def builtin_sft_policy(cfg, run_dir: Path) -> Path:
     return done
 
 
+def initial_policy(cfg) -> str | None:
+    """rl.policy or model.init_from (one of them): a checkpoint (resolved to the newest complete
+    one) or a public-layout directory (the trainers import it); None: run the built-in SFT."""
+    from conf.errors import ConfigError
+    from trainer.checkpoint import resolve_checkpoint
+    from trainer.interop.convert import is_public_dir
+
+    if cfg.rl.policy is not None and cfg.model.init_from is not None:
+        raise ConfigError(f"rl.policy={cfg.rl.policy} and model.init_from={cfg.model.init_from}: give one")
+    source = cfg.rl.policy if cfg.rl.policy is not None else cfg.model.init_from
+    if source is None:
+        return None
+    if not Path(source).expanduser().exists():
+        raise ConfigError(f"{source}: no such checkpoint or directory")
+    if is_public_dir(Path(source).expanduser()):
+        return str(Path(source).expanduser())
+    return str(resolve_checkpoint(Path(source)))
+
+
 def run_rl(cfg, run_dir: Path, config_yaml: str, make_coordinator=None, console=None,
            extra_actors: int = 0) -> dict[str, Any]:
     """make_coordinator(cfg, run_dir, tokenizer_path, policy, log) (default rl.coordinator's),
@@ -51,12 +70,9 @@ def run_rl(cfg, run_dir: Path, config_yaml: str, make_coordinator=None, console=
     _, _, tokenizer = build_datasets(cfg.data)  # the pretraining tokenizer (cached)
     tokenizer_path = run_dir / "tokenizer.json"
     tokenizer.save(tokenizer_path)
-    policy = cfg.rl.policy
+    policy = initial_policy(cfg)
     if policy is None:
         policy = str(builtin_sft_policy(cfg, run_dir))
-    else:
-        from trainer.checkpoint import CheckpointManager
-        policy = str(CheckpointManager(run_dir / "unused", 1, 0).resolve(policy))
 
     rl = cfg.rl
     needed = rl.trainer_workers + rl.rollout_workers + rl.reward_workers + extra_actors
