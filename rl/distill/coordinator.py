@@ -53,7 +53,7 @@ class DistillCoordinator(Coordinator):
         self.busy_teacher: set[int] = set()
         self.loaded: dict[int, list[str]] = {a: [] for a in range(len(self.teachers))}  # as each worker last said
         self.heads: dict[str, Any] = {}  # teacher key -> LM head, for hidden-state teachers
-        self.heads_sent: set[str] = set()
+        self.heads_sent: list[set[str]] = [set() for _ in self.trainers]  # per trainer rank
         self.restarts["teacher"] = 0
         self.teacher_tokens, self.teacher_score_s, self.teacher_swap_s = 0, 0.0, 0.0
 
@@ -143,14 +143,14 @@ class DistillCoordinator(Coordinator):
         return None
 
     # ------------------------------------------------------------------ training
-    def _new_heads(self, samples: list[dict]) -> dict[str, Any]:
-        keys = {s["teacher"] for s in samples if s["teacher_kind"] == "hidden"} - self.heads_sent
-        self.heads_sent |= keys
+    def _new_heads(self, rank: int, samples: list[dict]) -> dict[str, Any]:
+        """The LM heads of `samples`' hidden-state teachers that trainer `rank` has not had yet."""
+        keys = {s["teacher"] for s in samples if s["teacher_kind"] == "hidden"} - self.heads_sent[rank]
+        self.heads_sent[rank] |= keys
         return {k: self.heads[k] for k in keys}
 
     def _train_calls(self, samples: list[dict]) -> list:
-        heads = self._new_heads(samples)
-        return [t.train_step.remote(samples, heads) for t in self.trainers]
+        return [t.train_step.remote(samples, self._new_heads(r, samples)) for r, t in enumerate(self.trainers)]
 
     def _row(self, samples: list[dict], stats: list[dict]) -> dict:
         row = super()._row(samples, stats)
@@ -164,7 +164,7 @@ class DistillCoordinator(Coordinator):
         row.update({f"kl/{d}": t / max(n, 1) for d, (t, n) in sorted(kl.items())})
         wall = time.perf_counter() - self.wall_start
         row.update({"teacher_tokens_per_s": self.teacher_tokens / max(self.teacher_score_s + self.teacher_swap_s, 1e-9),
-                    "teacher_swap_s": self.teacher_swap_s, "teacher_score_s": self.teacher_score_s,
+                    "teacher_tokens": self.teacher_tokens, "teacher_swap_s": self.teacher_swap_s, "teacher_score_s": self.teacher_score_s,
                     "teacher_busy_frac": min(1.0, (self.teacher_score_s + self.teacher_swap_s) / max(wall, 1e-9)),
                     "restarts_teacher": self.restarts["teacher"], "domains_in_batch": len(kl)})
         return row
@@ -191,7 +191,7 @@ class DistillCoordinator(Coordinator):
             for s, o in zip(group, result["outputs"]):
                 s.update(teacher=key, teacher_kind=result["kind"], teacher_out=o)
         taught = [s for g in by_key.values() for s in g]
-        kl = ray.get(self.trainers[0].kl_eval.remote(taught, self._new_heads(taught)), timeout=t) if taught else {}
+        kl = ray.get(self.trainers[0].kl_eval.remote(taught, self._new_heads(0, taught)), timeout=t) if taught else {}
         row: dict[str, float] = {"step": self.version}
         for domain in self.source.task.names:
             part = [s for s in scored if s["domain"] == domain]

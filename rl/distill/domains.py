@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import difflib
 import random
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 from rl.tasks.base import Problem, Task, load_task
 
@@ -51,10 +52,10 @@ TEXT: dict[str, Callable[[str], str]] = {
     "spaced": lambda w: " ".join(w),
 }
 ARITHMETIC: dict[str, Callable[[int], int]] = {
-    **{f"add{k}": (lambda k: lambda n: n + k)(k) for k in (1, 2, 3, 5, 7, 10, 20)},
-    **{f"sub{k}": (lambda k: lambda n: n - k)(k) for k in (1, 2, 5, 10)},
-    **{f"mul{k}": (lambda k: lambda n: n * k)(k) for k in (2, 3, 4, 5, 10)},
-    **{f"mod{k}": (lambda k: lambda n: n % k)(k) for k in (2, 3, 5)},
+    **{f"add{k}": lambda n, k=k: n + k for k in (1, 2, 3, 5, 7, 10, 20)},
+    **{f"sub{k}": lambda n, k=k: n - k for k in (1, 2, 5, 10)},
+    **{f"mul{k}": lambda n, k=k: n * k for k in (2, 3, 4, 5, 10)},
+    **{f"mod{k}": lambda n, k=k: n % k for k in (2, 3, 5)},
 }
 BUILTIN_DOMAINS = (*TEXT, *ARITHMETIC)  # 42 domains
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+
 import torch
 
 from data.chat import ChatFormat, Message
@@ -53,8 +54,10 @@ def train_rows(model, rows, steps: int, batch: int, lr: float, pad_id: int, seed
         if hf:
             logits = model(input_ids=ids).logits
             loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
-        else:
-            loss = model(ids, labels=labels).lm_loss
+        else:  # the LM loss only: no indexer or balance terms, which short fine-tunes do not need
+            from model.runtime import AttentionRuntime
+
+            loss = model.lm_loss(model.hidden(ids, AttentionRuntime(*ids.shape, ids.device)), labels)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
