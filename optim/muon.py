@@ -19,6 +19,7 @@ rank the whole parameters it owns.
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -29,6 +30,9 @@ from optim.base import CheckedOptimizer
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # quintic (a, b, c): fast rise of small singular values
 RMS_MODES = ("moonlight", "fixed")
 MOONLIGHT_RMS = 0.2  # Moonlight's update RMS, matched to AdamW's typical update RMS
+# Elements per stacked Newton-Schulz batch: one batched matmul chain instead of a launch chain per
+# parameter, with the extra memory (the stacked update and its bf16 iterates) bounded.
+MAX_BATCH_NUMEL = 1 << 27
 
 
 def newton_schulz(G: torch.Tensor, steps: int = 5, eps: float = 1e-7,
@@ -84,16 +88,40 @@ def muon_direction(u: torch.Tensor, heads: int = 1, ns_steps: int = 5, rms_mode:
                so the update RMS is ~0.2 whatever the shape.
     fixed:     each block rescaled to RMS exactly target_rms (an all-zero block stays zero).
     """
+    return _orthogonalise(muon_blocks(u, heads), ns_steps, rms_mode, target_rms).reshape(u.shape)
+
+
+def _orthogonalise(blocks: torch.Tensor, ns_steps: int, rms_mode: str, target_rms: float) -> torch.Tensor:
+    """[N, A, B] -> [N, A, B]: each block's Newton-Schulz polar factor, scaled as `muon_direction` says."""
     if rms_mode not in RMS_MODES:
         raise ValueError(f"rms_mode={rms_mode!r}: expected one of {RMS_MODES}")
-    ortho = newton_schulz(muon_blocks(u, heads), ns_steps)  # [N, A, B]
+    ortho = newton_schulz(blocks, ns_steps)  # [N, A, B]
     if rms_mode == "moonlight":
-        ortho = ortho * (MOONLIGHT_RMS * math.sqrt(max(ortho.shape[-2:])))
-    else:
-        rms = ortho.float().square().mean(dim=(-2, -1), keepdim=True).sqrt()  # [N, 1, 1]
-        scale = target_rms / rms.clamp_min(torch.finfo(torch.float32).tiny)
-        ortho = (ortho.float() * scale).to(ortho.dtype)
-    return ortho.reshape(u.shape)
+        return ortho * (MOONLIGHT_RMS * math.sqrt(max(ortho.shape[-2:])))
+    rms = ortho.float().square().mean(dim=(-2, -1), keepdim=True).sqrt()  # [N, 1, 1]
+    scale = target_rms / rms.clamp_min(torch.finfo(torch.float32).tiny)
+    return (ortho.float() * scale).to(ortho.dtype)
+
+
+def same_shape_batches(params: list[torch.Tensor], heads: int,
+                       max_numel: int = MAX_BATCH_NUMEL) -> list[list[int]]:
+    """Indices of params in batches whose Muon blocks share one [A, B] shape, dtype and device, in
+    first-seen order; a batch holds at most max_numel elements unless one parameter alone is larger."""
+    by_kind: dict[tuple, list[int]] = defaultdict(list)
+    for i, p in enumerate(params):
+        _check_shape(p.shape, heads)
+        by_kind[(p.size(-2) // heads, p.size(-1), p.dtype, p.device)].append(i)
+    batches = []
+    for members in by_kind.values():
+        batch, numel = [], 0
+        for i in members:
+            if batch and numel + params[i].numel() > max_numel:
+                batches.append(batch)
+                batch, numel = [], 0
+            batch.append(i)
+            numel += params[i].numel()
+        batches.append(batch)
+    return batches
 
 
 def _check_group(group: dict[str, Any]) -> None:
@@ -118,7 +146,9 @@ class Muon(CheckedOptimizer):
     """Muon over whole 2-D / 3-D parameters; one state tensor (`momentum_buffer`) per parameter.
 
     Per parameter: buf = momentum * buf + grad; u = grad + momentum * buf (Nesterov) or buf;
-    p *= 1 - lr * weight_decay; p -= lr * muon_direction(u, heads, ...).
+    p *= 1 - lr * weight_decay; p -= lr * muon_direction(u, heads, ...). Parameters whose blocks
+    share a shape are stepped together (`same_shape_batches`): the per-parameter loop was bound by
+    kernel launches (hundreds of small matmul chains), the arithmetic is the same.
     Group options: lr, momentum, nesterov, ns_steps, weight_decay, rms_mode, target_rms, heads.
     """
 
@@ -138,21 +168,32 @@ class Muon(CheckedOptimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                g = p.grad
-                if g.is_sparse:
+            params = [p for p in group["params"] if p.grad is not None]
+            for p in params:
+                if p.grad.is_sparse:
                     raise RuntimeError("Muon does not support sparse gradients (use Sinkhorn for tables)")
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                buf = state["momentum_buffer"]
-                buf.mul_(mu).add_(g)
-                u = g.add(buf, alpha=mu) if group["nesterov"] else buf
-                d = muon_direction(u, group["heads"], group["ns_steps"], group["rms_mode"], group["target_rms"])
-                if wd != 0.0:
-                    p.mul_(1.0 - lr * wd)  # decoupled: independent of the gradient's scale
-                p.add_(d, alpha=-lr)
+            for batch in same_shape_batches(params, group["heads"]):
+                self._step_batch([params[i] for i in batch], group)
         return loss
+
+    def _step_batch(self, params: list[torch.Tensor], group: dict[str, Any]) -> None:
+        """The step for parameters whose blocks share one shape: multi-tensor momentum and update,
+        and one Newton-Schulz iteration over all their blocks stacked ([sum N, A, B])."""
+        lr, mu, wd, heads = group["lr"], group["momentum"], group["weight_decay"], group["heads"]
+        grads = [p.grad for p in params]
+        bufs = []
+        for p in params:
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            bufs.append(state["momentum_buffer"])
+        torch._foreach_mul_(bufs, mu)
+        torch._foreach_add_(bufs, grads)
+        us = torch._foreach_add(grads, bufs, alpha=mu) if group["nesterov"] else bufs
+        blocks = [muon_blocks(u, heads) for u in us]  # each [N_i, A, B]
+        stacked = torch.cat(blocks) if len(blocks) > 1 else blocks[0]
+        ortho = _orthogonalise(stacked, group["ns_steps"], group["rms_mode"], group["target_rms"])
+        directions = [d.reshape(p.shape) for d, p in zip(ortho.split([b.size(0) for b in blocks]), params)]
+        if wd != 0.0:
+            torch._foreach_mul_(params, 1.0 - lr * wd)  # decoupled: independent of the gradient's scale
+        torch._foreach_add_(params, directions, alpha=-lr)

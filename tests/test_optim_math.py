@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from optim.muon import Muon, muon_blocks, muon_direction, newton_schulz
+from optim.muon import Muon, muon_blocks, muon_direction, newton_schulz, same_shape_batches
 from optim.sinkhorn import Sinkhorn, sinkhorn_balance
 
 
@@ -166,6 +166,31 @@ def test_per_expert_muon_equals_loop():
         We = W0[e].clone().requires_grad_()
         run_steps(Muon([We], lr=0.1, rms_mode="fixed"), [We], [[gr[e]] for gr in grads])
         torch.testing.assert_close(W.detach()[e], We.detach(), atol=1e-6, rtol=0)
+
+
+def test_same_shape_batches_group_by_block_shape_and_bound_size():
+    ps = [torch.zeros(6, 10), torch.zeros(2, 6, 10), torch.zeros(10, 6), torch.zeros(12, 10), torch.zeros(6, 10)]
+    assert same_shape_batches(ps, heads=1) == [[0, 1, 4], [2], [3]]
+    assert same_shape_batches(ps, heads=1, max_numel=120) == [[0], [1], [4], [2], [3]]  # [2, 6, 10] alone is 120
+    assert same_shape_batches(ps, heads=1, max_numel=180) == [[0, 1], [4], [2], [3]]
+    with pytest.raises(ValueError, match="not divisible by heads=4"):
+        same_shape_batches(ps, heads=4)
+
+
+@pytest.mark.parametrize("rms_mode,nesterov", [("moonlight", True), ("fixed", False)])
+def test_batched_muon_step_equals_one_optimiser_per_parameter(rms_mode, nesterov):
+    """Parameters stepped together (same block shape, stacked) move exactly as when each has its own Muon."""
+    g = torch.Generator().manual_seed(11)
+    shapes = [(6, 10), (3, 6, 10), (10, 6), (6, 10), (2, 10, 6), (4, 8)]
+    W0 = [torch.randn(s, generator=g) for s in shapes]
+    grads = [[torch.randn(s, generator=g) for s in shapes] for _ in range(3)]
+    kw = dict(lr=0.05, momentum=0.9, nesterov=nesterov, weight_decay=0.1, rms_mode=rms_mode)
+    W = [w.clone().requires_grad_() for w in W0]
+    run_steps(Muon(W, **kw), W, grads)
+    for i, w0 in enumerate(W0):
+        Wi = w0.clone().requires_grad_()
+        run_steps(Muon([Wi], **kw), [Wi], [[step[i]] for step in grads])
+        torch.testing.assert_close(W[i].detach(), Wi.detach(), atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("shape,heads", [((64, 16), 1), ((16, 64), 1), ((4 * 16, 32), 4), ((3, 12, 40), 1)])
