@@ -130,7 +130,9 @@ def load_teacher(spec: TeacherSpec, tokenizer, student_vocab: int) -> torch.nn.M
     try:
         if spec.arch == "hf":
             from transformers import AutoConfig, AutoModelForCausalLM  # only for hf teachers
+            from transformers.utils import logging as hf_logging
 
+            hf_logging.disable_progress_bar()  # one bar per swap-in otherwise
             vocab = AutoConfig.from_pretrained(spec.key).vocab_size
             _check_vocab(where, vocab, student_vocab)
             model = AutoModelForCausalLM.from_pretrained(spec.key, dtype=torch.float32)
