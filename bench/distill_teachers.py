@@ -40,6 +40,7 @@ def main() -> None:
     ap.add_argument("--eval-prompts", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (2 on 2 busy cores ran >4x slower than 1)")
     ap.add_argument("--distill", nargs="*", default=[], help="extra `flashtrain distill` overrides")
+    ap.add_argument("--run", default="run", help="the distill run's directory under --work")
     ap.add_argument("--skip-teachers", action="store_true", help="reuse teachers already in --work")
     args = ap.parse_args()
 
@@ -117,7 +118,7 @@ def main() -> None:
                                   "hf_teachers": len(HF_TEACHERS), "teacher_steps": args.teacher_steps,
                                   "hf_steps": args.hf_steps, "all_teachers_s": round(made["teachers_s"], 1)}
 
-    run = work / "run"
+    run = work / args.run
     overrides = ["logger=none", f"rl.policy={made['base_ckpt']}", f"distill.teacher_root={teachers_dir}",
                  f"distill.eval_prompts={args.eval_prompts}", f"hydra.run.dir={run}", *args.distill]
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
