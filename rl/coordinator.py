@@ -57,6 +57,11 @@ class Coordinator:
             from conf.errors import ConfigError
             raise ConfigError(f"rl: need steps > 0, prompts_per_step > 0, group_size >= 2, max_staleness >= 0; got "
                               f"{rl.steps}, {rl.prompts_per_step}, {rl.group_size}, {rl.max_staleness}")
+        per_rank = rl.prompts_per_step * rl.group_size // max(rl.trainer_workers, 1)
+        if rl.ppo_epochs < 1 or not 1 <= rl.minibatches <= per_rank:
+            from conf.errors import ConfigError
+            raise ConfigError(f"rl: need ppo_epochs >= 1 and 1 <= minibatches <= the {per_rank} samples a trainer "
+                              f"rank gets per step; got {rl.ppo_epochs}, {rl.minibatches}")
         chat = ChatFormat(TextTokenizer.from_file(tokenizer_path))
         self.task = load_task(rl.task, **dict(rl.task_kwargs))
         self.source = PromptSource(self.task, chat, list(rl.efforts), list(rl.effort_weights), rl.seed)

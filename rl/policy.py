@@ -62,7 +62,7 @@ class PolicyTrainer:
         self.optimizer = build_optimizer(self.model, cfg.optim, cfg.trainer.zero_stage, self.dist.rank,
                                          self.dist.world_size, verbose=False)
         self.own_optimizer_state = isinstance(self.optimizer, CompositeOptimizer)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_multiplier(cfg.optim, self.rl.steps))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_multiplier(cfg.optim, self.rl.steps * self.rl.ppo_epochs * self.rl.minibatches))
         self.engine, _ = build_engine(self.model, self.optimizer, self.scheduler, cfg.trainer, self.dist,
                                       whole_param_optimizer=self.own_optimizer_state)
         self.ckpts = CheckpointManager(Path(run_dir) / "checkpoints", cfg.trainer.keep_last, self.dist.rank)
@@ -77,7 +77,8 @@ class PolicyTrainer:
 
     # ------------------------------------------------------------------ one update
     def train_step(self, samples: list[dict], heads: Optional[dict[str, torch.Tensor]] = None) -> dict[str, Any]:
-        """One optimizer step on this rank's share of the batch (all ranks get the same list).
+        """One policy version from this rank's share of the batch (all ranks get the same list):
+        rl.ppo_epochs x rl.minibatches optimizer steps.
         Tokens more than rl.max_staleness versions old are masked out of the loss. Distillation
         (cfg.distill): the reverse KL to each sample's teacher, `heads` the teacher LM heads
         not sent before."""
@@ -88,27 +89,50 @@ class PolicyTrainer:
         self.engine.train()
         if self.distill is not None:
             return self._distill_step(mine, fresh, heads, start)
-        logp, mask = response_logprobs(self.engine, mine, self.tokenizer.pad_id)
+        behaviour_kl, stats_sum, loss_sum, updates = 0.0, {}, 0.0, 0
+        # PPO-style reuse of one batch: rl.ppo_epochs passes, each split into rl.minibatches
+        # optimizer steps. The ratio is always to the rollout's own log-probs, so its clip and
+        # truncation bound how far the later steps move from the policy that sampled.
+        order = torch.randperm(len(mine), generator=torch.Generator().manual_seed(self.version))
+        parts = [order[i::rl.minibatches].tolist() for i in range(rl.minibatches)]  # same count on every rank
+        for epoch in range(self.rl.ppo_epochs):
+            for part in parts:
+                batch = [mine[i] for i in part]
+                loss, stats, kl = self._policy_update(batch, fresh[part])
+                if epoch == 0:  # the first pass sees the rollout's weights: its KL is the behaviour gap
+                    behaviour_kl += kl * len(part) / len(mine)
+                loss_sum += loss
+                for k, v in stats.items():
+                    stats_sum[k] = stats_sum.get(k, 0.0) + v
+                updates += 1
+        stats = {k: v / updates for k, v in stats_sum.items()}
+        self.version += 1
+        took = time.perf_counter() - start
+        stale = [len(s["response"]) for s, ok in zip(mine, fresh.tolist()) if not ok]
+        return {"loss": loss_sum / updates, **stats, "behaviour_kl": behaviour_kl, "version": self.version, "updates": updates,
+                "train_s": took, "stale_samples": len(stale), "stale_tokens": sum(stale),
+                "stale_lengths": stale, "trained_tokens": sum(len(s["response"]) for s, ok in zip(mine, fresh.tolist()) if ok)}
+
+    def _policy_update(self, batch: list[dict], fresh: torch.Tensor) -> tuple[float, dict[str, float], float]:
+        """One optimizer step of the clipped surrogate on `batch` -> (loss, stats, KL(behaviour || policy))."""
+        rl = self.rl
+        logp, mask = response_logprobs(self.engine, batch, self.tokenizer.pad_id)
         behaviour = torch.zeros_like(logp)
-        for i, s in enumerate(mine):
+        for i, s in enumerate(batch):
             behaviour[i, :len(s["behaviour"])] = torch.tensor(s["behaviour"], dtype=logp.dtype)
+        behaviour = behaviour.to(logp.device)
         mask = mask & fresh.to(mask.device)[:, None]
-        adv = torch.tensor([s["advantage"] for s in mine], dtype=logp.dtype, device=logp.device)
-        loss, stats = policy_loss(logp, behaviour.to(logp.device), adv, mask, rl.clip_low, rl.clip_high, rl.is_cap)
+        adv = torch.tensor([s["advantage"] for s in batch], dtype=logp.dtype, device=logp.device)
+        loss, stats = policy_loss(logp, behaviour, adv, mask, rl.clip_low, rl.clip_high, rl.is_cap)
         # the loss is a token mean on this rank; ranks see similar token counts, so the
         # engine's gradient mean over ranks is the batch token mean up to that imbalance
         self.engine.backward(loss)
         if self.own_optimizer_state:
             self._reduce_and_clip()
         self.engine.step()
-        self.version += 1
-        took = time.perf_counter() - start
-        stale = [len(s["response"]) for s, ok in zip(mine, fresh.tolist()) if not ok]
         with torch.no_grad():
-            kl = ((behaviour.to(logp.device) - logp.detach()) * mask).sum() / mask.sum().clamp(min=1)
-        return {"loss": float(loss.detach()), **stats, "behaviour_kl": float(kl), "version": self.version,
-                "train_s": took, "stale_samples": len(stale), "stale_tokens": sum(stale),
-                "stale_lengths": stale, "trained_tokens": int(mask.sum())}
+            kl = ((behaviour - logp.detach()) * mask).sum() / mask.sum().clamp(min=1)
+        return float(loss.detach()), stats, float(kl)
 
     def _distill_step(self, mine: list[dict], fresh: torch.Tensor, heads, start: float) -> dict[str, Any]:
         from rl.distill.student import distill_objective

@@ -111,7 +111,8 @@ def test_killed_actors_restart_and_no_prompt_is_lost_or_trained_twice(rl_setup):
 
 def test_two_trainer_ranks_stay_in_sync(rl_setup):
     """rl.trainer_workers=2: two DeepSpeed ranks (Ray actors, gloo) split each batch and reduce
-    gradients, so after updates with non-zero advantages both hold the same, changed weights."""
+    gradients, so after updates with non-zero advantages both hold the same, changed weights; with
+    2 PPO epochs x 2 minibatches one version is 4 optimizer steps on each rank, in step."""
     import dataclasses
 
     import ray
@@ -121,7 +122,7 @@ def test_two_trainer_ranks_stay_in_sync(rl_setup):
 
     cfg, run = rl_setup
     cfg = dataclasses.replace(cfg, rl=dataclasses.replace(cfg.rl, steps=1, trainer_workers=2, rollout_workers=1,
-                                                          reward_workers=1))
+                                                          reward_workers=1, ppo_epochs=2, minibatches=2))
     ray.init(num_cpus=5, include_dashboard=False, configure_logging=False)
     try:
         coord = Coordinator(cfg, run / "two_ranks", str(run / "tokenizer.json"), None, lambda row: None)
@@ -130,7 +131,8 @@ def test_two_trainer_ranks_stay_in_sync(rl_setup):
         samples = ray.get(coord.rollouts[0].generate.remote([coord.source.get(i)[0] for i in range(2)]))["samples"]
         for k, s in enumerate(samples):
             s.update(version=coord.version, advantage=1.0 if k % 2 else -1.0)
-        ray.get([t.train_step.remote(samples) for t in coord.trainers], timeout=120)
+        stats = ray.get([t.train_step.remote(samples) for t in coord.trainers], timeout=120)
+        assert [s["updates"] for s in stats] == [4, 4]
         (v0, w0), (v1, w1) = ray.get([t.weights.remote() for t in coord.trainers])
         assert v0 == v1 == coord.version + 1
         params = [k for k in w0 if not k.endswith((".load", ".bias"))]  # router load counts are per rank
