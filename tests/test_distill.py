@@ -42,7 +42,7 @@ def setup(tmp_path_factory, data_cache):
                                  "rl.steps=4", "rl.prompts_per_step=4", "rl.group_size=2", "rl.max_new_tokens=6",
                                  "rl.prompts_per_request=2", "rl.save_every=0", "rl.timeout_s=120",
                                  "distill.eval_prompts=1", "distill.domain_block=2", "distill.teacher_batch=4",
-                                 "distill.max_resident=1", "distill.cpu_cache=1", "distill.teacher_workers=2"])
+                                 "distill.max_resident=1", "distill.cpu_cache=1", "distill.teacher_workers=1"])
     cfg = OmegaConf.to_object(cfg)
     root = tmp_path_factory.mktemp("distill")
     _, _, tok = build_datasets(cfg.data)
