@@ -257,3 +257,51 @@ def test_routing_teacher_crash_recovery_and_resume(setup):
         coord.shutdown()
     finally:
         ray.shutdown()
+
+
+def test_student_objective_matches_the_model_logits_and_the_rl_loss(setup):
+    """distill_objective on a student: the KL term equals the unchunked reverse KL of the model's
+    own logits at the response positions, and reward_weight adds exactly that multiple of the RL
+    trainer's policy loss (rl/policy.py's log-probs through the full forward)."""
+    from rl.algorithm import policy_loss
+    from rl.distill.kl import reverse_kl_reference
+    from rl.distill.make_teachers import flashtrain_model
+    from rl.distill.student import distill_objective
+    from rl.policy import response_logprobs
+
+    cfg, root, tok = setup
+    V = tok.vocab_size
+    model, _ = flashtrain_model(small_config(V), tok, 7)
+    model.eval()
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for i, (p, r) in enumerate([(5, 3), (7, 1), (4, 4)]):
+        samples.append({"prompt": torch.randint(5, V, (p,), generator=g).tolist(),
+                        "response": torch.randint(5, V, (r,), generator=g).tolist(),
+                        "behaviour": (-torch.rand(r, generator=g) * 5).tolist(), "advantage": [1.0, -0.5, 0.25][i],
+                        "domain": "add7" if i < 2 else "reverse", "teacher": "t", "teacher_kind": "logprobs",
+                        "teacher_out": torch.log_softmax(torch.randn(r, V, generator=g), -1)})
+    fresh = torch.tensor([True, True, False])  # the third is stale: out of both terms
+    kl_only = dataclasses.replace(cfg.distill, kl_weight=1.0, reward_weight=0.0, token_chunk=3, vocab_chunk=1000)
+    loss_kl, stats = distill_objective(model, samples, fresh, {}, tok.pad_id, kl_only, cfg.rl)
+    logits, targets = [], []
+    for s in samples[:2]:
+        ids = torch.tensor([s["prompt"] + s["response"]])
+        p, r = len(s["prompt"]), len(s["response"])
+        logits.append(model(ids).logits[0, p - 1:p - 1 + r])
+        targets.append(s["teacher_out"])
+    want = reverse_kl_reference(torch.cat(logits), torch.cat(targets))
+    assert torch.allclose(loss_kl, want, rtol=1e-4, atol=1e-5)
+    assert set(stats["kl_by_domain"]) == {"add7"} and stats["kl_by_domain"]["add7"][1] == 4
+
+    mixed = dataclasses.replace(kl_only, reward_weight=0.5)
+    loss_mix, stats = distill_objective(model, samples, fresh, {}, tok.pad_id, mixed, cfg.rl)
+    logp, mask = response_logprobs(model, samples, tok.pad_id)
+    behaviour = torch.zeros_like(logp)
+    for i, s in enumerate(samples):
+        behaviour[i, :len(s["behaviour"])] = torch.tensor(s["behaviour"])
+    pg, _ = policy_loss(logp, behaviour, torch.tensor([s["advantage"] for s in samples]), mask & fresh[:, None],
+                        cfg.rl.clip_low, cfg.rl.clip_high, cfg.rl.is_cap)
+    assert torch.allclose(loss_mix, want + 0.5 * pg, rtol=1e-4, atol=1e-5)
+    loss_mix.backward()
+    assert model.head.weight.grad is not None and model.embed.weight.grad.abs().sum() > 0
