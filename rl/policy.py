@@ -135,9 +135,10 @@ class PolicyTrainer:
         return float(loss.detach()), stats, float(kl)
 
     def _distill_step(self, mine: list[dict], fresh: torch.Tensor, heads, start: float) -> dict[str, Any]:
-        from rl.distill.student import distill_objective
+        from rl.distill.student import distill_objective, fetch_teacher_outputs
 
         self.teacher_heads.update(heads or {})
+        fetch_teacher_outputs(mine, self.teacher_heads)
         loss, stats = distill_objective(self.engine.module, mine, fresh, self.teacher_heads, self.tokenizer.pad_id,
                                         self.distill, self.rl)
         self.engine.backward(loss)
@@ -153,9 +154,10 @@ class PolicyTrainer:
     @torch.no_grad()
     def kl_eval(self, samples: list[dict], heads: Optional[dict[str, torch.Tensor]] = None) -> dict[str, list[float]]:
         """Reverse KL to the teachers on `samples` without an update: {domain: [KL sum, tokens]}."""
-        from rl.distill.student import distill_objective
+        from rl.distill.student import distill_objective, fetch_teacher_outputs
 
         self.teacher_heads.update(heads or {})
+        fetch_teacher_outputs(samples, self.teacher_heads)
         self.engine.eval()
         fresh = torch.ones(len(samples), dtype=torch.bool)
         kl_only = dataclasses.replace(self.distill, kl_weight=1.0, reward_weight=0.0)

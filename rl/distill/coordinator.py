@@ -103,8 +103,14 @@ class DistillCoordinator(Coordinator):
                 self.admitted[pid] = "teaching"
             seqs = [(s["prompt"], s["response"]) for pid in pids for s in self.scored[pid]]
             self.busy_teacher.add(a)
-            ref = self.teachers[a].score.remote(key, seqs, with_head=key not in self.heads)
-            self._call(ref, _Call("teach", a, pids, payload=key))
+            meta, outputs, head = self._score_call(a, key, seqs)
+            self._call(meta, _Call("teach", a, pids, payload=(key, outputs, head)))
+
+    def _score_call(self, a: int, key: str, seqs: list) -> tuple:
+        """Teacher worker `a` scores `seqs` with teacher `key`: refs (meta, outputs, head). Only
+        meta is fetched here; outputs and the head go to the trainer as references, so the
+        teacher's bytes move from its worker to the trainer without passing through the driver."""
+        return self.teachers[a].score.options(num_returns=3).remote(key, seqs, with_head=key not in self.heads)
 
     def _actor_of(self, call: _Call):
         return self.teachers[call.actor] if call.kind == "teach" else super()._actor_of(call)
@@ -113,34 +119,40 @@ class DistillCoordinator(Coordinator):
         if call.kind != "teach":
             return super()._failed(call, error)
         self.restarts["teacher"] += 1
+        key = call.payload[0]
         print(f"flashtrain distill: teacher worker {call.actor} failed ({type(error).__name__}) scoring "
-              f"{self.names[call.payload]!r}; retrying prompts {call.prompts}", flush=True)
+              f"{self.names[key]!r}; retrying prompts {call.prompts}", flush=True)
         self.busy_teacher.discard(call.actor)
         self.loaded[call.actor] = []  # restarted: nothing loaded
         back = [pid for pid in call.prompts if self.admitted.get(pid) == "teaching"]
         for pid in back:
             self.admitted[pid] = "teach"
-        self.waiting[call.payload] = back + self.waiting[call.payload]
+        self.waiting[key] = back + self.waiting[key]
 
     def _done(self, call: _Call, result: Any) -> Optional[dict]:
         if call.kind != "teach":
             return super()._done(call, result)
-        key = call.payload
+        key, outputs, head = call.payload
         self.busy_teacher.discard(call.actor)
-        self.loaded[call.actor] = result["resident"]
-        if "head" in result:
-            self.heads[key] = result["head"]
-        self.teacher_tokens += result["tokens"]
-        self.teacher_score_s += result["score_s"]
-        self.teacher_swap_s += result["swap_s"]
-        outputs = iter(result["outputs"])
+        self._took(call.actor, key, result, head)
+        j = 0
         for pid in call.prompts:  # outputs come in the order the call sent the samples
             group = self.scored.pop(pid)
             for s in group:
-                s.update(teacher=key, teacher_kind=result["kind"], teacher_out=next(outputs))
+                s.update(teacher=key, teacher_kind=result["kind"], teacher_out=(outputs, j))
+                j += 1
             self.admitted[pid] = "ready"
             self.ready[pid] = group
         return None
+
+    def _took(self, a: int, key: str, meta: dict, head) -> None:
+        """Book a finished teacher call: worker a's loaded teachers, the head's reference, times."""
+        self.loaded[a] = meta["resident"]
+        if meta["kind"] == "hidden" and key not in self.heads:
+            self.heads[key] = head
+        self.teacher_tokens += meta["tokens"]
+        self.teacher_score_s += meta["score_s"]
+        self.teacher_swap_s += meta["swap_s"]
 
     # ------------------------------------------------------------------ training
     def _new_heads(self, rank: int, samples: list[dict]) -> dict[str, Any]:
@@ -187,9 +199,9 @@ class DistillCoordinator(Coordinator):
             if s["response"]:
                 by_key.setdefault(self.routes[s["domain"]], []).append(s)
         for key, group in sorted(by_key.items()):
-            result = self._score_now(key, group)
-            for s, o in zip(group, result["outputs"]):
-                s.update(teacher=key, teacher_kind=result["kind"], teacher_out=o)
+            kind, outputs = self._score_now(key, group)
+            for j, s in enumerate(group):
+                s.update(teacher=key, teacher_kind=kind, teacher_out=(outputs, j))
         taught = [s for g in by_key.values() for s in g]
         kl = ray.get(self.trainers[0].kl_eval.remote(taught, self._new_heads(0, taught)), timeout=t) if taught else {}
         row: dict[str, float] = {"step": self.version}
@@ -205,24 +217,24 @@ class DistillCoordinator(Coordinator):
                 row[f"eval/mean_{name}"] = sum(vals) / len(vals)
         return row
 
-    def _score_now(self, key: str, group: list[dict]) -> dict[str, Any]:
-        """A teacher call outside the pipeline (evaluation); a failed worker gets one retry (on
-        the next replica, or on itself once Ray has restarted it)."""
+    def _score_now(self, key: str, group: list[dict]) -> tuple:
+        """A teacher call outside the pipeline (evaluation) -> (kind, outputs ref); a failed
+        worker gets one retry (on the next replica, or on itself once Ray has restarted it)."""
         seqs = [(s["prompt"], s["response"]) for s in group]
         hosts = self.hosts[key]
-        try:
-            a = hosts[0]
-            result = self.ray.get(self.teachers[a].score.remote(key, seqs, with_head=key not in self.heads),
-                                  timeout=self.rl.timeout_s)
-        except self.ray.exceptions.RayActorError:
-            self.restarts["teacher"] += 1
-            a = hosts[1 % len(hosts)]
-            result = self.ray.get(self.teachers[a].score.remote(key, seqs, with_head=key not in self.heads),
-                                  timeout=self.rl.timeout_s)
-        if "head" in result:
-            self.heads[key] = result["head"]
-        self.loaded[a] = result["resident"]
-        return result
+        for attempt in range(2):
+            a = hosts[attempt % len(hosts)]
+            meta_ref, outputs, head = self._score_call(a, key, seqs)
+            try:
+                meta = self.ray.get(meta_ref, timeout=self.rl.timeout_s)
+            except self.ray.exceptions.RayActorError:
+                if attempt:
+                    raise
+                self.restarts["teacher"] += 1
+                continue
+            self._took(a, key, meta, head)
+            return meta["kind"], outputs
+        raise RuntimeError(f"distill: teacher {self.names[key]!r} failed twice")
 
     def shutdown(self) -> None:
         super().shutdown()

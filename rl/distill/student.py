@@ -5,7 +5,8 @@ plus the RL policy loss (rl/algorithm.py) weighted by distill.reward_weight.
 A sample here is an RL sample (rl/policy.py) plus "domain", "teacher" (the teacher's key),
 "teacher_kind" ("hidden" | "logprobs") and "teacher_out" ([R, Dt] hidden states or [R, V]
 log-probs for its R response tokens). Hidden-state teachers need their LM head: `heads`
-maps teacher key -> [V, Dt], sent once per teacher and kept by the trainer.
+maps teacher key -> [V, Dt], sent once per teacher and kept by the trainer. On Ray both arrive as
+object references (straight from the teacher worker) and `fetch_teacher_outputs` resolves them.
 """
 from __future__ import annotations
 
@@ -28,6 +29,25 @@ def response_hidden(model, samples: list[dict], pad_id: int) -> list[torch.Tenso
     ids = torch.tensor([q + [pad_id] * (width - len(q)) for q in seqs], device=device)
     h = model.hidden(ids[:, :-1], AttentionRuntime(len(seqs), width - 1, device))  # [N, L-1, D]
     return [h[i, len(s["prompt"]) - 1:len(s["prompt"]) - 1 + len(s["response"])] for i, s in enumerate(samples)]
+
+
+def fetch_teacher_outputs(samples: list[dict], heads: dict[str, Any]) -> None:
+    """In place: "teacher_out" given as (Ray object ref to a teacher call's outputs, index) and
+    heads given as object refs become tensors (one ray.get for all of them)."""
+    refs = list(dict.fromkeys([s["teacher_out"][0] for s in samples if isinstance(s["teacher_out"], tuple)]
+                              + [h for h in heads.values() if not isinstance(h, torch.Tensor)]))
+    if not refs:
+        return
+    import ray
+
+    got = dict(zip(refs, ray.get(refs)))
+    for s in samples:
+        if isinstance(s["teacher_out"], tuple):
+            ref, j = s["teacher_out"]
+            s["teacher_out"] = got[ref][j]
+    for key, h in heads.items():
+        if not isinstance(h, torch.Tensor):
+            heads[key] = got[h]
 
 
 def teacher_view(samples: list[dict], heads: dict[str, torch.Tensor], dtype: torch.dtype):

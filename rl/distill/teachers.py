@@ -254,9 +254,12 @@ class TeacherWorker:
         return self._acquire(key).head.weight.detach().to("cpu", self.wire)
 
     @torch.no_grad()
-    def score(self, key: str, seqs: list[tuple[list[int], list[int]]], with_head: bool = False) -> dict[str, Any]:
-        """(prompt ids, response ids) pairs -> per pair the teacher's view of each response
-        token: hidden [R, Dt] (flashtrain) or log-probs [R, V] (hf), in the wire dtype."""
+    def score(self, key: str, seqs: list[tuple[list[int], list[int]]], with_head: bool = False):
+        """(prompt ids, response ids) pairs -> (meta, outputs, head). outputs: per pair the
+        teacher's view of each response token, hidden [R, Dt] (flashtrain) or log-probs [R, V]
+        (hf), in the wire dtype; head: the LM head [V, Dt] when asked for (hidden only), else
+        None. Three values so that the coordinator, which reads only `meta`, can hand the other
+        two to the trainer as Ray object references (`num_returns=3`): they never pass through it."""
         swap_before = self.stats["swap_s"]
         model = self._acquire(key)
         start = time.perf_counter()
@@ -276,9 +279,6 @@ class TeacherWorker:
             kind = "hidden"
         # position p - 1 + j predicts response token j
         outputs = [out[i, len(p) - 1:len(p) - 1 + len(r)].to("cpu", self.wire) for i, (p, r) in enumerate(seqs)]
-        result = {"kind": kind, "outputs": outputs, "tokens": sum(len(r) for _, r in seqs),
-                  "score_s": time.perf_counter() - start, "swap_s": self.stats["swap_s"] - swap_before,
-                  "resident": list(self.resident)}
-        if with_head and kind == "hidden":
-            result["head"] = self.head(key)
-        return result
+        meta = {"kind": kind, "tokens": sum(len(r) for _, r in seqs), "score_s": time.perf_counter() - start,
+                "swap_s": self.stats["swap_s"] - swap_before, "resident": list(self.resident)}
+        return meta, outputs, self.head(key) if with_head and kind == "hidden" else None
