@@ -42,6 +42,7 @@ def main() -> None:
     ap.add_argument("--distill", nargs="*", default=[], help="extra `flashtrain distill` overrides")
     ap.add_argument("--run", default="run", help="the distill run's directory under --work")
     ap.add_argument("--skip-teachers", action="store_true", help="reuse teachers already in --work")
+    ap.add_argument("--skip-distill", action="store_true", help="only rebuild the table from the run in --run")
     args = ap.parse_args()
 
     import torch
@@ -124,10 +125,13 @@ def main() -> None:
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": "29731", "PYTHONPATH": str(REPO)}
     start = time.perf_counter()
-    p = subprocess.run([sys.executable, "-m", "launch", "distill", *overrides], cwd=REPO, env=env)
-    if p.returncode:
-        sys.exit(f"flashtrain distill failed ({p.returncode})")
+    if not args.skip_distill:
+        p = subprocess.run([sys.executable, "-m", "launch", "distill", *overrides], cwd=REPO, env=env)
+        if p.returncode:
+            sys.exit(f"flashtrain distill failed ({p.returncode})")
     report["distill"] = {"overrides": overrides, "wall_s": round(time.perf_counter() - start, 1)}
+    if args.skip_distill and Path(args.out).exists():  # keep the measured run's wall time and overrides
+        report["distill"] = json.loads(Path(args.out).read_text())["distill"]
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     evals = [r for r in metrics if "eval/mean_score" in r]
     steps = [r for r in metrics if "loss" in r]
@@ -142,12 +146,18 @@ def main() -> None:
                       "student_exact_start": first[f"eval/{d}/exact"], "student_exact_end": last[f"eval/{d}/exact"],
                       "teacher_exact": t["exact"]})
     both = [r for r in table if r["kl_start"] is not None and r["kl_end"] is not None]
-    gap = lambda key: sum(abs(r["teacher_score"] - r[key]) for r in table) / len(table)  # noqa: E731
+    def gap_of(r: dict, when: str) -> float:
+        return round(abs(r["teacher_score"] - r[f"student_score_{when}"]), 6)
+
+    def gap(key: str) -> float:
+        return sum(abs(r["teacher_score"] - r[key]) for r in table) / len(table)
+
     report["summary"] = {
         "domains": len(table), "kl_fell": sum(r["kl_end"] < r["kl_start"] for r in both), "kl_measured": len(both),
         "kl_mean_start": sum(r["kl_start"] for r in both) / len(both), "kl_mean_end": sum(r["kl_end"] for r in both) / len(both),
-        "score_moved_toward_teacher": sum(abs(r["teacher_score"] - r["student_score_end"])
-                                          < abs(r["teacher_score"] - r["student_score_start"]) for r in table),
+        "score_gap_shrank": sum(gap_of(r, "end") < gap_of(r, "start") for r in table),
+        "score_gap_same": sum(gap_of(r, "end") == gap_of(r, "start") for r in table),
+        "score_gap_grew": sum(gap_of(r, "end") > gap_of(r, "start") for r in table),
         "score_gap_to_teacher_start": gap("student_score_start"), "score_gap_to_teacher_end": gap("student_score_end"),
         "student_score_mean_start": first["eval/mean_score"], "student_score_mean_end": last["eval/mean_score"],
         "teacher_score_mean": sum(r["teacher_score"] for r in table) / len(table),
