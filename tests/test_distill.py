@@ -75,7 +75,8 @@ def test_registry_dedupes_by_checkpoint_and_names_a_missing_teacher(setup, tmp_p
     assert sorted(s.key for h in hosted for s in h) == sorted(s.key for s in specs)  # each once (1 replica)
     two = place_teachers([dataclasses.replace(specs[0], replicas=2)], 2)
     assert two[0] == two[1] == [dataclasses.replace(specs[0], replicas=2)]
-    assert len(DistillLoopConfig().domains) >= 40  # the default registry
+    default = DistillLoopConfig().domains  # the default registry: 42 domains, 41 distinct teachers
+    assert len(default) >= 40 and len({t.checkpoint for t in default.values()}) == len(default) - 1
     broken = dataclasses.replace(cfg.distill, domains={**cfg.distill.domains, "rot1": TeacherConfig(checkpoint="gone")})
     with pytest.raises(TeacherError, match="teacher 'gone' \\(domain rot1\\) fails to load"):
         resolve_teachers(broken)
