@@ -55,6 +55,7 @@ class DistillCoordinator(Coordinator):
         self.heads: dict[str, Any] = {}  # teacher key -> LM head, for hidden-state teachers
         self.heads_sent: list[set[str]] = [set() for _ in self.trainers]  # per trainer rank
         self.restarts["teacher"] = 0
+        self.worker_stats: dict[int, dict] = {}
         self.teacher_tokens, self.teacher_score_s, self.teacher_swap_s = 0, 0.0, 0.0
 
     # ------------------------------------------------------------------ start
@@ -153,6 +154,7 @@ class DistillCoordinator(Coordinator):
         self.teacher_tokens += meta["tokens"]
         self.teacher_score_s += meta["score_s"]
         self.teacher_swap_s += meta["swap_s"]
+        self.worker_stats[a] = meta["stats"]  # cumulative per worker (a restarted one starts over)
 
     # ------------------------------------------------------------------ training
     def _new_heads(self, rank: int, samples: list[dict]) -> dict[str, Any]:
@@ -178,7 +180,8 @@ class DistillCoordinator(Coordinator):
         row.update({"teacher_tokens_per_s": self.teacher_tokens / max(self.teacher_score_s + self.teacher_swap_s, 1e-9),
                     "teacher_tokens": self.teacher_tokens, "teacher_swap_s": self.teacher_swap_s, "teacher_score_s": self.teacher_score_s,
                     "teacher_busy_frac": min(1.0, (self.teacher_score_s + self.teacher_swap_s) / max(wall, 1e-9)),
-                    "restarts_teacher": self.restarts["teacher"], "domains_in_batch": len(kl)})
+                    "restarts_teacher": self.restarts["teacher"], "domains_in_batch": len(kl),
+                    **{f"teacher_{k}": sum(w[k] for w in self.worker_stats.values()) for k in ("swaps", "from_cpu", "from_disk")}})
         return row
 
     # ------------------------------------------------------------------ evaluation

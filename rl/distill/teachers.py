@@ -186,6 +186,7 @@ class TeacherWorker:
         self.resident: OrderedDict[str, torch.nn.Module] = OrderedDict()  # on self.device, LRU first
         self.cached: OrderedDict[str, Any] = OrderedDict()  # evicted: module (GPU hosts) or state dict (CPU)
         self.stats = {"swaps": 0, "swap_s": 0.0, "from_disk": 0, "from_cpu": 0}
+        self.configs: dict[str, Any] = {}  # flashtrain teacher key -> its model config (read once)
 
     def check(self) -> list[str]:
         """Load every hosted teacher once (then LRU/cache as usual): the errors, by teacher."""
@@ -241,8 +242,9 @@ class TeacherWorker:
 
             from trainer.pretrain import build_model
 
-            cfg = dataclasses.replace(_flashtrain_config(Path(key)), vocab_size=self.student_vocab)
-            model = build_model(SimpleNamespace(model=cfg), self.tokenizer)
+            if key not in self.configs:
+                self.configs[key] = dataclasses.replace(_flashtrain_config(Path(key)), vocab_size=self.student_vocab)
+            model = build_model(SimpleNamespace(model=self.configs[key]), self.tokenizer)
         model.load_state_dict(held)
         return model.eval().to(self.device)
 
@@ -280,5 +282,5 @@ class TeacherWorker:
         # position p - 1 + j predicts response token j
         outputs = [out[i, len(p) - 1:len(p) - 1 + len(r)].to("cpu", self.wire) for i, (p, r) in enumerate(seqs)]
         meta = {"kind": kind, "tokens": sum(len(r) for _, r in seqs), "score_s": time.perf_counter() - start,
-                "swap_s": self.stats["swap_s"] - swap_before, "resident": list(self.resident)}
+                "swap_s": self.stats["swap_s"] - swap_before, "resident": list(self.resident), "stats": dict(self.stats)}
         return meta, outputs, self.head(key) if with_head and kind == "hidden" else None
