@@ -50,11 +50,14 @@ def fetch_teacher_outputs(samples: list[dict], heads: dict[str, Any]) -> None:
             heads[key] = got[h]
 
 
-def teacher_view(samples: list[dict], heads: dict[str, torch.Tensor], dtype: torch.dtype):
-    """The KL's teacher input for samples that share one teacher: their rows concatenated."""
-    out = torch.cat([s["teacher_out"] for s in samples]).to(dtype)
+def teacher_view(samples: list[dict], heads: dict[str, torch.Tensor], like: torch.Tensor):
+    """The KL's teacher input for samples that share one teacher: their rows concatenated, in
+    the dtype and on the device of `like` (the student's hidden states)."""
+    out = torch.cat([s["teacher_out"] for s in samples]).to(like.device, like.dtype)
     if samples[0]["teacher_kind"] == "hidden":
-        return TeacherHidden(out, heads[samples[0]["teacher"]].to(dtype))
+        # heads stay in host memory in the wire dtype (41 flash-size heads are 50 GB in bf16);
+        # the batch's few teachers are copied over per step
+        return TeacherHidden(out, heads[samples[0]["teacher"]].to(like.device, like.dtype))
     return TeacherLogprobs(out)
 
 
@@ -72,7 +75,7 @@ def distill_objective(model, samples: list[dict], fresh: torch.Tensor, heads: di
     for domain in sorted({samples[i]["domain"] for i in keep}):
         idx = [i for i in keep if samples[i]["domain"] == domain]
         h = torch.cat([hidden[i] for i in idx])  # [M, D]
-        kl = chunked_reverse_kl(h, head, teacher_view([samples[i] for i in idx], heads, h.dtype),
+        kl = chunked_reverse_kl(h, head, teacher_view([samples[i] for i in idx], heads, h),
                                 token_chunk=distill.token_chunk, vocab_chunk=distill.vocab_chunk)
         kl_total = kl_total + kl.float() * h.shape[0]
         by_domain[domain] = [float(kl.detach()) * h.shape[0], h.shape[0]]
