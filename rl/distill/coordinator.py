@@ -34,6 +34,10 @@ class DistillCoordinator(Coordinator):
         from rl.distill.prompts import DomainPromptSource
         from rl.distill.teachers import TeacherWorker, place_teachers
 
+        if cfg.rl.ppo_epochs != 1 or cfg.rl.minibatches != 1:
+            from conf.errors import ConfigError
+            raise ConfigError(f"distill takes one optimizer step per version: rl.ppo_epochs={cfg.rl.ppo_epochs} and "
+                              f"rl.minibatches={cfg.rl.minibatches} must be 1")
         self.routes, specs = teachers
         super().__init__(cfg, run_dir, tokenizer_path, policy, log)
         d, rl, ray = cfg.distill, self.rl, self.ray
