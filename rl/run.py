@@ -37,19 +37,15 @@ def initial_policy(cfg) -> str | None:
     """rl.policy or model.init_from (one of them): a checkpoint (resolved to the newest complete
     one) or a public-layout directory (the trainers import it); None: run the built-in SFT."""
     from conf.errors import ConfigError
-    from trainer.checkpoint import resolve_checkpoint
-    from trainer.interop.convert import is_public_dir
+    from trainer.checkpoint import resolve_init_source
 
     if cfg.rl.policy is not None and cfg.model.init_from is not None:
         raise ConfigError(f"rl.policy={cfg.rl.policy} and model.init_from={cfg.model.init_from}: give one")
-    source = cfg.rl.policy if cfg.rl.policy is not None else cfg.model.init_from
-    if source is None:
-        return None
-    if not Path(source).expanduser().exists():
-        raise ConfigError(f"{source}: no such checkpoint or directory")
-    if is_public_dir(Path(source).expanduser()):
-        return str(Path(source).expanduser())
-    return str(resolve_checkpoint(Path(source)))
+    if cfg.rl.policy is not None:
+        return str(resolve_init_source(cfg.rl.policy, "rl.policy"))
+    if cfg.model.init_from is not None:
+        return str(resolve_init_source(cfg.model.init_from))
+    return None
 
 
 def run_rl(cfg, run_dir: Path, config_yaml: str, make_coordinator=None, console=None,

@@ -247,16 +247,25 @@ def load_init_weights(model: torch.nn.Module, source: str, dspark: str = "skip")
     returns the checkpoint or directory the weights came from."""
     from trainer.interop.convert import import_into_model, is_public_dir
 
-    path = Path(source).expanduser()
+    path = resolve_init_source(source)
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    if not path.exists():
-        raise CheckpointError(f"model.init_from={source}: no such checkpoint or directory")
     if is_public_dir(path):
         import_into_model(model, path, dspark, log=print if rank == 0 else (lambda _: None))
-        return path
-    ckpt = resolve_checkpoint(path)
-    load_model_weights(model, ckpt)
-    return ckpt
+    else:
+        load_model_weights(model, path)
+    return path
+
+
+def resolve_init_source(source: str, what: str = "model.init_from") -> Path:
+    """Where a run's starting weights come from: a public-layout directory as given, or the
+    checkpoint that `source` names (resolve_checkpoint; collective). `what` names the setting in
+    the error when `source` does not exist."""
+    from trainer.interop.convert import is_public_dir
+
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"{what}={source}: no such checkpoint or directory")
+    return path if is_public_dir(path) else resolve_checkpoint(path)
 
 
 def resolve_checkpoint(path: Path) -> Path:
