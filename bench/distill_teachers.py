@@ -78,7 +78,9 @@ def main() -> None:
     max_new = cfg.rl.max_new_tokens
     report: dict = {"commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                                              text=True).stdout.strip(),
-                    "date": time.strftime("%Y-%m-%d"), "threads": args.threads, "args": vars(args)}
+                    "date": time.strftime("%Y-%m-%d"), "device": "cpu", "cpus": os.cpu_count(),
+                    "python": sys.version.split()[0], "torch": torch.__version__, "threads": args.threads,
+                    "args": vars(args)}
 
     # teacher -> its domains, as the default registry names them
     groups: dict[str, list[str]] = {}

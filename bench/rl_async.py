@@ -51,7 +51,11 @@ def main() -> None:
     conf.register({n: s.config for n, s in all_stages().items()})
     common = [f"rl.policy={args.policy}", f"rl.steps={args.steps}", "rl.save_every=0", "rl.eval_every=0",
               "rl.eval_prompts=1", "logger=none", "trainer.resume=none", *extra]
+    import ray
+    import torch
+
     result = {"bench": "rl_async", "device": "cpu", "cpus": os.cpu_count(), "machine": platform.machine(),
+              "python": platform.python_version(), "torch": torch.__version__, "ray": ray.__version__,
               "date": datetime.date.today().isoformat(),
               "commit": os.environ.get("FLASHTRAIN_COMMIT") or subprocess.run(
                   ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip(),
