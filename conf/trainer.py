@@ -19,6 +19,7 @@ class TrainerConfig:
     resume: str = "auto"  # auto | none | <checkpoint dir>
     zero_stage: int = 1  # ZeRO stage: DeepSpeed's for optim=adamw; 0/1 for Muon or expert parallelism
     activation_checkpointing: bool = False  # recompute each block's activations in the backward
+    compile: bool = False  # torch.compile each block's forward (trainer/parallelize.py compile_blocks)
     context_parallel: int = 1  # CP degree: each sequence cut into this many slices, one per rank
     expert_parallel: int = 1  # EP degree: experts sharded over groups of this many ranks (world = DP x EP)
     precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16 | fp64 (numerical checks)

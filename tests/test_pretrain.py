@@ -119,6 +119,7 @@ def _checkpoint_files(run: Path) -> dict[str, int]:
     ("data.seq_len=???", ["missing required value", "data.seq_len"]),
     ("data=files", ["data.path"]),
     ("data=files data.path=/nonexistent/corpus", ["/nonexistent/corpus"]),
+    ("trainer.compile=true trainer.activation_checkpointing=true", ["trainer.compile", "activation_checkpointing"]),
 ])
 def test_bad_input_one_line_and_nothing_lost(flashtrain, tmp_path, override, needles):
     run = tmp_path / "run"

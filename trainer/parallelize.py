@@ -177,6 +177,30 @@ def checkpoint_blocks(model: nn.Module) -> int:
     return len(blocks)
 
 
+def compile_blocks(model: nn.Module, backend: str = "inductor") -> int:
+    """torch.compile each block's forward, as torchtitan does: the many small elementwise ops around the
+    matmuls and Triton kernels (norms, mHC coefficients, routing weights, rotary) fuse into
+    a few generated kernels. Data-dependent steps (MoE token counts, padding checks) are graph
+    breaks and run eagerly. Blocks differ in their layer spec (encoder/decoder, compression),
+    so each distinct spec is its own graph: the recompile limit is raised to cover them all.
+    A frame dynamo fails to compile (torch 2.11 trips a guard assertion on the MoE call) runs
+    eagerly with a logged warning (suppress_errors) rather than stopping the run: compiling
+    is an optimisation, never a change in what is computed. Not combined with checkpoint_blocks
+    (the trainer refuses both): dynamo compiles nothing under a forward that checkpoint already
+    wraps, and checkpointing a compiled forward saves a different set of tensors in the
+    recomputation than in the forward (torch 2.13: CheckpointError)."""
+    import torch._dynamo
+
+    blocks = list(getattr(model, "layers", []))
+    dynamo = torch._dynamo.config
+    dynamo.recompile_limit = max(dynamo.recompile_limit, 2 * len(blocks))
+    dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 8 * len(blocks))
+    dynamo.suppress_errors = True
+    for block in blocks:  # the forward, not the module call: checkpoint_blocks may wrap it afterwards
+        block.forward = torch.compile(block.forward, backend=backend)
+    return len(blocks)
+
+
 def _expert_stacks(model: nn.Module):
     for module in model.modules():
         if isinstance(module, RoutedExperts):

@@ -30,6 +30,7 @@ from trainer.parallelize import (
     build_layout,
     checkpoint_blocks,
     clip_grad_norm,
+    compile_blocks,
     full_experts,
     parallelize,
     reduce_gradients,
@@ -88,6 +89,9 @@ class Trainer:
         tc = cfg.trainer
         if tc.max_steps <= 0:
             raise ConfigError(f"trainer.max_steps={tc.max_steps}: must be positive")
+        if tc.compile and tc.activation_checkpointing:  # the recompute saves other tensors than the forward
+            raise ConfigError("trainer.compile=true with trainer.activation_checkpointing=true is not supported: "
+                              "checkpoint recomputation through the compiled blocks fails; turn one off")
         self.dist: DistInfo = init_distributed()
         if tc.torch_threads:
             torch.set_num_threads(tc.torch_threads)
@@ -111,6 +115,8 @@ class Trainer:
                      max([s.compress_ratio for s in self.model.plan.layers] + [1]),
                      max(cfg.model.engram_orders) if self.model.engrams else 1)
         self.expert_params = parallelize(self.model, self.layout)
+        if tc.compile:
+            compile_blocks(self.model)
         if tc.activation_checkpointing:
             checkpoint_blocks(self.model)
         CommTimer.enabled = tc.profile_comm

@@ -121,6 +121,7 @@ def _check(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor) -> tuple[torch.Ten
     return q, w, k
 
 
+@torch.compiler.disable  # trainer.compile: a graph break, launched as is (model/kernels/__init__.py)
 @torch.no_grad()
 def index_scores_triton(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor,
                         positions: Optional[torch.Tensor] = None, doc_start: Optional[torch.Tensor] = None,
@@ -298,6 +299,7 @@ class _IndexScoresAt(torch.autograd.Function):
                 dk.to(k.dtype) if need_k else None, None)
 
 
+@torch.compiler.disable  # trainer.compile: a graph break, launched as is (model/kernels/__init__.py)
 def index_scores_at_triton(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
     """q [B, T, H, Di], w [B, T, H], k [B, S, Di], cand [B, T, P] int (-1 = none) -> [B, T, P]
     fp32, -inf at -1 (`index_scores_at`). Differentiable in q, w and k."""

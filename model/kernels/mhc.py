@@ -405,6 +405,7 @@ class _FusedMHCStep(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------- entry points
+@torch.compiler.disable  # trainer.compile: a graph break, launched as is (model/kernels/__init__.py)
 def fused_mhc_step(h: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
                    pre: torch.Tensor, fn: torch.Tensor, eps: float,
                    config: Optional[MHCKernelConfig] = None):

@@ -274,6 +274,7 @@ class _SinkhornComb(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------- entry point
+@torch.compiler.disable  # trainer.compile: a graph break, launched as is (model/kernels/__init__.py)
 def sinkhorn_comb_triton(logits: torch.Tensor, iters: int, eps: float, *,
                          block_t: Optional[int] = None) -> torch.Tensor:
     """[..., n, n] logits -> doubly stochastic matrix, as `model.mhc.sinkhorn_comb` (see the

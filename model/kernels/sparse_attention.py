@@ -306,6 +306,7 @@ class _SparseAttention(torch.autograd.Function):
         return dq, dkv.to(kv.dtype), dglob, None, None, None, dsink, None, None
 
 
+@torch.compiler.disable  # trainer.compile: a graph break, launched as is (model/kernels/__init__.py)
 def sparse_attention_triton(q: torch.Tensor, win_kv: torch.Tensor, glob_kv: Optional[torch.Tensor],
                             idx: Optional[torch.Tensor], doc_start: torch.Tensor, sink: torch.Tensor,
                             scale: float, window: int, positions: Optional[torch.Tensor] = None,
