@@ -83,3 +83,33 @@ def test_kernels_match_the_reference_model_on_gpu():
     err_ref = ((grad_ref - exact).norm() / exact.norm()).item()
     err_ker = ((grad_ker - exact).norm() / exact.norm()).item()
     assert err_ker < 3 * err_ref, (err_ker, err_ref)
+
+
+@pytest.mark.gpu
+def test_compiled_kernel_model_matches_eager_on_gpu():
+    """trainer.compile (inductor) around the Triton kernels, fp32 so the only difference is
+    inductor's fused arithmetic: losses and gradients equal eager's to fp32 rounding."""
+    from trainer.parallelize import compile_blocks
+
+    torch.manual_seed(0)
+    cfg = dataclasses.replace(CFG, window=128, index_topk=64, pool_block=8, pool_blocks=8, kernels=True)
+    with torch.device("cuda"):
+        eager = Transformer(cfg)
+        compiled = Transformer(cfg)
+    compiled.load_state_dict(eager.state_dict())
+    compile_blocks(compiled)
+    ids = torch.randint(0, 97, (2, 1025), generator=torch.Generator().manual_seed(0)).cuda()
+    try:
+        for _ in range(2):
+            grads = []
+            for model in (eager, compiled):
+                model.zero_grad()
+                out = model(ids[:, :-1], labels=ids[:, 1:])
+                out.loss.backward()
+                grads.append((out.loss.detach(), torch.cat([p.grad.flatten() for p in model.parameters()
+                                                           if p.grad is not None])))
+            (la, ga), (lb, gb) = grads
+            torch.testing.assert_close(la, lb, rtol=1e-5, atol=1e-5)
+            assert ((ga - gb).norm() / ga.norm()).item() < 1e-4
+    finally:
+        torch._dynamo.reset()
