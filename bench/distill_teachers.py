@@ -33,11 +33,11 @@ def main() -> None:
     ap.add_argument("--work", default="runs/distill-cpu")
     ap.add_argument("--out", default="bench/results/distill-cpu.json")
     ap.add_argument("--base-steps", type=int, default=300)
-    ap.add_argument("--teacher-steps", type=int, default=40)
+    ap.add_argument("--teacher-steps", type=int, default=100)
     ap.add_argument("--hf-steps", type=int, default=300)
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--eval-prompts", type=int, default=8)
+    ap.add_argument("--lr", type=float, default=5e-4, help="base and flashtrain teachers (2e-3 leaves tiny copying a constant answer)")
+    ap.add_argument("--eval-prompts", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (2 on 2 busy cores ran >4x slower than 1)")
     ap.add_argument("--distill", nargs="*", default=[], help="extra `flashtrain distill` overrides")
     ap.add_argument("--run", default="run", help="the distill run's directory under --work")
@@ -104,6 +104,7 @@ def main() -> None:
                 model = hf_llama(tok.vocab_size, 1000 + i).train()
                 losses[name] = train_rows(model, rows, args.hf_steps, args.batch, 3e-3, tok.pad_id, seed=i, hf=True)
                 model.save_pretrained(teachers_dir / name)
+                tok.save(teachers_dir / name / "tokenizer.json")  # checked token by token against the student's
             else:
                 model = copy.deepcopy(base)
                 losses[name] = train_rows(model, rows, args.teacher_steps, args.batch, args.lr, tok.pad_id, seed=i)

@@ -1,8 +1,10 @@
 """`flashtrain distill`: the teacher registry (dedup by checkpoint, vocabulary mismatch refused,
 missing teacher named), domain-blocked prompts, LRU teacher multiplexing, and on a local Ray
 cluster: samples routed to their domain's teacher, a killed teacher worker restarted with its
-samples retried, and a resumed run. The chunked reverse KL itself is tests/test_distill_kl.py."""
+samples retried, a hung one (past rl.timeout_s) likewise, and a resumed run. The chunked reverse
+KL itself is tests/test_distill_kl.py."""
 import dataclasses
+import os
 import threading
 import time
 
@@ -100,6 +102,34 @@ def test_vocabulary_mismatch_is_refused_by_name(setup):
     assert any(f"teacher 'wide/checkpoints' (domains rot1) has a {V + 64}-token vocabulary, the student {V}" in e
                for e in errors)
     assert any(f"teacher 'hf_narrow' (domains rot2) has a {V - 96}-token vocabulary" in e for e in errors)
+
+
+def test_same_size_other_tokenizer_is_refused(setup):
+    """A teacher shipping a tokenizer.json of the student's size but with two tokens' ids
+    swapped scores other tokens than the student's: refused by name; its own copy passes."""
+    import json
+
+    from conf.distill import TeacherConfig
+    from rl.distill.make_teachers import hf_llama
+    from rl.distill.teachers import TeacherWorker, resolve_teachers
+
+    cfg, root, tok = setup
+    V = tok.vocab_size
+    for name in ("hf_same", "hf_swapped"):
+        hf_llama(V, 7).save_pretrained(root / "teachers" / name)
+    tok.save(root / "teachers" / "hf_same" / "tokenizer.json")
+    spec = json.loads((root / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    a, b = tok.encode(" the")[0], tok.encode(" and")[0]
+    ta, tb = tok.id_to_token(a), tok.id_to_token(b)
+    vocab[ta], vocab[tb] = b, a
+    (root / "teachers" / "hf_swapped" / "tokenizer.json").write_text(json.dumps(spec))
+    domains = {"rot1": TeacherConfig(checkpoint="hf_same", arch="hf"),
+               "rot2": TeacherConfig(checkpoint="hf_swapped", arch="hf")}
+    _, specs = resolve_teachers(dataclasses.replace(cfg.distill, domains=domains))
+    errors = TeacherWorker(specs, str(root / "tokenizer.json"), V, 1, 1).check()
+    assert len(errors) == 1 and "teacher 'hf_swapped' (domains rot2) has another tokenizer" in errors[0], errors
+    assert "2 tokens differ" in errors[0]
 
 
 def test_cli_reports_a_missing_teacher_by_name(flashtrain, tmp_path):
@@ -257,6 +287,67 @@ def test_routing_teacher_crash_recovery_and_resume(setup):
         coord.run()
         assert coord.version == 5 and [r["step"] for r in rows if "loss" in r] == [5]
         assert coord.trained and not coord.trained & first_trained  # nothing trained twice across the resume
+        coord.shutdown()
+    finally:
+        ray.shutdown()
+
+
+def _hangs_once_worker(armed: str, hung: str):
+    """A teacher worker class whose first scoring call after the file `armed` appears sleeps far
+    past any timeout (the file `hung` records it, so the restarted worker does not hang again)."""
+    from rl.distill.teachers import TeacherWorker
+
+    class HangsOnce(TeacherWorker):
+        def score(self, key, seqs, with_head=False):
+            if os.path.exists(armed) and not os.path.exists(hung):
+                open(hung, "w").close()
+                time.sleep(3600)
+            return super().score(key, seqs, with_head)
+
+    return HangsOnce
+
+
+def test_a_hung_teacher_is_restarted_and_its_samples_retried(setup, tmp_path):
+    """A teacher call that outlives rl.timeout_s: the worker is killed and restarted by Ray, the
+    call's prompts go back to waiting, and every prompt is still trained exactly once."""
+    import ray
+
+    from rl.distill.coordinator import DistillCoordinator
+    from rl.distill.run import distill_rl_config
+    from rl.distill.teachers import resolve_teachers
+
+    cfg, root, tok = setup
+    teachers = resolve_teachers(cfg.distill)
+    cfg = distill_rl_config(cfg, teachers[0])
+    cfg = dataclasses.replace(cfg, rl=dataclasses.replace(cfg.rl, timeout_s=20.0))
+    armed, hung = str(tmp_path / "armed"), str(tmp_path / "hung")
+
+    class HungTeacher(DistillCoordinator):
+        teacher_worker = _hangs_once_worker(armed, hung)  # a local class: Ray ships it by value
+
+    ray.init(num_cpus=6, include_dashboard=False, configure_logging=False)
+    rows, result = [], {}
+    try:
+        coord = HungTeacher(cfg, tmp_path / "run", str(root / "tokenizer.json"), (root / "student").read_text(),
+                            rows.append, tok.vocab_size, teachers)
+
+        def run():
+            try:
+                result.update(coord.run())
+            except BaseException as e:  # surfaced below
+                result["error"] = e
+
+        worker = threading.Thread(target=run, daemon=True)
+        worker.start()
+        while coord.version < 1 and worker.is_alive():  # arm once the start-of-run eval is done
+            time.sleep(0.05)
+        open(armed, "w").close()
+        worker.join(timeout=600)
+        assert not worker.is_alive() and "error" not in result, result.get("error")
+        assert os.path.exists(hung), "no teacher call came after arming: the hang was never exercised"
+        assert coord.restarts["teacher"] >= 1 and result["duplicates"] == 0
+        assert len(coord.trained) == 4 * 4
+        assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
         coord.shutdown()
     finally:
         ray.shutdown()

@@ -25,6 +25,7 @@ from rl.coordinator import Coordinator, _Call
 
 class DistillCoordinator(Coordinator):
     RETRYABLE = ("gen", "score", "teach")
+    teacher_worker: Optional[type] = None  # the teacher actor class (None: rl.distill.teachers.TeacherWorker)
 
     def __init__(self, cfg, run_dir: Path, tokenizer_path: str, policy: Optional[str], log, student_vocab: int,
                  teachers: tuple):
@@ -45,7 +46,8 @@ class DistillCoordinator(Coordinator):
         chat = ChatFormat(TextTokenizer.from_file(tokenizer_path))
         self.source = DomainPromptSource(self.task, chat, list(rl.efforts), list(rl.effort_weights), rl.seed,
                                          d.domain_block)
-        Teacher = ray.remote(num_cpus=1, num_gpus=d.teacher_gpus, max_restarts=-1, max_task_retries=0)(TeacherWorker)
+        Teacher = ray.remote(num_cpus=1, num_gpus=d.teacher_gpus, max_restarts=-1,
+                             max_task_retries=0)(self.teacher_worker or TeacherWorker)
         device = "cuda" if d.teacher_gpus else "cpu"
         self.hosted = place_teachers(specs, d.teacher_workers)
         self.teachers = [Teacher.remote(h, tokenizer_path, student_vocab, d.max_resident, d.cpu_cache,
@@ -225,8 +227,9 @@ class DistillCoordinator(Coordinator):
         return row
 
     def _score_now(self, key: str, group: list[dict]) -> tuple:
-        """A teacher call outside the pipeline (evaluation) -> (kind, outputs ref); a failed
-        worker gets one retry (on the next replica, or on itself once Ray has restarted it)."""
+        """A teacher call outside the pipeline (evaluation) -> (kind, outputs ref); a worker that
+        fails or outlives rl.timeout_s (killed, so Ray restarts it) gets one retry, on the next
+        replica or on itself restarted."""
         seqs = [(s["prompt"], s["response"]) for s in group]
         hosts = self.hosts[key]
         for attempt in range(2):
@@ -234,10 +237,13 @@ class DistillCoordinator(Coordinator):
             meta_ref, outputs, head = self._score_call(a, key, seqs)
             try:
                 meta = self.ray.get(meta_ref, timeout=self.rl.timeout_s)
-            except self.ray.exceptions.RayActorError:
+            except (self.ray.exceptions.RayActorError, self.ray.exceptions.GetTimeoutError) as e:
                 if attempt:
                     raise
+                if isinstance(e, self.ray.exceptions.GetTimeoutError):  # hung: restart it, as in the pipeline
+                    self.ray.kill(self.teachers[a], no_restart=False)
                 self.restarts["teacher"] += 1
+                self.loaded[a] = []
                 continue
             self._took(a, key, meta, head)
             return meta["kind"], outputs

@@ -135,6 +135,7 @@ def load_teacher(spec: TeacherSpec, tokenizer, student_vocab: int) -> torch.nn.M
             hf_logging.disable_progress_bar()  # one bar per swap-in otherwise
             vocab = AutoConfig.from_pretrained(spec.key).vocab_size
             _check_vocab(where, vocab, student_vocab)
+            _check_tokenizer(where, [Path(spec.key)], tokenizer)
             model = AutoModelForCausalLM.from_pretrained(spec.key, dtype=torch.float32)
         else:
             from trainer.checkpoint import load_model_weights
@@ -143,6 +144,7 @@ def load_teacher(spec: TeacherSpec, tokenizer, student_vocab: int) -> torch.nn.M
             ckpt = Path(spec.key)
             head = _head_rows(ckpt)
             _check_vocab(where, head, student_vocab)
+            _check_tokenizer(where, [ckpt, ckpt.parent.parent], tokenizer)  # the checkpoint or its run dir
             model_cfg = dataclasses.replace(_flashtrain_config(ckpt), vocab_size=head)
             model = build_model(SimpleNamespace(model=model_cfg), tokenizer)
             load_model_weights(model, ckpt)
@@ -154,11 +156,27 @@ def load_teacher(spec: TeacherSpec, tokenizer, student_vocab: int) -> torch.nn.M
 
 
 def _head_rows(ckpt: Path) -> int:
-    files = sorted(ckpt.glob("mp_rank_*_model_states.pt"))
-    if not files:
-        raise ValueError("no model states file")
-    state = torch.load(files[0], map_location="cpu", weights_only=False, mmap=True)["module"]
-    return int(state["head.weight"].shape[0])
+    from trainer.checkpoint import model_state
+
+    return int(model_state(ckpt)["head.weight"].shape[0])  # memory-mapped: only the shape is read
+
+
+def _check_tokenizer(where: str, dirs: list[Path], tokenizer) -> None:
+    """Same size is not same tokenizer: where the teacher ships a tokenizer.json (the first of
+    `dirs` that has one), every token must have the student's id. A teacher without one can
+    only be checked by vocabulary size."""
+    from tokenizers import Tokenizer
+
+    for d in dirs:
+        path = d / "tokenizer.json"
+        if path.is_file():
+            theirs = Tokenizer.from_file(str(path)).get_vocab(with_added_tokens=True)
+            ours = tokenizer.tokenizer.get_vocab(with_added_tokens=True)
+            differ = sum(theirs.get(t) != i for t, i in ours.items()) + len(theirs.keys() - ours.keys())
+            if differ:
+                raise TeacherError(f"distill: {where} has another tokenizer ({path}: {differ} tokens differ from the "
+                                   "student's): refused (a teacher must share the student's tokenizer)")
+            return
 
 
 def _check_vocab(where: str, vocab: int, student_vocab: int) -> None:
