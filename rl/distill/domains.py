@@ -1,7 +1,10 @@
 """Synthetic distillation domains (rl/distill/prompts.py streams their prompts).
 
 A domain is a deterministic transform of a short input: text transforms of a lowercase word
-("reverse: fdcab" -> "bacdf") and arithmetic on a number ("add7: 45" -> "52"). Each is a Task
+("reverse: f d c a b" -> "b a c d f") and arithmetic on a number ("add7: 4 5" -> "5 2"). Inputs
+and answers are written one character per token (letters and digits space-separated): the BPE
+tokenizer merges letter runs ("fdcab" is " fd", "c", "ab"), which turns a one-step transform
+into a spelling problem a `tiny` model does not solve in a few hundred steps. Each is a Task
 (rl/tasks), so the reward worker verifies answers as in RL; the reward is graded, 1.0 for an
 exact answer and otherwise the character similarity to it (difflib ratio) times 0.5, so a tiny
 model's near misses still rank.
@@ -49,7 +52,7 @@ TEXT: dict[str, Callable[[str], str]] = {
     "rotl": lambda w: w[1:] + w[0],
     "rotr": lambda w: w[-1] + w[:-1],
     "swap_ends": lambda w: w[-1] + w[1:-1] + w[0],
-    "spaced": lambda w: " ".join(w),
+    "odd": lambda w: w[::2],
 }
 ARITHMETIC: dict[str, Callable[[int], int]] = {
     **{f"add{k}": lambda n, k=k: n + k for k in (1, 2, 3, 5, 7, 10, 20)},
@@ -58,6 +61,11 @@ ARITHMETIC: dict[str, Callable[[int], int]] = {
     **{f"mod{k}": lambda n, k=k: n % k for k in (2, 3, 5)},
 }
 BUILTIN_DOMAINS = (*TEXT, *ARITHMETIC)  # 42 domains
+
+
+def spell(text: str) -> str:
+    """One token per character: "-12" -> "- 1 2"."""
+    return " ".join(text)
 
 
 class TransformDomain(Task):
@@ -71,9 +79,9 @@ class TransformDomain(Task):
     def sample(self, rng: random.Random) -> Problem:
         if self.name in TEXT:
             x = "".join(rng.choice(LETTERS) for _ in range(rng.randint(3, 6)))
-            return self.problem(f"{self.name}: {x}", TEXT[self.name](x))
+            return self.problem(f"{self.name}: {spell(x)}", spell(TEXT[self.name](x)))
         n = rng.randint(0, 99)
-        return self.problem(f"{self.name}: {n}", str(ARITHMETIC[self.name](n)))
+        return self.problem(f"{self.name}: {spell(str(n))}", spell(str(ARITHMETIC[self.name](n))))
 
     def verify(self, problem: Problem, answer_text: str) -> float:
         if not isinstance(answer_text, str):
