@@ -5,8 +5,10 @@ turn, as in SFT) and saved in this framework's checkpoint layout (what trainer/c
 load_model_weights reads, plus trainer_state.pt with the model config, like a pretraining
 checkpoint), so the teacher registry loads it like any trained model. An HF teacher is a
 `transformers` LlamaForCausalLM (a different architecture) on the same tokenizer, saved with
-save_pretrained. Everything trains in one process, a few dozen steps per teacher: on a 2-core
-CPU the point is many distinct teachers cheaply, not good ones.
+save_pretrained. Everything trains in one process, about a hundred steps per teacher: on a
+2-core CPU the point is many distinct teachers cheaply. AdamW at lr 5e-4 (the bench's default):
+at 2e-3 a tiny model trained on one domain still answered every prompt with one constant
+string after 150 steps, while 5e-4 solved `first` in the same steps.
 """
 from __future__ import annotations
 
