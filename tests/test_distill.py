@@ -206,6 +206,22 @@ def _expected_teacher_view(setup, key: str, sample: dict) -> torch.Tensor:
     return out[0, p - 1:p - 1 + r]
 
 
+def _run_in_thread(coord) -> tuple[threading.Thread, dict]:
+    """coord.run() in a thread, so the test can disturb its workers; the result dict gets the
+    run's result, or its exception under "error"."""
+    result: dict = {}
+
+    def run():
+        try:
+            result.update(coord.run())
+        except BaseException as e:  # surfaced by the test
+            result["error"] = e
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    return worker, result
+
+
 def test_routing_teacher_crash_recovery_and_resume(setup):
     """One run on Ray: every trained sample carries its prompt's domain and exactly what that
     domain's teacher computes for it; a teacher worker killed mid-call is restarted and its
@@ -231,16 +247,7 @@ def test_routing_teacher_crash_recovery_and_resume(setup):
     try:
         coord = Recording(cfg, root / "run", str(root / "tokenizer.json"), (root / "student").read_text(), rows.append,
                           tok.vocab_size, teachers)
-        result = {}
-
-        def run():
-            try:
-                result.update(coord.run())
-            except BaseException as e:  # surfaced below
-                result["error"] = e
-
-        worker = threading.Thread(target=run, daemon=True)
-        worker.start()
+        worker, result = _run_in_thread(coord)
         deadline = time.time() + 300
         while coord.restarts["teacher"] == 0 and worker.is_alive() and time.time() < deadline:
             busy = sorted(coord.busy_teacher)
@@ -326,19 +333,11 @@ def test_a_hung_teacher_is_restarted_and_its_samples_retried(setup, tmp_path):
         teacher_worker = _hangs_once_worker(armed, hung)  # a local class: Ray ships it by value
 
     ray.init(num_cpus=6, include_dashboard=False, configure_logging=False)
-    rows, result = [], {}
+    rows = []
     try:
         coord = HungTeacher(cfg, tmp_path / "run", str(root / "tokenizer.json"), (root / "student").read_text(),
                             rows.append, tok.vocab_size, teachers)
-
-        def run():
-            try:
-                result.update(coord.run())
-            except BaseException as e:  # surfaced below
-                result["error"] = e
-
-        worker = threading.Thread(target=run, daemon=True)
-        worker.start()
+        worker, result = _run_in_thread(coord)
         while coord.version < 1 and worker.is_alive():  # arm once the start-of-run eval is done
             time.sleep(0.05)
         open(armed, "w").close()
