@@ -10,8 +10,10 @@
 4. The per-domain table: reverse KL to the teacher at the start vs the end of distillation, and
    the student's eval score at start and end next to the teacher's. Written to --out.
 
-Not in CI (about 15-30 minutes on 2 busy cores).
-    python bench/distill_teachers.py --work runs/distill-cpu --out bench/results/distill-cpu.json
+Not in CI (teachers ~17 minutes on 2 cores, then ~17 minutes per 250 versions). The recorded run:
+    python bench/distill_teachers.py --work runs/distill-cpu --out bench/results/distill-cpu.json \
+        --threads 2 --distill rl.steps=250 rl.prompts_per_step=32 optim.lr=5e-4 distill.cpu_cache=24
+    then the same with --skip-teachers and rl.steps=500 (resumes the run to 500 versions).
 """
 from __future__ import annotations
 
@@ -32,8 +34,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--work", default="runs/distill-cpu")
     ap.add_argument("--out", default="bench/results/distill-cpu.json")
-    ap.add_argument("--base-steps", type=int, default=300)
-    ap.add_argument("--teacher-steps", type=int, default=100)
+    ap.add_argument("--base-steps", type=int, default=1000)
+    ap.add_argument("--teacher-steps", type=int, default=60)
     ap.add_argument("--hf-steps", type=int, default=300)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--lr", type=float, default=5e-4, help="base and flashtrain teachers (2e-3 leaves tiny copying a constant answer)")
