@@ -196,7 +196,7 @@ def compile_blocks(model: nn.Module, backend: str = "inductor") -> int:
     dynamo.recompile_limit = max(dynamo.recompile_limit, 2 * len(blocks))
     dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 8 * len(blocks))
     dynamo.suppress_errors = True
-    for block in blocks:  # the forward, not the module call: checkpoint_blocks may wrap it afterwards
+    for block in blocks:  # patch the forward, as checkpoint_blocks does, not the module call
         block.forward = torch.compile(block.forward, backend=backend)
     return len(blocks)
 
