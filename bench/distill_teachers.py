@@ -117,8 +117,13 @@ def main() -> None:
                   f"score {sum(v['score'] for v in scores[name].values()) / len(domains):.3f}", flush=True)
         teachers_s = time.perf_counter() - start
         scores_file.write_text(json.dumps({"base_ckpt": str(base_ckpt), "scores": scores, "losses": losses,
-                                           "base_s": base_s, "teachers_s": teachers_s, "base_loss": base_loss}))
+                                           "base_s": base_s, "teachers_s": teachers_s, "base_loss": base_loss,
+                                           "eval_prompts": args.eval_prompts}))
     made = json.loads(scores_file.read_text())
+    if made.get("eval_prompts", 16) != args.eval_prompts:  # teachers reused: score them on the student's eval set
+        made["scores"] = rescore_teachers(Path(made["base_ckpt"]), teachers_dir, groups, tok, chat, task, pairs, max_new)
+        made["eval_prompts"] = args.eval_prompts
+        scores_file.write_text(json.dumps(made))
     report["teacher_training"] = {"base_steps": args.base_steps, "base_s": round(made["base_s"], 1),
                                   "base_loss": made["base_loss"], "flashtrain_teachers": len(groups) - len(HF_TEACHERS),
                                   "hf_teachers": len(HF_TEACHERS), "teacher_steps": args.teacher_steps,
@@ -180,6 +185,28 @@ def main() -> None:
         print(f"{r['domain']:<14}{kl}{r['student_score_start']:>8.3f}{r['student_score_end']:>8.3f}"
               f"{r['teacher_score']:>9.3f}")
     print(json.dumps(report["summary"], indent=1))
+
+
+def rescore_teachers(base_ckpt: Path, teachers_dir: Path, groups: dict[str, list[str]], tok, chat, task, pairs,
+                     max_new: int) -> dict:
+    """Greedy eval of the saved base and teachers, loaded from disk as the registry loads them."""
+    from conf.distill import HF_TEACHERS
+    from rl.distill.make_teachers import domain_scores
+    from rl.distill.teachers import TeacherSpec, load_teacher
+    from trainer.checkpoint import resolve_checkpoint
+
+    def load(path: Path, name: str, arch: str, domains: list[str]):
+        key = path if arch == "hf" else resolve_checkpoint(path)
+        return load_teacher(TeacherSpec(str(key), name, arch, 1, tuple(domains)), tok, tok.vocab_size)
+
+    scores = {"base": domain_scores(load(base_ckpt, "base", "flashtrain", ["all"]), chat, task, pairs, max_new)}
+    for name, domains in sorted(groups.items()):
+        hf = name in HF_TEACHERS.values()
+        model = load(teachers_dir / name, name, "hf" if hf else "flashtrain", domains)
+        scores[name] = domain_scores(model, chat, task, [p for p in pairs if p[0]["domain"] in domains], max_new, hf=hf)
+        print(f"teacher {name} rescored on {len(pairs) // len(task.names)} prompts per domain: "
+              f"{sum(v['score'] for v in scores[name].values()) / len(domains):.3f}", flush=True)
+    return scores
 
 
 if __name__ == "__main__":

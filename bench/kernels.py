@@ -8,6 +8,7 @@ Sections (bench/kernels_<name>.py, each `bench(device) -> dict`):
   mhc        fused single-pass mHC vs the eager composition; bytes moved vs (2n+2)·d
   engram     hash + gather of random rows: GB/s vs copy bandwidth, GPU and pinned-host table
   e2e        the `small` training step, kernels off vs on: tokens/s ratio and MFU
+  e2e_batch  the kernels-on `small` step at micro-batch 2, 4, 8: tokens/s ratio and MFU
 
     python -m bench.kernels [--only attention,mhc] [--out bench/results/kernels-h200.json]
 
@@ -28,7 +29,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-SECTIONS = ("quant", "attention", "indexer", "mhc", "engram", "e2e")
+SECTIONS = ("quant", "attention", "indexer", "mhc", "engram", "e2e", "e2e_batch")
 
 
 def main() -> None:
