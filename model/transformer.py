@@ -60,10 +60,21 @@ class Block(nn.Module):
             self.fused_mhc = fused_mhc_step
             self.attn_hc.sinkhorn = self.ffn_hc.sinkhorn = sinkhorn_comb_triton  # one launch, not ~80
 
-    def forward(self, h: torch.Tensor, pre: torch.Tensor, rt: AttentionRuntime):
-        """h [B, T, n, D] streams, pre [B, T, n] this layer's input mix -> (h', next pre)."""
-        post, comb, ffn_pre = self.attn_hc(h)
-        y = self.attn(self.attn_norm(mix_streams(pre, h)), rt)  # [B, T, D]
+    def forward(self, h: torch.Tensor, pre: torch.Tensor, rt: AttentionRuntime, pending: Optional[tuple] = None):
+        """h [B, T, n, D] streams, pre [B, T, n] this layer's input mix -> (h', next pre, pending').
+
+        pending: the previous block's MoE update (y [B, T, D], post, comb), not yet applied to h.
+        With the fused mHC kernel a block leaves its own MoE update pending, so that the next block
+        applies it in the same pass that mixes its attention input (`settle` applies the last one);
+        without, pending' is None and h' is fully updated."""
+        if pending is not None and self.fused_mhc is not None:
+            h, x, mix = self.fused_mhc(h, *pending, pre, self.attn_hc.fn, self.attn_hc.eps)
+            post, comb, ffn_pre = self.attn_hc.coefficients(mix)
+        else:
+            h = settle(h, pending)
+            post, comb, ffn_pre = self.attn_hc(h)
+            x = mix_streams(pre, h)
+        y = self.attn(self.attn_norm(x), rt)  # [B, T, D]
         if self.fused_mhc is not None:
             h, x, mix = self.fused_mhc(h, y, post, comb, ffn_pre, self.ffn_hc.fn, self.ffn_hc.eps)
             post, comb, next_pre = self.ffn_hc.coefficients(mix)
@@ -73,7 +84,14 @@ class Block(nn.Module):
             x = mix_streams(ffn_pre, h)
         y, balance = self.moe(self.ffn_norm(x), rt.shard)
         rt.aux_losses.append(balance)
-        return update_streams(h, y, post, comb), next_pre
+        if self.fused_mhc is not None:
+            return h, next_pre, (y, post, comb)
+        return update_streams(h, y, post, comb), next_pre, None
+
+
+def settle(h: torch.Tensor, pending: Optional[tuple]) -> torch.Tensor:
+    """h with a block's pending MoE update (y, post, comb) applied (h itself when none)."""
+    return h if pending is None else update_streams(h, *pending)
 
 
 class Transformer(nn.Module):
@@ -194,12 +212,13 @@ class Transformer(nn.Module):
         history = rt.shard.history
         if history is not None and lookup is not None:
             history = self.lookup_map[history]
+        pending = None  # a block's MoE update that the next block's fused mHC step applies
         for layer in layers:
             engram = self.engrams[str(layer.spec.layer_id)] if layer.spec.engram else None
             if engram is not None:
-                h = engram(h, lookup, rt.doc_start, rt.positions, history)
-            h, pre = layer(h, pre, rt)
-        return h, pre
+                h, pending = engram(settle(h, pending), lookup, rt.doc_start, rt.positions, history), None
+            h, pre, pending = layer(h, pre, rt, pending)
+        return settle(h, pending), pre
 
     def forward_ced(self, input_ids: torch.Tensor, replay: int, shard: Optional[SequenceShard] = None) -> torch.Tensor:
         """CED prefill with bounded replay (SPEC §2) -> logits [B, R, V] of the last R = min(replay, N)
