@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 
 from conf.model import SmallModelConfig, TinyModelConfig
-from model.transformer import Transformer
 from model.runtime import AttentionRuntime
+from model.transformer import Transformer
 from rl.engine.cache import DecodeCache
 from rl.engine.generate import generate, prefill_ced
 from rl.engine.prefix import PrefixCache
@@ -105,7 +105,8 @@ def bench_decode(model, batches, prompt_len, steps, vocab, device) -> dict:
         plain_steps = min(steps, 4)  # the plain loop is O(length) per token: a few steps suffice
         at = prompt_len + steps
         [plain_next_logits(model, ids[:, :p + 1]) for p in range(at - 2, at)]  # warm-up
-        plain = _seconds(lambda: [plain_next_logits(model, ids[:, :p + 1]) for p in range(at, at + plain_steps)],
+        positions = range(at, at + plain_steps)
+        plain = _seconds(lambda ids=ids, positions=positions: [plain_next_logits(model, ids[:, :p + 1]) for p in positions],
                          device)
         out[b] = {"cached_tokens_per_s": b * steps / cached, "plain_tokens_per_s": b * plain_steps / plain,
                   "speedup": (b * steps / cached) / (b * plain_steps / plain)}
