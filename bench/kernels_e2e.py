@@ -97,5 +97,5 @@ def bench(device, seq_len: int = 4096, micro_batch: int = 2, steps: int = 3, voc
             "compiled_vs_on": compiled["tokens_per_s"] / on["tokens_per_s"],
             "compiled_accum_vs_off": compiled_accum["tokens_per_s"] / off["tokens_per_s"],
             "kernels_used": "sparse attention fwd+bwd, indexer scoring (dense with fused mask, Reindex, KL), "
-                            "fused mHC at the attention->MoE boundary, grouped-GEMM experts; "
-                            "not wired: block-end mHC, Engram, KV quant"}
+                            "fused mHC at every sub-layer boundary (attention->MoE in a block, and MoE->next "
+                            "attention across blocks), grouped-GEMM experts; not wired: Engram, KV quant"}
