@@ -27,6 +27,7 @@ class TeacherConfig:
 # bench/distill_teachers.py makes them under distill.teacher_root: one flashtrain teacher per
 # domain, except rot1 and rot2 (one teacher trained on both) and length (a transformers Llama).
 SHARED_TEACHERS = {"rot1": "rot", "rot2": "rot"}
+KL_MEANS = ("token", "domain")  # distill.kl_mean
 HF_TEACHERS = {"length": "hf_length"}
 
 
@@ -48,6 +49,7 @@ class DistillLoopConfig:
     domains: dict[str, TeacherConfig] = field(default_factory=default_domains)
     only: list[str] = field(default_factory=list)  # run these domains only (empty: every domain listed)
     kl_weight: float = 1.0  # on the full-vocabulary reverse KL to the domain's teacher
+    kl_mean: str = "token"  # token: mean over all response tokens | domain: mean of each domain's token mean
     reward_weight: float = 0.0  # on the RL policy loss (group advantages of the task reward); 0: pure distillation
     teacher_workers: int = 2  # Ray actors that host teachers
     max_resident: int = 2  # teachers loaded on a worker's device at once (LRU)

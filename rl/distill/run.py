@@ -25,11 +25,15 @@ def console_line(row: dict[str, Any]) -> str:
 
 
 def run_distill(cfg, run_dir: Path, config_yaml: str) -> dict[str, Any]:
+    from conf.distill import KL_MEANS
+    from conf.errors import ConfigError
     from data.tokenizer import TextTokenizer
     from rl.distill.coordinator import DistillCoordinator
     from rl.distill.teachers import resolve_teachers
     from rl.run import run_rl
 
+    if cfg.distill.kl_mean not in KL_MEANS:
+        raise ConfigError(f"distill.kl_mean={cfg.distill.kl_mean!r}: expected one of {', '.join(KL_MEANS)}")
     teachers = resolve_teachers(cfg.distill)  # a missing teacher is named before anything starts
     cfg = distill_rl_config(cfg, teachers[0])
 

@@ -63,14 +63,17 @@ def teacher_view(samples: list[dict], heads: dict[str, torch.Tensor], like: torc
 
 def distill_objective(model, samples: list[dict], fresh: torch.Tensor, heads: dict[str, torch.Tensor], pad_id: int,
                       distill, rl) -> tuple[torch.Tensor, dict[str, Any]]:
-    """kl_weight * (token-mean reverse KL to each sample's teacher) + reward_weight * RL loss,
-    over the samples whose `fresh` [N] is True (the staleness rule). Stats: "kl" and
-    "kl_by_domain" {domain: [sum of token KLs, tokens]}."""
+    """kl_weight * (mean reverse KL to each sample's teacher) + reward_weight * RL loss, over the
+    samples whose `fresh` [N] is True (the staleness rule). distill.kl_mean: "token" averages
+    over every response token of the batch, "domain" averages each domain's token mean, so a
+    domain with one-token answers weighs as much as one with twelve-token answers. Stats: "kl"
+    (the token mean, either way) and "kl_by_domain" {domain: [sum of token KLs, tokens]}."""
     hidden = response_hidden(model, samples, pad_id)
     head = model.head.weight  # [V, D]
     keep = [i for i, ok in enumerate(fresh.tolist()) if ok and len(samples[i]["response"])]
     tokens = sum(len(samples[i]["response"]) for i in keep)
     kl_total = head.new_zeros((), dtype=torch.float32)
+    domain_means = []
     by_domain: dict[str, list[float]] = {}
     for domain in sorted({samples[i]["domain"] for i in keep}):
         idx = [i for i in keep if samples[i]["domain"] == domain]
@@ -78,9 +81,13 @@ def distill_objective(model, samples: list[dict], fresh: torch.Tensor, heads: di
         kl = chunked_reverse_kl(h, head, teacher_view([samples[i] for i in idx], heads, h),
                                 token_chunk=distill.token_chunk, vocab_chunk=distill.vocab_chunk)
         kl_total = kl_total + kl.float() * h.shape[0]
+        domain_means.append(kl.float())
         by_domain[domain] = [float(kl.detach()) * h.shape[0], h.shape[0]]
     kl_mean = kl_total / max(tokens, 1)
-    loss = distill.kl_weight * kl_mean
+    if distill.kl_mean == "domain" and domain_means:
+        loss = distill.kl_weight * torch.stack(domain_means).mean()
+    else:
+        loss = distill.kl_weight * kl_mean
     stats: dict[str, Any] = {"kl": float(kl_mean.detach()), "kl_by_domain": by_domain}
     if distill.reward_weight > 0:
         pg, pg_stats = _policy_term(hidden, head, samples, fresh, rl)
