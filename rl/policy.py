@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from omegaconf import OmegaConf
 
 from rl.algorithm import policy_loss, stale_mask
 
@@ -53,6 +54,7 @@ class PolicyTrainer:
         if cfg.trainer.torch_threads:
             torch.set_num_threads(cfg.trainer.torch_threads)
         self.cfg, self.rl = cfg, cfg.rl
+        self.config_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
         self.dist = init_distributed()
         seed_everything(cfg.trainer.seed)
         self.tokenizer = TextTokenizer.from_file(tokenizer_path)
@@ -184,7 +186,10 @@ class PolicyTrainer:
         rank_state = {"rng": rng_state()}
         if self.own_optimizer_state:
             rank_state["optimizer"] = self.optimizer.state_dict()
-        return str(self.ckpts.save(self.engine, self.version, {"step": self.version, "rl": rl_state}, rank_state))
+        # "config" as pretraining checkpoints carry it: the policy then loads like any trained model
+        # (e.g. as a distillation teacher, rl/distill/teachers.py)
+        state = {"step": self.version, "rl": rl_state, "config": self.config_yaml}
+        return str(self.ckpts.save(self.engine, self.version, state, rank_state))
 
     def resume(self, resume: str) -> Optional[dict[str, Any]]:
         """Restore policy, optimizer and version from the newest valid checkpoint (trainer.resume);

@@ -137,6 +137,10 @@ def test_cli_reports_a_missing_teacher_by_name(flashtrain, tmp_path):
                    f"hydra.run.dir={tmp_path / 'run'}", timeout=120)
     assert p.returncode == 2
     assert "teacher 'add7/checkpoints' (domain add7) fails to load" in p.stderr and len(p.stderr.splitlines()) == 1
+    p = flashtrain("distill", "logger=none", f"distill.teacher_root={tmp_path}", "distill.kl_mean=sample",
+                   f"hydra.run.dir={tmp_path / 'run2'}", timeout=120)
+    assert p.returncode == 2 and "distill.kl_mean='sample': expected one of token, domain" in p.stderr
+    assert len(p.stderr.splitlines()) == 1
 
 
 def test_prompts_carry_their_domain_in_blocks():
@@ -295,6 +299,15 @@ def test_routing_teacher_crash_recovery_and_resume(setup):
         assert coord.version == 5 and [r["step"] for r in rows if "loss" in r] == [5]
         assert coord.trained and not coord.trained & first_trained  # nothing trained twice across the resume
         coord.shutdown()
+
+        # the distilled student's checkpoint records its model config, so it can teach in turn
+        from rl.distill.teachers import TeacherSpec, load_teacher
+        from trainer.checkpoint import model_state, resolve_checkpoint
+
+        ckpt = resolve_checkpoint(root / "run")
+        student = load_teacher(TeacherSpec(str(ckpt), "student", "flashtrain", 1, ("add7",)), tok, tok.vocab_size)
+        saved = model_state(ckpt)
+        assert ckpt.name.endswith("5") and all(torch.equal(v, saved[k]) for k, v in student.state_dict().items())
     finally:
         ray.shutdown()
 
@@ -386,6 +399,20 @@ def test_student_objective_matches_the_model_logits_and_the_rl_loss(setup):
     want = reverse_kl_reference(torch.cat(logits), torch.cat(targets))
     assert torch.allclose(loss_kl, want, rtol=1e-4, atol=1e-5)
     assert set(stats["kl_by_domain"]) == {"add7"} and stats["kl_by_domain"]["add7"][1] == 4
+
+    # kl_mean=domain: every domain's token mean weighs the same; with the first sample stale,
+    # add7 has 1 response token and reverse 4, so the token mean differs
+    uneven = torch.tensor([False, True, True])
+    by_domain = dataclasses.replace(kl_only, kl_mean="domain")
+    loss_dom, stats = distill_objective(model, samples, uneven, {}, tok.pad_id, by_domain, cfg.rl)
+    per_domain = []
+    for s in samples[1:]:
+        ids = torch.tensor([s["prompt"] + s["response"]])
+        p, r = len(s["prompt"]), len(s["response"])
+        per_domain.append(reverse_kl_reference(model(ids).logits[0, p - 1:p - 1 + r], s["teacher_out"]))
+    assert torch.allclose(loss_dom, torch.stack(per_domain).mean(), rtol=1e-4, atol=1e-5)
+    token_mean = (per_domain[0] * 1 + per_domain[1] * 4) / 5
+    assert abs(stats["kl"] - float(token_mean)) < 1e-4 and not torch.allclose(loss_dom, token_mean, rtol=1e-3)
 
     mixed = dataclasses.replace(kl_only, reward_weight=0.5)
     loss_mix, stats = distill_objective(model, samples, fresh, {}, tok.pad_id, mixed, cfg.rl)
