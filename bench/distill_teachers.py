@@ -10,10 +10,11 @@
 4. The per-domain table: reverse KL to the teacher at the start vs the end of distillation, and
    the student's eval score at start and end next to the teacher's. Written to --out.
 
-Not in CI (teachers ~17 minutes on 2 cores, then ~17 minutes per 250 versions). The recorded run:
+Not in CI (teachers ~17 minutes on 2 cores, then ~73 minutes for 1000 versions). The recorded run:
     python bench/distill_teachers.py --work runs/distill-cpu --out bench/results/distill-cpu.json \
-        --threads 2 --distill rl.steps=250 rl.prompts_per_step=32 optim.lr=5e-4 distill.cpu_cache=24
-    then the same with --skip-teachers and rl.steps=500 (resumes the run to 500 versions).
+        --threads 2 --eval-prompts 64 --distill rl.steps=1000 rl.prompts_per_step=32 optim.lr=5e-4 \
+        optim.schedule=cosine optim.warmup_steps=0 optim.min_lr_ratio=0.1 rl.eval_every=500 distill.cpu_cache=24
+    and its variant adds distill.kl_mean=domain (with --skip-teachers --run run_domain).
 """
 from __future__ import annotations
 
