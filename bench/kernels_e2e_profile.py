@@ -1,0 +1,107 @@
+"""Where the kernels-on `small` step's GPU time goes, at the micro-batch that gave the best MFU
+(8 x 4096 tokens, eager): one profiled forward+backward and one profiled optimizer step, every
+CUDA kernel put in one category by name. It bounds what fusing more can buy: the step cannot be
+faster than its matmuls plus its attention, so `mfu_bound_gemm_attention` is the MFU with every
+other kernel taking no time at all.
+
+Attention here is memory-bound by construction at 16 heads: each query gathers its own selected
+rows (C = 512 latent values, bf16) and does 4 * H * C FLOPs with each (QK and PV, the row is both
+K and V), i.e. 2H FLOPs per byte. `attention_hbm_bound_frac_peak` is that intensity times the
+measured copy bandwidth over the bf16 peak: the attention's ceiling as a fraction of peak when its
+rows come from HBM (neighbouring queries share window rows and, often, selected ones, so L2 can
+lift it somewhat).
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+
+import torch
+
+from bench.kernel_timing import copy_bandwidth_gbs
+from conf.model import SmallModelConfig
+from conf.optim import MuonConfig
+from model.accounting import train_flops_per_token
+from model.transformer import Transformer
+from optim import build_optimizer
+from trainer.metrics import device_peak_flops
+
+# first match wins; the Triton kernels' names are those in model/kernels/
+CATEGORIES = (
+    ("sparse_attention", r"^(_fwd_kernel|_bwd_kernel|_psum_kernel)$"),
+    ("indexer", r"^_scores"),
+    ("mhc_sinkhorn", r"^(_mhc_|_sinkhorn_)"),
+    ("gemm", r"nvjet|gemm|cutlass|xmma|wgmma|cublas"),
+    ("copy_cast_cat", r"copy|Memcpy|CatArray|Memset"),
+    ("softmax", r"SoftMax|softmax"),
+    ("topk_sort", r"topk|Sort|sort|radix|DigitCounts|WithinKCounts"),
+    ("index_gather_scatter", r"index|gather|scatter|Embedding|embedding"),
+    ("other_elementwise_reduce", r""),
+)
+
+
+def _by_category(prof) -> dict[str, float]:
+    out = {name: 0.0 for name, _ in CATEGORIES}
+    for event in prof.key_averages():
+        if event.self_device_time_total <= 0:
+            continue
+        name = next(n for n, pattern in CATEGORIES if re.search(pattern, event.key))
+        out[name] += event.self_device_time_total / 1e3  # ms
+    return out
+
+
+def bench(device, seq_len: int = 4096, micro_batch: int = 8, vocab: int = 129_280) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.set_device(device)
+    cfg = dataclasses.replace(SmallModelConfig(), vocab_size=vocab, kernels=True, attn_chunk_tokens=0)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Transformer(cfg)
+    opt = build_optimizer(model, MuonConfig(), zero_stage=0)
+    ids = torch.randint(0, vocab, (micro_batch, seq_len + 1), device="cuda")
+
+    def fwd_bwd():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = model(ids[:, :-1], labels=ids[:, 1:])
+        out.loss.backward()
+
+    for _ in range(2):  # autotuning, allocator growth
+        fwd_bwd()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fwd_bwd()
+    torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - start) * 1e3
+    start = time.perf_counter()
+    opt.step()
+    torch.cuda.synchronize()
+    opt_wall_ms = (time.perf_counter() - start) * 1e3
+    opt.zero_grad(set_to_none=True)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fwd_bwd()
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof_opt:
+        opt.step()
+        torch.cuda.synchronize()
+    opt.zero_grad(set_to_none=True)
+
+    cats, opt_cats = _by_category(prof), _by_category(prof_opt)
+    gpu_ms, opt_gpu_ms = sum(cats.values()), sum(opt_cats.values())
+    tokens = micro_batch * seq_len
+    flops = train_flops_per_token(model, seq_len)
+    peak, source = device_peak_flops(torch.device("cuda"), None)
+    mfu = tokens * flops / (wall_ms / 1e3) / peak  # forward+backward only (no optimizer step)
+    copy_gbs = copy_bandwidth_gbs()
+    bound_ms = cats["gemm"] + cats["sparse_attention"]
+    return {"model": "small", "seq_len": seq_len, "micro_batch": micro_batch, "tokens": tokens,
+            "fwd_bwd_wall_ms": wall_ms, "fwd_bwd_gpu_ms": gpu_ms, "gpu_busy_frac": gpu_ms / wall_ms,
+            "fwd_bwd_ms": cats, "fwd_bwd_frac": {k: v / gpu_ms for k, v in cats.items()},
+            "optimizer_wall_ms": opt_wall_ms, "optimizer_gpu_ms": opt_gpu_ms, "optimizer_ms": opt_cats,
+            "mfu_fwd_bwd": mfu, "peak_source": source,
+            "mfu_bound_gemm_attention": mfu * wall_ms / bound_ms,
+            "copy_gbs": copy_gbs, "heads": cfg.n_heads,
+            "attention_hbm_bound_frac_peak": 2 * cfg.n_heads * copy_gbs * 1e9 / peak}
