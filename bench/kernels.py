@@ -49,7 +49,8 @@ def main() -> None:
         old = json.loads(Path(args.out).read_text())
         measured = old.get("measured") or {k: {"commit": old.get("commit"), "date": old.get("date")}
                                            for k in SECTIONS if k in old}
-        result.update({k: old[k] for k in SECTIONS if k in old})
+        # every section and kept comparison row; the header (device, versions, commit) is this run's
+        result.update({k: v for k, v in old.items() if k not in result and k != "measured"})
         result["measured"] = measured
     result.setdefault("measured", {})
     for name in args.only.split(","):
