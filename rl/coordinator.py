@@ -86,6 +86,7 @@ class Coordinator:
         self.duplicates = 0  # prompts trained twice: must stay 0
         self.restarts = {"rollout": 0, "reward": 0}
         self.samples_trained, self.train_s, self.wall_start = 0, 0.0, time.perf_counter()
+        self.samples_at_wall_start = 0  # a resumed run's rate counts only this process's samples
         self.weights_ref = None
         self.busy_rollout: set[int] = set()
         self.next_reward = 0
@@ -238,7 +239,8 @@ class Coordinator:
                                   if k in stats[0]},  # policy-loss stats (distillation may have none)
                                "reward": sum(s["reward"] for s in samples) / len(samples),
                                "task_reward": sum(s["task_reward"] for s in samples) / len(samples),
-                               "samples_per_s": self.samples_trained / wall,
+                               "samples": self.samples_trained, "elapsed_s": wall,
+                               "samples_per_s": (self.samples_trained - self.samples_at_wall_start) / wall,
                                "trainer_idle_frac": max(0.0, 1 - self.train_s / wall),
                                "stale_samples": sum(s["stale_samples"] for s in stats),
                                "stale_tokens": sum(s["stale_tokens"] for s in stats),
@@ -294,7 +296,7 @@ class Coordinator:
             first = self.evaluate()
             self.log(first)
             last.update(first)
-        self.wall_start = time.perf_counter()
+        self.wall_start, self.samples_at_wall_start = time.perf_counter(), self.samples_trained
         while self.version < rl.steps:
             self._dispatch_rollouts()
             self._dispatch_training()
