@@ -10,11 +10,12 @@
 4. The per-domain table: reverse KL to the teacher at the start vs the end of distillation, and
    the student's eval score at start and end next to the teacher's. Written to --out.
 
-Not in CI (teachers ~17 minutes on 2 cores, then ~73 minutes for 1000 versions). The recorded run:
+Not in CI (teachers ~17 minutes on 2 cores, then ~75 minutes for 1000 versions). The recorded run
+(distill.kl_mean at its default, domain):
     python bench/distill_teachers.py --work runs/distill-cpu --out bench/results/distill-cpu.json \
         --threads 2 --eval-prompts 64 --distill rl.steps=1000 rl.prompts_per_step=32 optim.lr=5e-4 \
         optim.schedule=cosine optim.warmup_steps=0 optim.min_lr_ratio=0.1 rl.eval_every=500 distill.cpu_cache=24
-    and its variant adds distill.kl_mean=domain (with --skip-teachers --run run_domain).
+    and its variant adds distill.kl_mean=token (with --skip-teachers --run run_token).
 """
 from __future__ import annotations
 

@@ -388,7 +388,8 @@ def test_student_objective_matches_the_model_logits_and_the_rl_loss(setup):
                         "domain": "add7" if i < 2 else "reverse", "teacher": "t", "teacher_kind": "logprobs",
                         "teacher_out": torch.log_softmax(torch.randn(r, V, generator=g), -1)})
     fresh = torch.tensor([True, True, False])  # the third is stale: out of both terms
-    kl_only = dataclasses.replace(cfg.distill, kl_weight=1.0, reward_weight=0.0, token_chunk=3, vocab_chunk=1000)
+    kl_only = dataclasses.replace(cfg.distill, kl_weight=1.0, reward_weight=0.0, token_chunk=3, vocab_chunk=1000,
+                                  kl_mean="token")
     loss_kl, stats = distill_objective(model, samples, fresh, {}, tok.pad_id, kl_only, cfg.rl)
     logits, targets = [], []
     for s in samples[:2]:

@@ -64,9 +64,9 @@ def teacher_view(samples: list[dict], heads: dict[str, torch.Tensor], like: torc
 def distill_objective(model, samples: list[dict], fresh: torch.Tensor, heads: dict[str, torch.Tensor], pad_id: int,
                       distill, rl) -> tuple[torch.Tensor, dict[str, Any]]:
     """kl_weight * (mean reverse KL to each sample's teacher) + reward_weight * RL loss, over the
-    samples whose `fresh` [N] is True (the staleness rule). distill.kl_mean: "token" averages
-    over every response token of the batch, "domain" averages each domain's token mean, so a
-    domain with one-token answers weighs as much as one with twelve-token answers. Stats: "kl"
+    samples whose `fresh` [N] is True (the staleness rule). distill.kl_mean: "domain" (the
+    default) averages each domain's token mean, so a domain with one-token answers weighs as much
+    as one with twelve-token answers; "token" averages over every response token of the batch. Stats: "kl"
     (the token mean, either way) and "kl_by_domain" {domain: [sum of token KLs, tokens]}."""
     hidden = response_hidden(model, samples, pad_id)
     head = model.head.weight  # [V, D]
