@@ -66,6 +66,8 @@ def test_compiled_blocks_keep_loss_and_gradients():
     compiled = Transformer(CFG)
     compiled.load_state_dict(plain.state_dict())
     counters.clear()
+    dynamo = torch._dynamo.config
+    process_wide = (dynamo.suppress_errors, dynamo.recompile_limit, dynamo.accumulated_recompile_limit)
     try:
         assert compile_blocks(compiled, backend="aot_eager") == CFG.n_layers
         for _ in range(2):  # the second pass runs the cached graphs
@@ -76,6 +78,8 @@ def test_compiled_blocks_keep_loss_and_gradients():
             for name in ga:
                 torch.testing.assert_close(ga[name], gb[name], rtol=1e-5, atol=1e-6, msg=name)
         assert counters["stats"]["unique_graphs"] > 0  # dynamo captured graphs, not all frames fell back
+        # the blocks' settings (errors suppressed, higher recompile limits) did not leak into the process
+        assert (dynamo.suppress_errors, dynamo.recompile_limit, dynamo.accumulated_recompile_limit) == process_wide
     finally:
         torch._dynamo.reset()
 

@@ -185,7 +185,8 @@ def compile_blocks(model: nn.Module, backend: str = "inductor") -> int:
     so each distinct spec is its own graph: the recompile limit is raised to cover them all.
     A frame dynamo fails to compile (torch 2.11 trips a guard assertion on the MoE call) runs
     eagerly with a logged warning (suppress_errors) rather than stopping the run: compiling
-    is an optimisation, never a change in what is computed. Not combined with checkpoint_blocks
+    is an optimisation, never a change in what is computed. Those settings hold only while a
+    block runs (`_with_dynamo_config`): the rest of the process keeps dynamo's own. Not combined with checkpoint_blocks
     (the trainer refuses both): dynamo compiles nothing under a forward that checkpoint already
     wraps, and checkpointing a compiled forward saves a different set of tensors in the
     recomputation than in the forward (torch 2.13: CheckpointError)."""
@@ -193,12 +194,25 @@ def compile_blocks(model: nn.Module, backend: str = "inductor") -> int:
 
     blocks = list(getattr(model, "layers", []))
     dynamo = torch._dynamo.config
-    dynamo.recompile_limit = max(dynamo.recompile_limit, 2 * len(blocks))
-    dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 8 * len(blocks))
-    dynamo.suppress_errors = True
+    settings = {"recompile_limit": max(dynamo.recompile_limit, 2 * len(blocks)),
+                "accumulated_recompile_limit": max(dynamo.accumulated_recompile_limit, 8 * len(blocks)),
+                "suppress_errors": True}
     for block in blocks:  # patch the forward, as checkpoint_blocks does, not the module call
-        block.forward = torch.compile(block.forward, backend=backend)
+        block.forward = _with_dynamo_config(torch.compile(block.forward, backend=backend), settings)
     return len(blocks)
+
+
+def _with_dynamo_config(fn, settings: dict):
+    """fn, with dynamo's config patched to `settings` for the duration of each call (dynamo reads
+    them while it evaluates the frame, i.e. inside the call), so a user's own torch.compile
+    elsewhere in the process keeps its settings."""
+    import torch._dynamo
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        with torch._dynamo.config.patch(**settings):
+            return fn(*args, **kwargs)
+    return call
 
 
 def _expert_stacks(model: nn.Module):
