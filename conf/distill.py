@@ -18,9 +18,13 @@ from conf.trainer import TrainerConfig
 @dataclass
 class TeacherConfig:
     checkpoint: str = MISSING  # flashtrain: a checkpoint or a run's checkpoints/ dir; hf: a save_pretrained dir
-    arch: str = "flashtrain"  # flashtrain (any model config; read from the checkpoint) | hf (transformers causal LM)
+    arch: str = "flashtrain"  # flashtrain (any model config; read from the checkpoint or `model`) | hf (transformers causal LM)
     replicas: int = 1  # teacher workers that can serve it
     task: Optional[str] = None  # the domain's prompts: None = the built-in domain of this name (rl/distill/domains.py)
+    # flashtrain teachers whose checkpoint records no model config (a public-layout directory, or a
+    # checkpoint made by `flashtrain convert import`): the model preset that describes it, tiny |
+    # small | flash. Not used where the checkpoint records its own (trainer_state.pt).
+    model: Optional[str] = None
 
 
 # The built-in synthetic domains (rl/distill/domains.py) and their teachers as

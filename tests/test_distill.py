@@ -132,6 +132,46 @@ def test_same_size_other_tokenizer_is_refused(setup):
     assert "2 tokens differ" in errors[0]
 
 
+def test_public_layout_and_imported_teachers_load_by_their_model_preset(setup, tmp_path):
+    """A teacher in the public layout, or made from one by `flashtrain convert import`, records no
+    model config: the registry asks for distill.domains.<d>.model; given it, both routes load the
+    weights the layout holds (those import_into_model puts in a model) and score alike."""
+    from conf.distill import TeacherConfig
+    from conf.errors import ConfigError
+    from conf.model import TinyModelConfig
+    from rl.distill.make_teachers import flashtrain_model
+    from rl.distill.teachers import TeacherError, load_teacher, resolve_teachers
+    from trainer.interop.convert import export_model, import_checkpoint, import_into_model
+
+    cfg, _, tok = setup
+    V = tok.vocab_size
+    tiny = dataclasses.replace(TinyModelConfig(), vocab_size=V)
+    quiet = lambda _: None  # noqa: E731
+    export_model(flashtrain_model(tiny, tok, 9)[0], tmp_path / "public", log=quiet)
+    ckpt = import_checkpoint(tmp_path / "public", tmp_path / "imported" / "checkpoints", tiny, log=quiet)
+    snapped = flashtrain_model(tiny, tok, 10)[0]
+    import_into_model(snapped, tmp_path / "public", log=quiet)
+    distill = lambda domains: dataclasses.replace(cfg.distill, teacher_root=str(tmp_path), domains=domains)  # noqa: E731
+    for name in ("public", "imported/checkpoints"):
+        with pytest.raises(TeacherError, match=f"teacher '{name}' \\(domain rot1\\) fails to load: .* records no model "
+                                               "config; name its architecture with distill.domains.rot1.model=tiny"):
+            resolve_teachers(distill({"rot1": TeacherConfig(checkpoint=name)}))
+    routes, specs = resolve_teachers(distill({"rot1": TeacherConfig(checkpoint="public", model="tiny"),
+                                             "rot2": TeacherConfig(checkpoint="imported/checkpoints", model="tiny")}))
+    assert routes["rot2"] == str(ckpt.resolve()) and [s.model for s in specs] == ["tiny", "tiny"]
+    ids = torch.randint(0, V, (1, 24), generator=torch.Generator().manual_seed(0))
+    logits = []
+    for spec in specs:
+        teacher = load_teacher(spec, tok, V)
+        for name, value in snapped.state_dict().items():
+            assert torch.equal(teacher.state_dict()[name], value), (spec.name, name)
+        with torch.no_grad():
+            logits.append(teacher(ids).logits)
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)
+    with pytest.raises(ConfigError, match="distill.domains.rot1.model='huge': expected one of tiny, small, flash"):
+        resolve_teachers(distill({"rot1": TeacherConfig(checkpoint="public", model="huge")}))
+
+
 def test_cli_reports_a_missing_teacher_by_name(flashtrain, tmp_path):
     p = flashtrain("distill", "logger=none", f"distill.teacher_root={tmp_path}", "distill.only=[reverse,add7]",
                    f"hydra.run.dir={tmp_path / 'run'}", timeout=120)

@@ -1,6 +1,7 @@
 """The teacher registry and the teacher workers that score student samples.
 
-Registry: every domain names a teacher (distill.domains: checkpoint, arch, replicas); teachers
+Registry: every domain names a teacher (distill.domains: checkpoint, arch, replicas, and the
+model preset of a flashtrain checkpoint that records none: a public-layout dir); teachers
 are deduplicated by resolved checkpoint path, so two domains with one checkpoint share one
 teacher. `resolve_teachers` checks every checkpoint exists before anything starts and names
 the teacher that does not.
@@ -45,12 +46,15 @@ class TeacherSpec:
     arch: str
     replicas: int
     domains: tuple[str, ...]
+    model: str | None = None  # flashtrain: the model preset, where the checkpoint records no config
 
 
 def resolve_teachers(distill) -> tuple[dict[str, str], list[TeacherSpec]]:
     """distill.domains (restricted to distill.only) -> (domain -> teacher key, unique teachers).
     Raises TeacherError naming the teacher whose checkpoint is missing or incomplete."""
+    from conf import GROUPS
     from trainer.checkpoint import CheckpointError, CheckpointManager
+    from trainer.interop.convert import is_public_dir
 
     domains = dict(distill.domains)
     if distill.only:
@@ -73,25 +77,35 @@ def resolve_teachers(distill) -> tuple[dict[str, str], list[TeacherSpec]]:
         where = f"teacher {t.checkpoint!r} (domain {domain})"
         if not path.exists():
             raise TeacherError(f"distill: {where} fails to load: no such checkpoint or directory {path}")
+        if t.model is not None and t.model not in GROUPS["model"]:
+            raise ConfigError(f"distill.domains.{domain}.model={t.model!r}: expected one of {', '.join(GROUPS['model'])}")
         if t.arch == "flashtrain":
-            try:
-                resolved = CheckpointManager(path, 1, 0).resolve(str(path))
-            except CheckpointError as e:
-                raise TeacherError(f"distill: {where} fails to load: {str(e).split(': ', 1)[-1]}") from None
-            if not (resolved / "trainer_state.pt").exists():
-                raise TeacherError(f"distill: {where} fails to load: {resolved} has no trainer_state.pt (model config)")
+            if is_public_dir(path):  # the public DeepSeek-V4.1-Flash layout, imported as it loads
+                resolved = path
+            else:
+                try:
+                    resolved = CheckpointManager(path, 1, 0).resolve(str(path))
+                except CheckpointError as e:
+                    raise TeacherError(f"distill: {where} fails to load: {str(e).split(': ', 1)[-1]}") from None
+            if t.model is None and not (resolved / "trainer_state.pt").exists():
+                raise TeacherError(f"distill: {where} fails to load: {resolved} records no model config; name its "
+                                   f"architecture with distill.domains.{domain}.model={'|'.join(GROUPS['model'])}")
         else:
             resolved = path
             if not (path / "config.json").is_file():
                 raise TeacherError(f"distill: {where} fails to load: no transformers config.json in {path}")
         key = str(resolved.resolve())
-        entry = by_key.setdefault(key, {"name": t.checkpoint, "arch": t.arch, "replicas": t.replicas, "domains": []})
+        entry = by_key.setdefault(key, {"name": t.checkpoint, "arch": t.arch, "replicas": t.replicas, "domains": [],
+                                        "model": t.model})
         if entry["arch"] != t.arch:
             raise ConfigError(f"distill: checkpoint {key} is listed as both {entry['arch']} and {t.arch}")
+        if entry["model"] != t.model:
+            raise ConfigError(f"distill: checkpoint {key} is listed with model {entry['model']} and {t.model}")
         entry["replicas"] = max(entry["replicas"], t.replicas)
         entry["domains"].append(domain)
         routes[domain] = key
-    specs = [TeacherSpec(k, e["name"], e["arch"], e["replicas"], tuple(e["domains"])) for k, e in sorted(by_key.items())]
+    specs = [TeacherSpec(k, e["name"], e["arch"], e["replicas"], tuple(e["domains"]), e["model"])
+             for k, e in sorted(by_key.items())]
     return routes, specs
 
 
@@ -120,6 +134,27 @@ def _flashtrain_config(ckpt: Path):
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), model))
 
 
+def _teacher_model_config(spec: TeacherSpec):
+    """A flashtrain teacher's model config: the one its checkpoint records, else its `model` preset
+    (a public-layout directory or an imported checkpoint; resolve_teachers made sure it has one)."""
+    ckpt = Path(spec.key)
+    if (ckpt / "trainer_state.pt").exists():
+        return _flashtrain_config(ckpt)
+    from conf import GROUPS
+
+    return GROUPS["model"][spec.model]()
+
+
+def _load_flashtrain_weights(model: torch.nn.Module, ckpt: Path) -> None:
+    from trainer.checkpoint import load_model_weights
+    from trainer.interop.convert import import_into_model, is_public_dir
+
+    if is_public_dir(ckpt):  # config.json is checked against the model config first
+        import_into_model(model, ckpt, log=lambda _: None)
+    else:
+        load_model_weights(model, ckpt)
+
+
 def load_teacher(spec: TeacherSpec, tokenizer, student_vocab: int) -> torch.nn.Module:
     """The teacher's model on the CPU, eval mode. Raises TeacherError naming it when it fails to
     load or its vocabulary is not the student's."""
@@ -138,16 +173,15 @@ def load_teacher(spec: TeacherSpec, tokenizer, student_vocab: int) -> torch.nn.M
             _check_tokenizer(where, [Path(spec.key)], tokenizer)
             model = AutoModelForCausalLM.from_pretrained(spec.key, dtype=torch.float32)
         else:
-            from trainer.checkpoint import load_model_weights
             from trainer.pretrain import build_model
 
             ckpt = Path(spec.key)
             head = _head_rows(ckpt)
             _check_vocab(where, head, student_vocab)
             _check_tokenizer(where, [ckpt, ckpt.parent.parent], tokenizer)  # the checkpoint or its run dir
-            model_cfg = dataclasses.replace(_flashtrain_config(ckpt), vocab_size=head)
+            model_cfg = dataclasses.replace(_teacher_model_config(spec), vocab_size=head)
             model = build_model(SimpleNamespace(model=model_cfg), tokenizer)
-            load_model_weights(model, ckpt)
+            _load_flashtrain_weights(model, ckpt)
     except TeacherError:
         raise
     except Exception as e:  # any reason a checkpoint cannot be read
@@ -156,8 +190,13 @@ def load_teacher(spec: TeacherSpec, tokenizer, student_vocab: int) -> torch.nn.M
 
 
 def _head_rows(ckpt: Path) -> int:
-    from trainer.checkpoint import model_state
+    import json
 
+    from trainer.checkpoint import model_state
+    from trainer.interop.convert import is_public_dir
+
+    if is_public_dir(ckpt):
+        return int(json.loads((ckpt / "config.json").read_text())["vocab_size"])
     return int(model_state(ckpt)["head.weight"].shape[0])  # memory-mapped: only the shape is read
 
 
@@ -261,7 +300,7 @@ class TeacherWorker:
             from trainer.pretrain import build_model
 
             if key not in self.configs:
-                self.configs[key] = dataclasses.replace(_flashtrain_config(Path(key)), vocab_size=self.student_vocab)
+                self.configs[key] = dataclasses.replace(_teacher_model_config(spec), vocab_size=self.student_vocab)
             model = build_model(SimpleNamespace(model=self.configs[key]), self.tokenizer)
         model.load_state_dict(held)
         return model.eval().to(self.device)
