@@ -170,6 +170,8 @@ def test_public_layout_and_imported_teachers_load_by_their_model_preset(setup, t
     torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)
     with pytest.raises(ConfigError, match="distill.domains.rot1.model='huge': expected one of tiny, small, flash"):
         resolve_teachers(distill({"rot1": TeacherConfig(checkpoint="public", model="huge")}))
+    with pytest.raises(ConfigError, match="distill.domains.rot1.model='tiny': only for arch=flashtrain"):
+        resolve_teachers(distill({"rot1": TeacherConfig(checkpoint="public", arch="hf", model="tiny")}))
 
 
 def test_cli_reports_a_missing_teacher_by_name(flashtrain, tmp_path):

@@ -79,6 +79,9 @@ def resolve_teachers(distill) -> tuple[dict[str, str], list[TeacherSpec]]:
             raise TeacherError(f"distill: {where} fails to load: no such checkpoint or directory {path}")
         if t.model is not None and t.model not in GROUPS["model"]:
             raise ConfigError(f"distill.domains.{domain}.model={t.model!r}: expected one of {', '.join(GROUPS['model'])}")
+        if t.model is not None and t.arch == "hf":
+            raise ConfigError(f"distill.domains.{domain}.model={t.model!r}: only for arch=flashtrain (an hf teacher "
+                              "reads its config.json)")
         if t.arch == "flashtrain":
             if is_public_dir(path):  # the public DeepSeek-V4.1-Flash layout, imported as it loads
                 resolved = path
