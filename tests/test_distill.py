@@ -147,11 +147,14 @@ def test_public_layout_and_imported_teachers_load_by_their_model_preset(setup, t
     V = tok.vocab_size
     tiny = dataclasses.replace(TinyModelConfig(), vocab_size=V)
     quiet = lambda _: None  # noqa: E731
-    export_model(flashtrain_model(tiny, tok, 9)[0], tmp_path / "public", log=quiet)
-    ckpt = import_checkpoint(tmp_path / "public", tmp_path / "imported" / "checkpoints", tiny, log=quiet)
+    teachers = tmp_path / "teachers"
+    export_model(flashtrain_model(tiny, tok, 9)[0], teachers / "public", log=quiet)
+    ckpt = import_checkpoint(teachers / "public", teachers / "imported" / "checkpoints", tiny, log=quiet)
     snapped = flashtrain_model(tiny, tok, 10)[0]
-    import_into_model(snapped, tmp_path / "public", log=quiet)
-    distill = lambda domains: dataclasses.replace(cfg.distill, teacher_root=str(tmp_path), domains=domains)  # noqa: E731
+    import_into_model(snapped, teachers / "public", log=quiet)
+    # two levels above the public dir, where a checkpoint's run dir would be: not the teacher's tokenizer
+    (tmp_path / "tokenizer.json").write_text("not this teacher's")
+    distill = lambda domains: dataclasses.replace(cfg.distill, teacher_root=str(teachers), domains=domains)  # noqa: E731
     for name in ("public", "imported/checkpoints"):
         with pytest.raises(TeacherError, match=f"teacher '{name}' \\(domain rot1\\) fails to load: .* records no model "
                                                "config; name its architecture with distill.domains.rot1.model=tiny"):

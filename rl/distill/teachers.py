@@ -148,16 +148,6 @@ def _teacher_model_config(spec: TeacherSpec):
     return GROUPS["model"][spec.model]()
 
 
-def _load_flashtrain_weights(model: torch.nn.Module, ckpt: Path) -> None:
-    from trainer.checkpoint import load_model_weights
-    from trainer.interop.convert import import_into_model, is_public_dir
-
-    if is_public_dir(ckpt):  # config.json is checked against the model config first
-        import_into_model(model, ckpt, log=lambda _: None)
-    else:
-        load_model_weights(model, ckpt)
-
-
 def load_teacher(spec: TeacherSpec, tokenizer, student_vocab: int) -> torch.nn.Module:
     """The teacher's model on the CPU, eval mode. Raises TeacherError naming it when it fails to
     load or its vocabulary is not the student's."""
@@ -176,15 +166,22 @@ def load_teacher(spec: TeacherSpec, tokenizer, student_vocab: int) -> torch.nn.M
             _check_tokenizer(where, [Path(spec.key)], tokenizer)
             model = AutoModelForCausalLM.from_pretrained(spec.key, dtype=torch.float32)
         else:
+            from trainer.checkpoint import load_model_weights
+            from trainer.interop.convert import import_into_model, is_public_dir
             from trainer.pretrain import build_model
 
             ckpt = Path(spec.key)
-            head = _head_rows(ckpt)
+            public = is_public_dir(ckpt)
+            head = _head_rows(ckpt, public)
             _check_vocab(where, head, student_vocab)
-            _check_tokenizer(where, [ckpt, ckpt.parent.parent], tokenizer)  # the checkpoint or its run dir
+            # a public dir ships its tokenizer itself; a checkpoint may, or its run dir
+            _check_tokenizer(where, [ckpt] if public else [ckpt, ckpt.parent.parent], tokenizer)
             model_cfg = dataclasses.replace(_teacher_model_config(spec), vocab_size=head)
             model = build_model(SimpleNamespace(model=model_cfg), tokenizer)
-            _load_flashtrain_weights(model, ckpt)
+            if public:  # config.json is checked against the model config first
+                import_into_model(model, ckpt, log=lambda _: None)
+            else:
+                load_model_weights(model, ckpt)
     except TeacherError:
         raise
     except Exception as e:  # any reason a checkpoint cannot be read
@@ -192,13 +189,12 @@ def load_teacher(spec: TeacherSpec, tokenizer, student_vocab: int) -> torch.nn.M
     return model.eval()
 
 
-def _head_rows(ckpt: Path) -> int:
+def _head_rows(ckpt: Path, public: bool) -> int:
     import json
 
     from trainer.checkpoint import model_state
-    from trainer.interop.convert import is_public_dir
 
-    if is_public_dir(ckpt):
+    if public:
         return int(json.loads((ckpt / "config.json").read_text())["vocab_size"])
     return int(model_state(ckpt)["head.weight"].shape[0])  # memory-mapped: only the shape is read
 
