@@ -28,8 +28,9 @@ from optim import build_optimizer
 from trainer.metrics import device_peak_flops
 
 
-def _tokens_per_s(kernels: bool, seq_len: int, micro_batch: int, steps: int, vocab: int, compiled: bool = False,
-                  accum: int = 1) -> dict:
+def small_model(kernels: bool, vocab: int, compiled: bool = False):
+    """(model on the GPU, its Muon + Sinkhorn + AdamW optimizer): `small` with every fast path
+    (kernels) or every reference path, as the module docstring describes."""
     cfg = dataclasses.replace(SmallModelConfig(), vocab_size=vocab, kernels=kernels,
                               attn_chunk_tokens=0 if kernels else 2048)
     torch.manual_seed(0)
@@ -42,7 +43,13 @@ def _tokens_per_s(kernels: bool, seq_len: int, micro_batch: int, steps: int, voc
         from trainer.parallelize import compile_blocks
 
         compile_blocks(model)
-    opt = build_optimizer(model, MuonConfig(), zero_stage=0)
+    return model, build_optimizer(model, MuonConfig(), zero_stage=0)
+
+
+def _tokens_per_s(kernels: bool, seq_len: int, micro_batch: int, steps: int, vocab: int, compiled: bool = False,
+                  accum: int = 1) -> dict:
+    model, opt = small_model(kernels, vocab, compiled)
+    cfg = model.cfg
     g = torch.Generator(device="cuda").manual_seed(0)
     torch.cuda.reset_peak_memory_stats()
     times, losses = [], []

@@ -13,18 +13,14 @@ lift it somewhat).
 """
 from __future__ import annotations
 
-import dataclasses
 import re
 import time
 
 import torch
 
 from bench.kernel_timing import copy_bandwidth_gbs
-from conf.model import SmallModelConfig
-from conf.optim import MuonConfig
+from bench.kernels_e2e import small_model
 from model.accounting import train_flops_per_token
-from model.transformer import Transformer
-from optim import build_optimizer
 from trainer.metrics import device_peak_flops
 
 # first match wins; the Triton kernels' names are those in model/kernels/
@@ -55,11 +51,8 @@ def bench(device, seq_len: int = 4096, micro_batch: int = 8, vocab: int = 129_28
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.set_device(device)
-    cfg = dataclasses.replace(SmallModelConfig(), vocab_size=vocab, kernels=True, attn_chunk_tokens=0)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = Transformer(cfg)
-    opt = build_optimizer(model, MuonConfig(), zero_stage=0)
+    model, opt = small_model(kernels=True, vocab=vocab)
+    cfg = model.cfg
     ids = torch.randint(0, vocab, (micro_batch, seq_len + 1), device="cuda")
 
     def fwd_bwd():
