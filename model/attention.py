@@ -76,12 +76,12 @@ class CSA2Attention(nn.Module):
             raise ValueError(f"n_heads={cfg.n_heads} not divisible by o_groups={cfg.o_groups}")
 
         if spec.mode == "swa":
-            self.rotary = Rotary(cfg.rope_dim, cfg.rope_theta)
+            self.rotary = Rotary(cfg.rope_dim, cfg.rope_theta, kernels=cfg.kernels)
         else:
             yarn = cfg.max_seq_len > cfg.original_seq_len
             self.rotary = Rotary(cfg.rope_dim, cfg.rope_theta_compressed,
                                  cfg.rope_factor if yarn else 1.0, cfg.original_seq_len,
-                                 cfg.beta_fast, cfg.beta_slow)
+                                 cfg.beta_fast, cfg.beta_slow, kernels=cfg.kernels)
         self.wq_a = nn.Linear(cfg.dim, cfg.q_lora_rank, bias=False)
         self.q_norm = nn.RMSNorm(cfg.q_lora_rank, eps=cfg.norm_eps)
         self.wq_b = nn.Linear(cfg.q_lora_rank, cfg.n_heads * cfg.kv_dim, bias=False)

@@ -37,9 +37,10 @@ class Rotary(nn.Module):
     """cos/sin for given positions; applied to the last `dim` channels of a tensor."""
 
     def __init__(self, dim: int, theta: float, factor: float = 1.0, original_len: int = 0,
-                 beta_fast: int = 32, beta_slow: int = 1):
+                 beta_fast: int = 32, beta_slow: int = 1, kernels: bool = False):
         super().__init__()
         self.dim = dim
+        self.kernels = kernels  # model.kernels: the one-pass Triton rotation (model/kernels/rope.py)
         inv_freq = yarn_frequencies(dim, theta, factor, original_len, beta_fast, beta_slow)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
@@ -50,6 +51,14 @@ class Rotary(nn.Module):
     def forward(self, x: torch.Tensor, angles: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         """Rotate x[..., -dim:]. `angles` broadcasts against x[..., -dim:] with its pair axis last
         (e.g. [B, T, dim/2] -> insert a head axis before calling for [B, T, H, C])."""
+        if self.kernels and x.dtype != torch.float64:
+            shared = angles.dim() == x.dim() and angles.shape[-2] == 1 and x.shape[-2] != 1
+            angles = angles.squeeze(-2) if shared else angles
+            if tuple(angles.shape[:-1]) == tuple(x.shape[:-2 if shared else -1]):
+                from model.kernels.rope import rotary_triton
+
+                return rotary_triton(x, angles.cos(), angles.sin(), inverse)
+            angles = angles.unsqueeze(-2) if shared else angles
         rot = wide(x[..., -self.dim:])
         cos, sin = angles.cos(), angles.sin()
         if inverse:

@@ -183,6 +183,13 @@ class Transformer(nn.Module):
         (recomputed) in the backward, so memory does not grow with vocab x sequence length."""
         flat_x, flat_y = x.reshape(-1, x.shape[-1]), labels.reshape(-1)  # [N, D], [N]
         chunk = self.cfg.loss_chunk_tokens
+        # model.kernels: head and loss fused, gradients taken in the forward (model/kernels/cross_entropy.py).
+        # Not under ZeRO-3, whose partitioned head weight exists only inside the head's own forward.
+        if self.cfg.kernels and flat_x.dtype != torch.float64 and not hasattr(self.head.weight, "ds_id"):
+            from model.kernels.cross_entropy import linear_cross_entropy_triton
+
+            total = linear_cross_entropy_triton(flat_x, self.head.weight, flat_y, chunk if chunk > 0 else len(flat_y))
+            return total / (flat_y != -100).sum().clamp(min=1)
         if chunk <= 0 or chunk >= flat_y.numel():
             return F.cross_entropy(wide(self.head(flat_x)), flat_y, ignore_index=-100)
         total = flat_x.new_zeros((), dtype=wide(flat_x[:1]).dtype)

@@ -28,10 +28,11 @@ def _run(model, x, y, doc):
 
 
 def test_kernels_match_the_reference_model():
-    """Query chunks of 16 (two per sequence) so the window crosses a chunk boundary too."""
+    """Query chunks of 16 (two per sequence) so the window crosses a chunk boundary too; loss
+    chunks of 24 tokens (the fused head + loss, and the reference's checkpointed chunks)."""
     torch.manual_seed(0)
-    ref = Transformer(dataclasses.replace(CFG, attn_chunk_tokens=16))
-    ker = Transformer(dataclasses.replace(CFG, attn_chunk_tokens=16, kernels=True))
+    ref = Transformer(dataclasses.replace(CFG, attn_chunk_tokens=16, loss_chunk_tokens=24))
+    ker = Transformer(dataclasses.replace(CFG, attn_chunk_tokens=16, loss_chunk_tokens=24, kernels=True))
     ker.load_state_dict(ref.state_dict())
     a, ga = _run(ref, *_batch())
     b, gb = _run(ker, *_batch())
