@@ -89,6 +89,26 @@ class RoutedExperts(nn.Module):
             return torch._grouped_mm(h, w2, offs=offsets)
 
 
+class _Gather(torch.autograd.Function):
+    """x.index_select(0, index) [M * copies, D] from x [M, D], where row r of x appears `copies`
+    times in the output, at positions back[r * copies : (r + 1) * copies]. The gradient gathers
+    with `back` and sums each row's copies: index_select's own backward is a scatter-add."""
+
+    @staticmethod
+    def forward(ctx, x, index, back, copies):
+        ctx.save_for_backward(back)
+        ctx.copies = copies
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (back,) = ctx.saved_tensors
+        g = grad.index_select(0, back)
+        if ctx.copies > 1:
+            g = g.view(-1, ctx.copies, g.shape[-1]).sum(1)
+        return g, None, None, None
+
+
 class Router(nn.Module):
     def __init__(self, dim: int, n_experts: int, topk: int, route_scale: float):
         super().__init__()
@@ -128,14 +148,19 @@ class MoE(nn.Module):
 
     def dispatch(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Dropless routed compute: x [N, D], chosen/weights [N, k] -> [N, D]. Expert
-        parallelism replaces this method from outside (an all-to-all around the experts)."""
+        parallelism replaces this method from outside (an all-to-all around the experts).
+        Choice slot s = n*k + j (token n's j-th expert) is row inv[s] of the expert-sorted
+        rows. Both reorderings are permutations, so each gradient is a gather too: no
+        scatter-add (fp32 atomics) in the forward's combine or the backward's dispatch."""
+        N, D = x.shape
         flat = chosen.flatten()
-        order = flat.argsort(stable=True)
-        token = order // self.topk
+        order = flat.argsort(stable=True)  # row i of the sorted rows is choice slot order[i]
+        inv = order.argsort()
         counts = torch.bincount(flat, minlength=self.n_routed)  # [E], on the device
-        y = self.experts(x.index_select(0, token), counts)  # [N*k, D], grouped by expert
-        y = y * weights.flatten()[order].unsqueeze(-1).to(y.dtype)
-        return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))  # autocast: y may be narrower
+        y = self.experts(_Gather.apply(x, order // self.topk, inv, self.topk), counts)  # [N*k, D] by expert
+        y = _Gather.apply(y, inv, order, 1).view(N, self.topk, D)  # [N, k, D] by token
+        y = y * weights.unsqueeze(-1).to(y.dtype)
+        return y.sum(1, dtype=x.dtype)  # autocast: y may be narrower than x; the sum is in x's dtype
 
     def forward(self, x: torch.Tensor, shard=None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, D] -> (y [B, T, D], sequence-wise balance loss scalar). `shard`: where the T

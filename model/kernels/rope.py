@@ -7,8 +7,9 @@ autograd each of those is a kernel and a tensor, and the backward adds the slice
 gradients into zero-filled buffers: on `small` at 8 x 4096 tokens the eager rotary of q, the
 window KV and the attention output cost ~100 ms of a 1.55 s forward+backward (H200 profile),
 and inductor's fused version still ~85 ms (a gather-like interleave it does not vectorise).
-Here one program copies BLOCK_R rows: the leading C-R dims pass through, the trailing R dims are
-rotated pairwise in fp32 and rounded once to the output dtype, as the reference does. The
+Here one program copies BLOCK_R whole rows: the leading C-R dims pass through, the trailing R
+dims are rotated pairwise in fp32 and rounded once to the output dtype, as the reference does
+(lane-wise: each lane reads its pair partner, so every load and store is coalesced). The
 backward is the same kernel with the rotation inverted (the rotation is orthogonal).
 
 Contract (`rotary_triton(x, cos, sin, inverse)`):
@@ -30,28 +31,24 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 @triton.jit
 def _rotary_kernel(X, COS, SIN, OUT, n_rows, share, C, HALF, sign,
-                   BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
-    # X / OUT [n_rows, C]; COS / SIN [n_rows // share, HALF]; rotated lanes are C - 2*HALF + 2i, +1
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    r_ok = rows < n_rows
-    rows64 = rows.to(tl.int64)
+                   BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    # X / OUT [n_rows, C]; COS / SIN [n_rows // share, HALF]. Lane c >= lead = C - 2*HALF is in pair
+    # (c - lead) // 2; its partner lane is c ^ 1 (lead is even). Whole rows are one tile, loaded twice
+    # (lanes and partners, the same cache lines) and stored once, all coalesced:
+    #   even lane: x*cos - partner*sin;  odd lane: x*cos + partner*sin;  leading lanes: x as is.
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    cols = tl.arange(0, BLOCK_C)
     lead = C - 2 * HALF
-    for c0 in range(0, lead, BLOCK_C):  # the untouched leading dims
-        offs = c0 + tl.arange(0, BLOCK_C)
-        m = r_ok[:, None] & (offs < lead)[None, :]
-        tl.store(OUT + rows64[:, None] * C + offs[None, :],
-                 tl.load(X + rows64[:, None] * C + offs[None, :], mask=m), mask=m)
-    pairs = tl.arange(0, BLOCK_P)
-    m = r_ok[:, None] & (pairs < HALF)[None, :]
-    ang = (rows64 // share)[:, None] * HALF + pairs[None, :]
-    cos = tl.load(COS + ang, mask=m, other=1.0)
-    sin = tl.load(SIN + ang, mask=m, other=0.0) * sign
-    even_at = X + rows64[:, None] * C + lead + 2 * pairs[None, :]
-    even = tl.load(even_at, mask=m, other=0.0).to(tl.float32)
-    odd = tl.load(even_at + 1, mask=m, other=0.0).to(tl.float32)
-    out_at = OUT + rows64[:, None] * C + lead + 2 * pairs[None, :]
-    tl.store(out_at, (even * cos - odd * sin).to(OUT.dtype.element_ty), mask=m)
-    tl.store(out_at + 1, (even * sin + odd * cos).to(OUT.dtype.element_ty), mask=m)
+    m = (rows < n_rows)[:, None] & (cols < C)[None, :]
+    at = rows[:, None] * C + cols[None, :]
+    x = tl.load(X + at, mask=m, other=0.0)
+    partner = tl.load(X + rows[:, None] * C + (cols ^ 1)[None, :], mask=m, other=0.0).to(tl.float32)
+    rot = (cols >= lead)[None, :] & m
+    ang = (rows // share)[:, None] * HALF + ((cols - lead) // 2)[None, :]
+    cos = tl.load(COS + ang, mask=rot, other=1.0)
+    sin = tl.load(SIN + ang, mask=rot, other=0.0) * tl.where(cols % 2 == 0, -sign, sign)[None, :]
+    out = x.to(tl.float32) * cos + partner * sin
+    tl.store(OUT + at, tl.where(rot, out.to(OUT.dtype.element_ty), x), mask=m)
 
 
 def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, share: int, inverse: bool) -> torch.Tensor:
@@ -59,13 +56,12 @@ def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, share: int, i
     rows = x.reshape(-1, C)
     out = torch.empty_like(rows)
     n_rows = rows.shape[0]
-    block_r = 16 if INTERPRET else 32
-    block_p = max(16 if INTERPRET else 1, triton.next_power_of_2(half))
-    block_c = 16 if INTERPRET else 128
+    block_c = triton.next_power_of_2(C)
+    block_r = max(1, min(16, 4096 // block_c))  # ~4K elements a program
     if n_rows:
         _rotary_kernel[(triton.cdiv(n_rows, block_r),)](
             rows, cos, sin, out, n_rows, share, C, half, -1.0 if inverse else 1.0,
-            BLOCK_R=block_r, BLOCK_P=block_p, BLOCK_C=block_c, num_warps=4)
+            BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
     return out.view(x.shape)
 
 
@@ -86,8 +82,8 @@ class _Rotary(torch.autograd.Function):
 def rotary_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """x [..., C] rotated on its last 2 * cos.shape[-1] dims (module docstring)."""
     half = cos.shape[-1]
-    if 2 * half > x.shape[-1]:
-        raise ValueError(f"rotary_triton: {2 * half} rotary dims exceed the row's {x.shape[-1]}")
+    if 2 * half > x.shape[-1] or x.shape[-1] % 2:
+        raise ValueError(f"rotary_triton: {2 * half} rotary dims exceed the row's {x.shape[-1]} (or the row is odd)")
     lead = tuple(cos.shape[:-1])
     if lead == tuple(x.shape[:-1]):
         share = 1
