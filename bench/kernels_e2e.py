@@ -105,4 +105,5 @@ def bench(device, seq_len: int = 4096, micro_batch: int = 2, steps: int = 3, voc
             "compiled_accum_vs_off": compiled_accum["tokens_per_s"] / off["tokens_per_s"],
             "kernels_used": "sparse attention fwd+bwd, indexer scoring (dense with fused mask, Reindex, KL), "
                             "fused mHC at every sub-layer boundary (attention->MoE in a block, and MoE->next "
-                            "attention across blocks), grouped-GEMM experts; not wired: Engram, KV quant"}
+                            "attention across blocks), rotary, LM head + cross-entropy, grouped-GEMM experts; "
+                            "not wired: Engram, KV quant"}
