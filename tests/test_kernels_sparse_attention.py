@@ -89,6 +89,16 @@ def test_head_blocks_and_no_probs():
     assert p is None and out.shape == args["q"].shape
 
 
+@pytest.mark.parametrize("C", [32, 48], ids=["C32", "C48-partial-pair"])
+def test_backward_with_two_value_chunks_a_program(monkeypatch, C):
+    """SPLIT = 2: one backward program takes two value chunks of 16 from one recomputation of the
+    logits. C = 48: the second program's second chunk lies past C (masked)."""
+    import model.kernels.sparse_attention as sa
+
+    monkeypatch.setitem(sa._FIXED, "SPLIT", 2)
+    _check(_inputs(C=C, k=20, W=24, offset=40, halo=True))
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 

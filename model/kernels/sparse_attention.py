@@ -78,24 +78,9 @@ def _fwd_block(Qrow, KV, rows, n_ok, m, den, acc, offs_h, h_ok, offs_v, v_ok, C,
 
 
 @triton.jit
-def _bwd_block(Qrow, DOrow, KV, DKV, rows, n_ok, q_v, do_v, lse, delta, dq, offs_h, h_ok, offs_v, v_ok,
-               C, scale, qk_scale, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
-               PREC: tl.constexpr):
-    """Recompute p and dp = dout . v over full C, then this program's C-chunk of dq and dK=dV."""
-    s = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
-    dp = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
-    for c0 in range(0, C, BLOCK_C):  # one key load feeds both dots
-        offs_c = c0 + tl.arange(0, BLOCK_C)
-        hc = h_ok[:, None] & (offs_c < C)[None, :]
-        kc = tl.load(KV + rows[:, None] * C + offs_c[None, :], mask=n_ok[:, None] & (offs_c < C)[None, :], other=0.0)
-        kt = tl.trans(kc.to(Qrow.dtype.element_ty))
-        s += tl.dot(tl.load(Qrow + offs_h[:, None] * C + offs_c[None, :], mask=hc, other=0.0), kt, input_precision=PREC)
-        dp += tl.dot(tl.load(DOrow + offs_h[:, None] * C + offs_c[None, :], mask=hc, other=0.0), kt,
-                     input_precision=PREC)
-    ok = h_ok[:, None] & n_ok[None, :]
-    p = tl.where(ok, tl.exp2(s * qk_scale - lse[:, None]), 0.0)
-    ds = p * (dp - delta[:, None])  # d loss / d logit (natural units)
-    dt = Qrow.dtype.element_ty
+def _dkv_chunk(KV, DKV, rows, n_ok, p, ds, q_v, do_v, dq, offs_v, v_ok, C, scale, PREC: tl.constexpr):
+    """One value chunk: dq += ds . v, and dK = dV rows (p^T . dout + ds^T . q) added into DKV."""
+    dt = q_v.dtype
     v = tl.load(KV + rows[:, None] * C + offs_v[None, :], mask=n_ok[:, None] & v_ok[None, :], other=0.0).to(dt)
     dq += tl.dot(ds.to(dt), v, input_precision=PREC)
     dkv = tl.dot(tl.trans(p.to(dt)), do_v, input_precision=PREC)  # K = V: value part ...
@@ -109,15 +94,41 @@ def _bwd_block(Qrow, DOrow, KV, DKV, rows, n_ok, q_v, do_v, lse, delta, dq, offs
 
 
 @triton.jit
-def _program(T, H, C, BLOCK_H: tl.constexpr, BLOCK_CV: tl.constexpr):
-    """Grid index -> (query, batch, query-in-batch, head offsets, value offsets); the C-chunk
-    varies fastest so one query's programs run together and share its keys in L2."""
-    NC = tl.cdiv(C, BLOCK_CV)
+def _bwd_block(Qrow, DOrow, KV, DKV, rows, n_ok, q_v, do_v, q_w, do_w, lse, delta, dq, dq_w, offs_h, h_ok,
+               offs_v, v_ok, offs_w, w_ok, C, scale, qk_scale, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_C: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr):
+    """Recompute p and dp = dout . v over full C, then this program's value chunk(s) of dq and
+    dK=dV: the chunk at offs_v, and with SPLIT = 2 also the one at offs_w (same p and ds)."""
+    s = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
+    dp = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
+    for c0 in range(0, C, BLOCK_C):  # one key load feeds both dots
+        offs_c = c0 + tl.arange(0, BLOCK_C)
+        hc = h_ok[:, None] & (offs_c < C)[None, :]
+        kc = tl.load(KV + rows[:, None] * C + offs_c[None, :], mask=n_ok[:, None] & (offs_c < C)[None, :], other=0.0)
+        kt = tl.trans(kc.to(Qrow.dtype.element_ty))
+        s += tl.dot(tl.load(Qrow + offs_h[:, None] * C + offs_c[None, :], mask=hc, other=0.0), kt, input_precision=PREC)
+        dp += tl.dot(tl.load(DOrow + offs_h[:, None] * C + offs_c[None, :], mask=hc, other=0.0), kt,
+                     input_precision=PREC)
+    ok = h_ok[:, None] & n_ok[None, :]
+    p = tl.where(ok, tl.exp2(s * qk_scale - lse[:, None]), 0.0)
+    ds = p * (dp - delta[:, None])  # d loss / d logit (natural units)
+    dq = _dkv_chunk(KV, DKV, rows, n_ok, p, ds, q_v, do_v, dq, offs_v, v_ok, C, scale, PREC)
+    if SPLIT == 2:
+        dq_w = _dkv_chunk(KV, DKV, rows, n_ok, p, ds, q_w, do_w, dq_w, offs_w, w_ok, C, scale, PREC)
+    return dq, dq_w
+
+
+@triton.jit
+def _program(T, H, C, BLOCK_H: tl.constexpr, BLOCK_CV: tl.constexpr, SPLIT: tl.constexpr = 1):
+    """Grid index -> (query, batch, query-in-batch, head offsets, offsets of the program's first
+    value chunk); a program covers SPLIT consecutive chunks of BLOCK_CV. The C-chunk varies
+    fastest so one query's programs run together and share its keys in L2."""
+    NC = tl.cdiv(C, BLOCK_CV * SPLIT)
     NH = tl.cdiv(H, BLOCK_H)
     pid = tl.program_id(0)
     pid_q = (pid // (NC * NH)).to(tl.int64)
     offs_h = ((pid // NC) % NH) * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_v = (pid % NC) * BLOCK_CV + tl.arange(0, BLOCK_CV)
+    offs_v = (pid % NC) * (BLOCK_CV * SPLIT) + tl.arange(0, BLOCK_CV)
     return pid_q, pid_q // T, pid_q % T, offs_h, offs_v, pid % NC == 0
 
 
@@ -182,12 +193,16 @@ def _psum_kernel(Q, G, IDX, LSE, PSUM, H, C, K, S, T, qk_scale, PREC: tl.constex
 @triton.jit
 def _bwd_kernel(Q, KV, G, IDX, DOC, POS, OUT, DO, LSE, DQ, DKV, DG, DELTA, T, H, C, W, K, S, scale, qk_scale,
                 HAS_GLOB: tl.constexpr, PREC: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_C: tl.constexpr, BLOCK_CV: tl.constexpr):
-    # DQ like Q; DKV [B, W-1+T, C] and DG [B, S, C] fp32 (atomic adds); DELTA [B, T, H] fp32
-    pid_q, b, t, offs_h, offs_v, first = _program(T, H, C, BLOCK_H, BLOCK_CV)
+                BLOCK_C: tl.constexpr, BLOCK_CV: tl.constexpr, SPLIT: tl.constexpr):
+    # DQ like Q; DKV [B, W-1+T, C] and DG [B, S, C] fp32 (atomic adds); DELTA [B, T, H] fp32.
+    # SPLIT = 2: the program takes two value chunks (offs_v, offs_w) from one recomputation of p, ds.
+    pid_q, b, t, offs_h, offs_v, first = _program(T, H, C, BLOCK_H, BLOCK_CV, SPLIT)
+    offs_w = offs_v + BLOCK_CV
     h_ok = offs_h < H
     v_ok = offs_v < C
+    w_ok = (offs_w < C) & (SPLIT == 2)
     hv = h_ok[:, None] & v_ok[None, :]
+    hw = h_ok[:, None] & w_ok[None, :]
     Qrow = Q + pid_q * H * C
     DOrow = DO + pid_q * H * C
     delta = tl.zeros([BLOCK_H], dtype=tl.float32)  # rowsum(dout * out) over all of C
@@ -200,24 +215,32 @@ def _bwd_kernel(Q, KV, G, IDX, DOC, POS, OUT, DO, LSE, DQ, DKV, DG, DELTA, T, H,
     lse = tl.load(LSE + pid_q * H + offs_h, mask=h_ok, other=0.0)
     q_v = tl.load(Qrow + offs_h[:, None] * C + offs_v[None, :], mask=hv, other=0.0)
     do_v = tl.load(DOrow + offs_h[:, None] * C + offs_v[None, :], mask=hv, other=0.0)
+    q_w = tl.load(Qrow + offs_h[:, None] * C + offs_w[None, :], mask=hw, other=0.0)
+    do_w = tl.load(DOrow + offs_h[:, None] * C + offs_w[None, :], mask=hw, other=0.0)
     dq = tl.zeros([BLOCK_H, BLOCK_CV], dtype=tl.float32)
+    dq_w = tl.zeros([BLOCK_H, BLOCK_CV], dtype=tl.float32)
     w_lo = tl.maximum(tl.load(DOC + pid_q) - tl.load(POS + pid_q) + W - 1, 0)
     for n0 in range((w_lo // BLOCK_N) * BLOCK_N, W, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = (offs_n >= w_lo) & (offs_n < W)
         rows = b * (T + W - 1) + t + offs_n
-        dq = _bwd_block(Qrow, DOrow, KV, DKV, rows, n_ok, q_v, do_v, lse, delta, dq, offs_h, h_ok, offs_v, v_ok,
-                        C, scale, qk_scale, BLOCK_H, BLOCK_N, BLOCK_C, PREC)
+        dq, dq_w = _bwd_block(Qrow, DOrow, KV, DKV, rows, n_ok, q_v, do_v, q_w, do_w, lse, delta, dq, dq_w,
+                              offs_h, h_ok, offs_v, v_ok, offs_w, w_ok, C, scale, qk_scale,
+                              BLOCK_H, BLOCK_N, BLOCK_C, PREC, SPLIT)
     if HAS_GLOB:
         for n0 in range(0, K, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             ids = tl.load(IDX + pid_q * K + offs_n, mask=offs_n < K, other=-1).to(tl.int64)
             n_ok = ids >= 0
             rows = b * S + tl.where(n_ok, ids, 0)
-            dq = _bwd_block(Qrow, DOrow, G, DG, rows, n_ok, q_v, do_v, lse, delta, dq, offs_h, h_ok, offs_v,
-                            v_ok, C, scale, qk_scale, BLOCK_H, BLOCK_N, BLOCK_C, PREC)
+            dq, dq_w = _bwd_block(Qrow, DOrow, G, DG, rows, n_ok, q_v, do_v, q_w, do_w, lse, delta, dq, dq_w,
+                                  offs_h, h_ok, offs_v, v_ok, offs_w, w_ok, C, scale, qk_scale,
+                                  BLOCK_H, BLOCK_N, BLOCK_C, PREC, SPLIT)
     tl.store(DQ + pid_q * H * C + offs_h[:, None] * C + offs_v[None, :], (dq * scale).to(DQ.dtype.element_ty),
              mask=hv)
+    if SPLIT == 2:
+        tl.store(DQ + pid_q * H * C + offs_h[:, None] * C + offs_w[None, :],
+                 (dq_w * scale).to(DQ.dtype.element_ty), mask=hw)
     if first:
         tl.store(DELTA + pid_q * H + offs_h, delta, mask=h_ok)
 
@@ -232,30 +255,36 @@ def _bwd_kernel(Q, KV, G, IDX, DOC, POS, OUT, DO, LSE, DQ, DKV, DG, DELTA, T, H,
 # (the autotuned set was the first four): forward 4.1-7.3 ms -> 2.0 ms (BLOCK_CV=512, 4 warps,
 # 3 stages), backward 14.5-28 ms -> 7.2 ms (BLOCK_CV=256, 4 warps, BLOCK_N 32 / 64).
 # The backward's atomics need DKV / DG zeroed between tuning runs.
-_FIXED = dict(BLOCK_N=16, BLOCK_C=16, BLOCK_CV=16)
+_FIXED = dict(BLOCK_N=16, BLOCK_C=16, BLOCK_CV=16, SPLIT=1)
 if INTERPRET:
     _fwd, _bwd, _psum = _fwd_kernel, _bwd_kernel, _psum_kernel
 else:
-    _cfg = lambda cv, w, st, n=64: triton.Config(dict(BLOCK_N=n, BLOCK_C=64, BLOCK_CV=cv), num_warps=w, num_stages=st)
+    def _cfg(cv, w, st, n=64, split=None):
+        meta = dict(BLOCK_N=n, BLOCK_C=64, BLOCK_CV=cv, **({} if split is None else {"SPLIT": split}))
+        return triton.Config(meta, num_warps=w, num_stages=st)
+
     _fwd = triton.autotune([_cfg(128, 4, 2), _cfg(128, 8, 2), _cfg(256, 8, 2), _cfg(64, 4, 3),
                             _cfg(512, 4, 3), _cfg(512, 4, 2), _cfg(256, 4, 3)],
                            key=["H", "C", "HAS_GLOB"])(_fwd_kernel)
-    _bwd = triton.autotune([_cfg(128, 8, 2), _cfg(64, 8, 2), _cfg(128, 8, 2, 32), _cfg(128, 8, 3),
-                            _cfg(256, 4, 3, 32), _cfg(256, 4, 2, 64), _cfg(256, 2, 2, 32), _cfg(512, 4, 2, 32)],
+    _bwd = triton.autotune([_cfg(128, 8, 2, 64, 1), _cfg(64, 8, 2, 64, 1), _cfg(128, 8, 2, 32, 1), _cfg(128, 8, 3, 64, 1),
+                            _cfg(256, 4, 3, 32, 1), _cfg(256, 4, 2, 64, 1), _cfg(256, 2, 2, 32, 1), _cfg(512, 4, 2, 32, 1)]
+                           + [_cfg(256, 8, 2, 64, 2), _cfg(256, 8, 2, 32, 2), _cfg(256, 4, 2, 32, 2),
+                              _cfg(256, 4, 2, 64, 2), _cfg(128, 4, 2, 64, 2)],
                            key=["H", "C", "HAS_GLOB"], reset_to_zero=["DKV", "DG"])(_bwd_kernel)
     _psum = triton.autotune([triton.Config(dict(BLOCK_N=n, BLOCK_C=64), num_warps=w, num_stages=2)
                              for n, w in ((64, 4), (32, 4), (64, 8))], key=["H", "C"])(_psum_kernel)
 
 
-def _meta(with_cv: bool = True) -> dict:
+def _meta(kernel: str) -> dict:
     """Block sizes to pass explicitly (interpreter only; autotuned configs supply them on a GPU)."""
     if not INTERPRET:
         return {}
-    return _FIXED if with_cv else {k: v for k, v in _FIXED.items() if k != "BLOCK_CV"}
+    drop = {"fwd": ("SPLIT",), "bwd": (), "psum": ("BLOCK_CV", "SPLIT")}[kernel]
+    return {k: v for k, v in _FIXED.items() if k not in drop}
 
 
 def _grid(n_query: int, H: int, C: int, block_h: int):
-    return lambda meta: (n_query * triton.cdiv(H, block_h) * triton.cdiv(C, meta["BLOCK_CV"]),)
+    return lambda meta: (n_query * triton.cdiv(H, block_h) * triton.cdiv(C, meta["BLOCK_CV"] * meta.get("SPLIT", 1)),)
 
 
 def _block_h(H: int) -> int:
@@ -279,7 +308,7 @@ class _SparseAttention(torch.autograd.Function):
         bh = _block_h(H)
         _fwd[_grid(B * T, H, C, bh)](q, kv, glob, idx, doc_start, positions, sink, out, lse, T, H, C, window,
                                      n_sel, glob.shape[1], scale * LOG2E, HAS_GLOB=has_glob,
-                                     PREC=_prec(q), BLOCK_H=bh, **_meta())
+                                     PREC=_prec(q), BLOCK_H=bh, **_meta("fwd"))
         ctx.save_for_backward(q, kv, glob, idx, doc_start, positions, sink, out, lse)
         ctx.has_glob, ctx.scale, ctx.window, ctx.n_sel = has_glob, scale, window, n_sel
         ctx.mark_non_differentiable(lse)
@@ -298,7 +327,7 @@ class _SparseAttention(torch.autograd.Function):
         _bwd[_grid(B * T, H, C, bh)](q, kv, glob, idx, doc_start, positions, out, dout, lse, dq, dkv, dg, delta,
                                      T, H, C, ctx.window, ctx.n_sel, glob.shape[1], ctx.scale,
                                      ctx.scale * LOG2E, HAS_GLOB=ctx.has_glob, PREC=_prec(q), BLOCK_H=bh,
-                                     **_meta())
+                                     **_meta("bwd"))
         # the sink column's ds is p_sink * (0 - delta): it has no value row
         p_sink = torch.exp2(sink.float() * LOG2E - lse)  # [B, T, H]
         dsink = -(p_sink * delta).sum((0, 1)).to(sink.dtype)
@@ -336,6 +365,6 @@ def sparse_attention_triton(q: torch.Tensor, win_kv: torch.Tensor, glob_kv: Opti
     p_sum = torch.empty(idx.shape, dtype=torch.float32, device=q.device)
     with torch.no_grad():
         _psum[(B * T,)](q.detach(), glob_kv.detach(), idx, lse, p_sum, H, C, idx.shape[-1], glob_kv.shape[1], T,
-                        float(scale) * LOG2E, PREC=_prec(q), BLOCK_H=_block_h(H), **_meta(False))
+                        float(scale) * LOG2E, PREC=_prec(q), BLOCK_H=_block_h(H), **_meta("psum"))
     return out, p_sum
 
