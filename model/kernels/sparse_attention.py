@@ -26,7 +26,12 @@ atomically added into fp32 buffers (window rows incl. halo, and the gathered glo
 p_sum is a second, QK-only pass from the saved LSE (the final normaliser is unknown while the
 forward streams), run only when asked for.
 
-Known costs: logits are recomputed C/BLOCK_CV times (forward and backward); every window row
+A backward program may take SPLIT = 2 consecutive value chunks (two dq accumulators, two dK = dV
+adds a key block) from one recomputation of the logits: at H = 16, C = 512 (`small`) the chunk of
+256 with SPLIT = 2 covers C in one program, 22.2 ms against 27.1 for the best one-chunk config
+(H200, micro-batch 8 x 4096 queries, k = 512).
+
+Known costs: logits are recomputed C/(BLOCK_CV*SPLIT) times (forward: SPLIT = 1); every window row
 receives W atomic adds, every selected row one per query selecting it. The adds are relaxed
 reductions: with Triton's default acq_rel atomics the backward took 1.55-1.6x as long (H200, T=4096,
 k=512, 8K-64K context), and with the adds removed outright (timing only) it is 0-10% faster, so a
@@ -253,7 +258,9 @@ def _bwd_kernel(Q, KV, G, IDX, DOC, POS, OUT, DO, LSE, DQ, DKV, DG, DELTA, T, H,
 # spills there). The rest are for 16 heads (`small`), where the [16, BLOCK_CV] accumulator is small
 # enough to take C in one or two chunks; an H200 sweep at H=16, C=512, T=4096 x 2, k=512, W=128
 # (the autotuned set was the first four): forward 4.1-7.3 ms -> 2.0 ms (BLOCK_CV=512, 4 warps,
-# 3 stages), backward 14.5-28 ms -> 7.2 ms (BLOCK_CV=256, 4 warps, BLOCK_N 32 / 64).
+# 3 stages), backward 14.5-28 ms -> 7.2 ms (BLOCK_CV=256, 4 warps, BLOCK_N 32 / 64). The backward's
+# SPLIT=2 configs (module docstring) were swept at micro-batch 8 (8 x 4096 queries): 256 / 32 / 4
+# warps / 2 stages 22.2 ms, the SPLIT=1 best 27.1 ms.
 # The backward's atomics need DKV / DG zeroed between tuning runs.
 _FIXED = dict(BLOCK_N=16, BLOCK_C=16, BLOCK_CV=16, SPLIT=1)
 if INTERPRET:
