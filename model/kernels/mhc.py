@@ -77,18 +77,17 @@ class MHCKernelConfig:
     bwd_block_d: Optional[int] = None  # ... per backward tile
     num_warps: int = 8
     num_stages: int = 1  # backward: short load-bound loops, software pipelining only costs smem and registers
-    # forward, None: 3 stages for bf16 streams, which prefetch the next D block's streams while this
-    # one mixes (H200, 32768 tokens, D = 1024: forward 0.89 -> 0.49 ms; the backward at 3 stages went
-    # 2.27 -> 2.54 ms), else 1 (fp32 operands of the 3-pass dot: more shared memory; not timed)
-    fwd_num_stages: Optional[int] = None
+    # forward: 3 stages prefetch the next D block's streams while this one mixes. H200, 32768 tokens,
+    # D = 1024, bf16 streams: forward 0.89 -> 0.49 ms (the backward at 3 stages went 2.27 -> 2.54 ms);
+    # fp32 streams (training with fp32 master weights, `small` micro-batch 8 profile): mHC and
+    # Sinkhorn 95 -> 71 ms a forward+backward
+    fwd_num_stages: int = 3
     fwd_splits: Optional[int] = None  # forward: D ranges per token tile (None: fill the GPU)
     bwd_groups: Optional[int] = None  # backward: token groups per D block (None: fill the GPU)
 
     def resolved(self, dtype: torch.dtype) -> MHCKernelConfig:
         block_d = 64 if dtype == torch.bfloat16 else 32  # 64 bf16 = a 128-byte line per stream row
-        stages = self.fwd_num_stages or (3 if dtype == torch.bfloat16 else 1)
-        return replace(self, fwd_block_d=self.fwd_block_d or block_d, bwd_block_d=self.bwd_block_d or block_d,
-                       fwd_num_stages=stages)
+        return replace(self, fwd_block_d=self.fwd_block_d or block_d, bwd_block_d=self.bwd_block_d or block_d)
 
 
 def _interpreting() -> bool:
