@@ -155,7 +155,7 @@ class MoE(nn.Module):
         N, D = x.shape
         flat = chosen.flatten()
         order = flat.argsort(stable=True)  # row i of the sorted rows is choice slot order[i]
-        inv = order.argsort()
+        inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
         counts = torch.bincount(flat, minlength=self.n_routed)  # [E], on the device
         y = self.experts(_Gather.apply(x, order // self.topk, inv, self.topk), counts)  # [N*k, D] by expert
         y = _Gather.apply(y, inv, order, 1).view(N, self.topk, D)  # [N, k, D] by token

@@ -52,13 +52,10 @@ class Rotary(nn.Module):
         """Rotate x[..., -dim:]. `angles` broadcasts against x[..., -dim:] with its pair axis last
         (e.g. [B, T, dim/2] -> insert a head axis before calling for [B, T, H, C])."""
         if self.kernels and x.dtype != torch.float64:
-            shared = angles.dim() == x.dim() and angles.shape[-2] == 1 and x.shape[-2] != 1
-            angles = angles.squeeze(-2) if shared else angles
-            if tuple(angles.shape[:-1]) == tuple(x.shape[:-2 if shared else -1]):
-                from model.kernels.rope import rotary_triton
+            from model.kernels.rope import angle_share, rotary_triton
 
-                return rotary_triton(x, angles.cos(), angles.sin(), inverse)
-            angles = angles.unsqueeze(-2) if shared else angles
+            if angle_share(x, angles) is not None:  # else a broadcast the kernel does not take
+                return rotary_triton(x, angles, inverse)
         rot = wide(x[..., -self.dim:])
         cos, sin = angles.cos(), angles.sin()
         if inverse:

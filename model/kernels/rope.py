@@ -12,10 +12,10 @@ dims are rotated pairwise in fp32 and rounded once to the output dtype, as the r
 (lane-wise: each lane reads its pair partner, so every load and store is coalesced). The
 backward is the same kernel with the rotation inverted (the rotation is orthogonal).
 
-Contract (`rotary_triton(x, cos, sin, inverse)`):
-    x [..., C] with rows contiguous in the last dim; cos / sin [..., R/2] fp32 whose leading
-    shape is x's, or x's without its second-to-last dim (one angle row shared by that axis,
-    e.g. the heads of q [B, T, H, C] with cos [B, T, R/2]) -> [..., C] in x's dtype.
+Contract (`rotary_triton(x, angles, inverse)`):
+    x [..., C] with rows contiguous in the last dim; angles [..., R/2] whose leading shape is
+    x's, or x's with its second-to-last axis of size 1 or absent (one angle row shared by that
+    axis, e.g. the heads of q [B, T, H, C] with angles [B, T, 1, R/2]) -> [..., C] in x's dtype.
     Differentiable in x (angles come from positions and carry no gradient).
 """
 from __future__ import annotations
@@ -78,17 +78,26 @@ class _Rotary(torch.autograd.Function):
         return _launch(grad.contiguous(), cos, sin, ctx.share, not ctx.inverse), None, None, None, None
 
 
+def angle_share(x: torch.Tensor, angles: torch.Tensor) -> int | None:
+    """Rows of x that one angle row serves: 1 when angles' leading shape is x's, x.shape[-2] when
+    it is x's with that axis of size 1 or absent (the heads of q [B, T, H, C] with angles
+    [B, T, 1, R/2] or [B, T, R/2]); None when the kernel cannot take this broadcast."""
+    lead, x_lead = tuple(angles.shape[:-1]), tuple(x.shape[:-1])
+    if lead == x_lead:
+        return 1
+    if x.dim() >= 2 and lead in (x_lead[:-1], x_lead[:-1] + (1,)):
+        return x.shape[-2]
+    return None
+
+
 @torch.compiler.disable  # trainer.compile: a graph break, launched as is (model/kernels/__init__.py)
-def rotary_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """x [..., C] rotated on its last 2 * cos.shape[-1] dims (module docstring)."""
-    half = cos.shape[-1]
+def rotary_triton(x: torch.Tensor, angles: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """x [..., C] rotated on its last 2 * angles.shape[-1] dims (module docstring)."""
+    half = angles.shape[-1]
     if 2 * half > x.shape[-1] or x.shape[-1] % 2:
         raise ValueError(f"rotary_triton: {2 * half} rotary dims exceed the row's {x.shape[-1]} (or the row is odd)")
-    lead = tuple(cos.shape[:-1])
-    if lead == tuple(x.shape[:-1]):
-        share = 1
-    elif x.dim() >= 2 and lead == tuple(x.shape[:-2]):
-        share = x.shape[-2]
-    else:
-        raise ValueError(f"rotary_triton: angles {tuple(cos.shape)} do not match x {tuple(x.shape)}")
-    return _Rotary.apply(x.contiguous(), cos.float().contiguous(), sin.float().contiguous(), share, inverse)
+    share = angle_share(x, angles)
+    if share is None:
+        raise ValueError(f"rotary_triton: angles {tuple(angles.shape)} do not match x {tuple(x.shape)}")
+    angles = angles.float()
+    return _Rotary.apply(x.contiguous(), angles.cos().contiguous(), angles.sin().contiguous(), share, inverse)
