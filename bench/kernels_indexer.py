@@ -6,8 +6,10 @@ bf16 q and k, fp32 head weights:
 * dense scores, `index_scores_triton` vs `index_scores`: ms, useful TFLOP/s (2*T*H*S*Di) and
   its fraction of the measured bf16 matmul throughput; also the fused causal-mask variant
   (queries are the last T positions, m = 1) and the eager mask it replaces;
-* what stays in PyTorch: torch.topk (k = 512), `select_topk` and `candidate_pool`
-  (block 8, 2048 blocks) on those scores;
+* top-k: torch.topk (k = 512) and `select_topk` on those scores, and `select_topk_triton`
+  (model/kernels/topk.py) where S <= its MAX_S (16K; wider rows take `select_topk`); also at the
+  `small` training shape (8 x 4096 queries over S = 2048 and 4096 entries, k = 512), with the
+  ids checked equal; `candidate_pool` (block 8, 2048 blocks) stays in PyTorch;
 * Reindex, `index_scores_at_triton` vs `index_scores_at` on a pool of P = 2048 blocks * 8 =
   16384 candidates per query: its time should not depend on S (pool-bounded);
 * the indexer KL's use, forward + backward of the scores at P = 512 selected entries.
@@ -25,6 +27,7 @@ import torch
 from bench.kernel_timing import matmul_tflops, timed_into
 from model.indexer import candidate_pool, index_scores, index_scores_at, select_topk
 from model.kernels.indexer import index_scores_at_triton, index_scores_triton
+from model.kernels.topk import MAX_S, select_topk_triton
 
 
 def _pool_ids(T: int, S: int, blocks: int, block: int, device) -> torch.Tensor:
@@ -67,6 +70,9 @@ def _bench_context(S: int, T: int, H: int, Di: int, pool_blocks: int, pool_block
         if scores is not None:
             timed_into(out, "torch_topk_ms", lambda: torch.topk(scores, topk, dim=-1))
             timed_into(out, "select_topk_ms", lambda: select_topk(scores, topk))
+            if S <= MAX_S:
+                timed_into(out, "select_topk_triton_ms", lambda: select_topk_triton(scores, topk))
+                out["select_topk_speedup"] = out["select_topk_ms"] / out["select_topk_triton_ms"]
             newest = positions.clone()  # m = 1, one document: the query's own entry
             timed_into(out, "candidate_pool_ms", lambda: candidate_pool(scores, newest, pool_block, pool_blocks),
                      reps=5, warmup=1)
@@ -107,6 +113,22 @@ def _bench_context(S: int, T: int, H: int, Di: int, pool_blocks: int, pool_block
     return out
 
 
+def _select_training_shape(topk: int, device) -> dict:
+    """Top-k at the `small` step's shape: micro-batch 8 x 4096 queries, causal ReLU-like scores
+    (many exact zeros) over S = 2048 (encoder, m = 2) and 4096 (decoder, m = 1) entries."""
+    out = {}
+    B, T = 8, 4096
+    for S in (2048, 4096):
+        t = torch.arange(T, device=device)
+        visible = torch.arange(S, device=device)[None, :] <= (t * S // T)[:, None]
+        scores = torch.randn(B, T, S, device=device).relu().masked_fill(~visible, float("-inf"))
+        ref = timed_into(out, f"s{S}_select_topk_ms", lambda sc=scores: select_topk(sc, topk))
+        got = timed_into(out, f"s{S}_select_topk_triton_ms", lambda sc=scores: select_topk_triton(sc, topk))
+        out[f"s{S}_select_topk_speedup"] = ref / got
+        out[f"s{S}_select_ids_equal"] = bool(torch.equal(select_topk(scores, topk), select_topk_triton(scores, topk)))
+    return out
+
+
 def bench(device, T: int = 4096, contexts: tuple[int, ...] = (16384, 131072), H: int = 64, Di: int = 128,
           pool_blocks: int = 2048, pool_block: int = 8, topk: int = 512, ref_reps: int = 5) -> dict:
     """A flat dict of numbers, keys prefixed s{S}_: times in ms, TFLOP/s, fractions, speedups."""
@@ -118,6 +140,7 @@ def bench(device, T: int = 4096, contexts: tuple[int, ...] = (16384, 131072), H:
     peak = matmul_tflops()
     out = {"queries": T, "heads": H, "index_dim": Di, "matmul_tflops": peak, "topk": topk,
            "pool_candidates": pool_blocks * pool_block}
+    out.update({f"train_{k}": v for k, v in _select_training_shape(topk, device).items()})
     for S in contexts:
         out.update({f"s{S}_{k}": v for k, v in _bench_context(S, T, H, Di, pool_blocks, pool_block, topk, peak,
                                                               device, ref_reps).items()})

@@ -66,11 +66,12 @@ class CSA2Attention(nn.Module):
         if cfg.kernels:  # imported on demand: Triton is only needed when the kernels are on
             from model.kernels.indexer import index_scores_at_triton, index_scores_triton
             from model.kernels.sparse_attention import sparse_attention_triton
+            from model.kernels.topk import select_topk_triton
             self.attend, self.scores_at = sparse_attention_triton, index_scores_at_triton
-            self.scores_masked = index_scores_triton
+            self.scores_masked, self.select = index_scores_triton, select_topk_triton
         else:
             self.attend, self.scores_at = _head_summed(ATTENTION_IMPLS[cfg.attn_impl]), index_scores_at
-            self.scores_masked = None
+            self.scores_masked, self.select = None, select_topk
         self.scale = cfg.kv_dim ** -0.5
         if cfg.n_heads % cfg.o_groups:
             raise ValueError(f"n_heads={cfg.n_heads} not divisible by o_groups={cfg.o_groups}")
@@ -234,13 +235,13 @@ class CSA2Attention(nn.Module):
                 scores = self.scores_masked(iq, iw, keys, rt.positions[:, rows], rt.doc_start[:, rows], m)
             else:
                 scores = index_scores(iq, iw, keys).masked_fill(~rt.visible(m, rows), NEG_INF)
-            idx = select_topk(scores, self.index_topk)
+            idx = self.select(scores, self.index_topk)
             pool = None
             if spec.builds_pool:
                 pool = candidate_pool(scores, rt.newest_visible(m, rows), self.pool_block, self.pool_blocks)
             return idx, pool
         cand = rt.pool[spec.kv_source][:, rows]  # reindex
-        return select_topk(self.scores_at(iq, iw, keys, cand), self.index_topk, positions=cand), None
+        return self.select(self.scores_at(iq, iw, keys, cand), self.index_topk, positions=cand), None
 
 
 def _head_summed(impl):
