@@ -24,18 +24,26 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
     return F.silu(gate) * up
 
 
+def _swiglu(kernels: bool):
+    """clamped_swiglu, or with kernels its fused Triton version (model/kernels/swiglu.py)."""
+    if not kernels:
+        return clamped_swiglu
+    from model.kernels.swiglu import clamped_swiglu_triton  # Triton only when the kernels are on
+    return clamped_swiglu_triton
+
+
 class SharedExpert(nn.Module):
     """A dense SwiGLU MLP that every token passes through."""
 
-    def __init__(self, dim: int, inter_dim: int, limit: float):
+    def __init__(self, dim: int, inter_dim: int, limit: float, kernels: bool = False):
         super().__init__()
-        self.limit = limit
+        self.limit, self.swiglu = limit, _swiglu(kernels)
         self.w1 = nn.Linear(dim, inter_dim, bias=False)  # gate
         self.w3 = nn.Linear(dim, inter_dim, bias=False)  # up
         self.w2 = nn.Linear(inter_dim, dim, bias=False)  # down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(clamped_swiglu(self.w1(x), self.w3(x), self.limit))
+        return self.w2(self.swiglu(self.w1(x), self.w3(x), self.limit))
 
 
 class RoutedExperts(nn.Module):
@@ -46,9 +54,10 @@ class RoutedExperts(nn.Module):
     launches for all experts, row offsets stay on the device, so routing needs no host sync).
     `grouped`: None picks grouped where PyTorch has a fast kernel for it (CUDA, bf16 compute)."""
 
-    def __init__(self, n_experts: int, dim: int, inter_dim: int, limit: float, grouped: bool | None = None):
+    def __init__(self, n_experts: int, dim: int, inter_dim: int, limit: float, grouped: bool | None = None,
+                 kernels: bool = False):
         super().__init__()
-        self.limit, self.grouped = limit, grouped
+        self.limit, self.grouped, self.swiglu = limit, grouped, _swiglu(kernels)
         self.w1 = nn.Parameter(torch.empty(n_experts, inter_dim, dim))  # gate
         self.w3 = nn.Parameter(torch.empty(n_experts, inter_dim, dim))  # up
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, inter_dim))  # down
@@ -74,7 +83,7 @@ class RoutedExperts(nn.Module):
         for e, rows in enumerate(torch.split(x, counts)):
             if rows.shape[0] == 0:
                 continue
-            h = clamped_swiglu(rows @ self.w1[e].T, rows @ self.w3[e].T, self.limit)
+            h = self.swiglu(rows @ self.w1[e].T, rows @ self.w3[e].T, self.limit)
             outs.append(h @ self.w2[e].T)
         return torch.cat(outs) if outs else x.new_zeros(0, x.shape[-1])
 
@@ -84,8 +93,8 @@ class RoutedExperts(nn.Module):
         w1, w3, w2 = (w.to(dtype).transpose(-2, -1) for w in (self.w1, self.w3, self.w2))  # [E, in, out] views
         with torch.autocast(x.device.type, enabled=False):  # _grouped_mm has no autocast rule: cast here
             x = x.to(dtype)
-            h = clamped_swiglu(torch._grouped_mm(x, w1, offs=offsets), torch._grouped_mm(x, w3, offs=offsets),
-                               self.limit)
+            h = self.swiglu(torch._grouped_mm(x, w1, offs=offsets), torch._grouped_mm(x, w3, offs=offsets),
+                            self.limit)
             return torch._grouped_mm(h, w2, offs=offsets)
 
 
@@ -139,12 +148,12 @@ class Router(nn.Module):
 
 class MoE(nn.Module):
     def __init__(self, dim: int, n_routed: int, n_shared: int, topk: int, inter_dim: int,
-                 route_scale: float, limit: float, seq_aux_alpha: float):
+                 route_scale: float, limit: float, seq_aux_alpha: float, kernels: bool = False):
         super().__init__()
         self.n_routed, self.topk, self.seq_aux_alpha = n_routed, topk, seq_aux_alpha
         self.router = Router(dim, n_routed, topk, route_scale)
-        self.experts = RoutedExperts(n_routed, dim, inter_dim, limit)
-        self.shared = SharedExpert(dim, inter_dim * n_shared, limit) if n_shared > 0 else None
+        self.experts = RoutedExperts(n_routed, dim, inter_dim, limit, kernels=kernels)
+        self.shared = SharedExpert(dim, inter_dim * n_shared, limit, kernels) if n_shared > 0 else None
 
     def dispatch(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Dropless routed compute: x [N, D], chosen/weights [N, k] -> [N, D]. Expert

@@ -52,7 +52,7 @@ class Block(nn.Module):
         self.ffn_hc = HyperConnection(**hc)
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.moe = MoE(cfg.dim, cfg.n_routed_experts, cfg.n_shared_experts, cfg.n_activated_experts,
-                       cfg.moe_inter_dim, cfg.route_scale, cfg.swiglu_limit, cfg.seq_aux_alpha)
+                       cfg.moe_inter_dim, cfg.route_scale, cfg.swiglu_limit, cfg.seq_aux_alpha, kernels=cfg.kernels)
         self.fused_mhc = None
         if cfg.kernels:  # the attention -> MoE boundary inside a block, in one pass over the streams
             from model.kernels.mhc import fused_mhc_step
