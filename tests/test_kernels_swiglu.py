@@ -56,3 +56,23 @@ def test_gpu_bf16_moe_shape():
     for g, w in zip(got, want):
         assert g.dtype == torch.bfloat16
         assert ((g.float() - w).norm() / w.norm()).item() < 1e-2
+
+
+def test_inputs_the_kernel_does_not_take_fall_back_to_the_reference(monkeypatch):
+    """float64, mismatched dtypes or broadcast shapes: the reference runs (never the kernel), with
+    its output and gradients."""
+    import model.kernels.swiglu as sw
+
+    def no_kernel(*_):
+        raise AssertionError("the kernel must not run for these inputs")
+
+    monkeypatch.setattr(sw, "_swiglu_kernel", no_kernel)
+    g = torch.Generator().manual_seed(4)
+    cases = [(torch.randn(4, 8, generator=g, dtype=torch.float64) * 6,
+              torch.randn(4, 8, generator=g, dtype=torch.float64) * 6),
+             (torch.randn(4, 8, generator=g) * 6, (torch.randn(4, 8, generator=g) * 6).double()),
+             (torch.randn(4, 8, generator=g) * 6, torch.randn(1, 8, generator=g) * 6)]
+    for gate, up in cases:
+        dh = torch.randn(4, 8, generator=g)
+        for got, want in zip(_run(clamped_swiglu_triton, gate, up, 5.0, dh), _run(clamped_swiglu, gate, up, 5.0, dh)):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
