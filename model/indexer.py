@@ -83,6 +83,11 @@ def index_scores_at(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, cand: tor
     return scores.masked_fill(cand < 0, NEG_INF)
 
 
+# Eager under trainer.compile: torch 2.11's inductor fuses the tie cumsum and the `where` below
+# into one kernel that stores the cumsum, then reads it back in a second loop with no barrier
+# between them; on the H200 some rows read stale values and lose takes (ids = S, out of range).
+# A tl.debug_barrier() between the loops makes the same generated kernel exact (docs/DESIGN.md).
+@torch.compiler.disable
 def topk_ids(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest of scores [..., S] (k <= S) -> (column ids [..., k] ascending, their scores).
     Ties at the k-th value go to the lowest columns. torch.topk leaves ties unspecified, and its
@@ -119,10 +124,6 @@ def _sort_padded(ids: torch.Tensor) -> torch.Tensor:
     return ids.masked_fill(ids == big, -1)
 
 
-# Eager under trainer.compile: torch 2.11's inductor (H200) miscompiled this function: its fused
-# gather of the block ids hit a device-side index assert at the kernel-model test's shape, while
-# the same inputs run eagerly are in range (tests/test_kernels_model.py, gpu).
-@torch.compiler.disable
 def candidate_pool(scores: torch.Tensor, newest: torch.Tensor, block: int, n_blocks: int) -> torch.Tensor:
     """The per-query candidate pool of the decoder's Full layer.
 
