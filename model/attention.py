@@ -231,17 +231,31 @@ class CSA2Attention(nn.Module):
         keys = rt.index_k[spec.kv_source]
         iq, iw = iq[:, rows], iw[:, rows]
         if spec.mode == "full":
-            if self.scores_masked is not None:  # the kernel applies visibility as it scores
-                scores = self.scores_masked(iq, iw, keys, rt.positions[:, rows], rt.doc_start[:, rows], m)
-            else:
-                scores = index_scores(iq, iw, keys).masked_fill(~rt.visible(m, rows), NEG_INF)
+            scores = self._visible_scores(iq, iw, keys, rt, rows)
             idx = self.select(scores, self.index_topk)
             pool = None
             if spec.builds_pool:
                 pool = candidate_pool(scores, rt.newest_visible(m, rows), self.pool_block, self.pool_blocks)
             return idx, pool
+        if self.pool_is_every_entry(keys.shape[1]):  # reindex over the pool = over every visible entry
+            return self.select(self._visible_scores(iq, iw, keys, rt, rows), self.index_topk), None
         cand = rt.pool[spec.kv_source][:, rows]  # reindex
         return self.select(self.scores_at(iq, iw, keys, cand), self.index_topk, positions=cand), None
+
+    def _visible_scores(self, iq, iw, keys, rt: AttentionRuntime, rows: slice) -> torch.Tensor:
+        """Index scores [B, Tc, S] of every entry, -inf where the query cannot see it."""
+        m = self.spec.compress_ratio
+        if self.scores_masked is not None:  # the kernel applies visibility as it scores
+            return self.scores_masked(iq, iw, keys, rt.positions[:, rows], rt.doc_start[:, rows], m)
+        return index_scores(iq, iw, keys).masked_fill(~rt.visible(m, rows), NEG_INF)
+
+    def pool_is_every_entry(self, n_entries: int) -> bool:
+        """The pool keeps every block when there are at most pool_blocks of them (short contexts:
+        `small` at 4K has 512 blocks of 8 for 4096 entries). It then holds exactly the visible
+        entries in position order, so dense scoring selects the same ids as gathering the pool's
+        keys, and the dense matmul reuses each key across a tile of queries where the gather
+        loads it once per query."""
+        return n_entries <= self.pool_blocks * self.pool_block
 
 
 def _head_summed(impl):

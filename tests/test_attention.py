@@ -203,6 +203,35 @@ def test_reindex_selects_only_inside_the_pool(tiny_model):
     assert visible > 12
 
 
+def test_reindex_scores_densely_when_the_pool_keeps_every_block(monkeypatch):
+    """16 blocks of 4 cover all 64 entries: every block survives, so Reindex scores every visible
+    entry densely instead of gathering the pool's keys; it must select what the gathered pool
+    selects (two documents, so the pool and the dense mask both drop the other document)."""
+    from model.attention import CSA2Attention
+
+    torch.manual_seed(0)
+    model = Transformer(tiny(engram_layers=[], index_topk=8, pool_blocks=16, pool_block=4, window=16)).eval()
+    x = torch.randint(0, 97, (2, 64), generator=torch.Generator().manual_seed(4))
+    doc = torch.zeros(2, 64, dtype=torch.long)
+    doc[1, 40:] = 1
+    reindex = [s.layer_id for s in model.plan.layers if s.mode == "reindex"]
+    dense_calls = []
+    real = CSA2Attention.pool_is_every_entry
+
+    def spy(self, n):
+        dense_calls.append(real(self, n))
+        return dense_calls[-1]
+
+    monkeypatch.setattr(CSA2Attention, "pool_is_every_entry", spy)
+    fast = _run_with_runtime(model, x, doc)
+    assert reindex and dense_calls and all(dense_calls)
+    monkeypatch.setattr(CSA2Attention, "pool_is_every_entry", lambda self, n: False)
+    gathered = _run_with_runtime(model, x, doc)
+    for layer in reindex:
+        torch.testing.assert_close(fast.topk[layer], gathered.topk[layer], rtol=0, atol=0)
+        assert (fast.topk[layer] >= 0).any()
+
+
 def test_position_dropped_from_pool_is_unreachable(tiny_model):
     """Give one early position the highest index score a Reindex layer could assign, but keep it
     out of layer 20's (here: the decoder Full layer's) pool: the Reindex layer never selects it."""
