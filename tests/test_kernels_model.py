@@ -55,8 +55,8 @@ def test_kernels_need_a_gpu_or_the_interpreter(monkeypatch):
 def test_kernels_match_the_reference_model_on_gpu():
     """bf16 autocast on CUDA, as training runs: losses within bf16 tolerance, and the kernels'
     gradient no further from the fp32 reference model's than bf16 noise puts the reference
-    model itself under autocast (measured on an H200: reference 0.048, kernels 0.100 relative L2
-    with the fused mHC step, 0.036 without it; fp32 without autocast, kernels vs reference: 2e-6)."""
+    model itself under autocast (measured on an H200 at 6a95ed0: reference 0.0476, kernels 0.0515
+    relative L2; fp32 without autocast, kernels vs reference: 2e-6)."""
     torch.manual_seed(0)
     cfg = dataclasses.replace(CFG, window=128, index_topk=64, pool_block=8, pool_blocks=8)
     with torch.device("cuda"):
@@ -83,7 +83,7 @@ def test_kernels_match_the_reference_model_on_gpu():
         assert abs(a - b) <= 2e-2 * abs(a) + 1e-4, (key, a.item(), b.item())
     err_ref = ((grad_ref - exact).norm() / exact.norm()).item()
     err_ker = ((grad_ker - exact).norm() / exact.norm()).item()
-    assert err_ker < 3 * err_ref, (err_ker, err_ref)
+    assert err_ker < 1.5 * err_ref, (err_ker, err_ref)
 
 
 @pytest.mark.gpu
