@@ -281,13 +281,13 @@ def indexer_kl(p_sel: torch.Tensor, idx: torch.Tensor, iq: torch.Tensor, iw: tor
     batch split across data-parallel ranks sees the same total. `scores_at`: the indexer scoring
     at candidates (reference or kernel)."""
     target = p_sel.detach()  # [B, T, k]
-    mass = target.sum(-1)
-    rows = mass > 0  # queries that attended to at least one selected entry
-    if not bool(rows.any()):
-        # still connected to the indexer's inputs, so every context-parallel rank runs the same
-        # backward collectives
-        return (wide(iq).sum() + iw.sum() + wide(keys).sum()) * 0.0
-    target = target[rows] / mass[rows].unsqueeze(-1)
-    log_q = F.log_softmax(scores_at(iq, iw, keys, idx)[rows], dim=-1)
+    mass = target.sum(-1, keepdim=True)
+    rows = mass > 0  # [B, T, 1] queries that attended to at least one selected entry
+    # masked, not indexed by `rows`: no host sync (boolean indexing and `if rows.any()` each wait
+    # for the GPU), and the loss stays connected to the indexer's inputs even when no query
+    # attends to a selected entry, so every context-parallel rank runs the same backward collectives
+    target = torch.where(rows, target / torch.where(rows, mass, 1.0), 0.0)
+    scores = scores_at(iq, iw, keys, idx).masked_fill(~rows, 0.0)  # -inf only at -1 ids of kept rows
+    log_q = F.log_softmax(scores, dim=-1)
     kl = torch.where(target > 0, target * (target.clamp(min=1e-30).log() - log_q), 0.0)
     return kl.sum() / rows.numel()

@@ -126,6 +126,68 @@ def test_select_topk_sorted_padded_and_causal():
         assert (row[len(real):] == -1).all()  # padding after the real entries
 
 
+def _kl_row_by_row(p_sel, idx, iq, iw, keys):
+    """indexer_kl written out one query at a time, in fp64: KL(normalised attention mass ||
+    softmax of the index scores) over the selected ids, queries without mass skipped, / B*T."""
+    from model.indexer import index_scores_at
+
+    scores = index_scores_at(iq, iw, keys, idx)
+    total = scores.new_zeros((), dtype=torch.float64)
+    B, T, _ = idx.shape
+    for b in range(B):
+        for t in range(T):
+            p = p_sel[b, t].double()
+            if p.sum() == 0:
+                continue
+            ok = idx[b, t] >= 0
+            target = p[ok] / p.sum()
+            log_q = torch.log_softmax(scores[b, t][ok].double(), -1)
+            keep = target > 0
+            total = total + (target[keep] * (target[keep].log() - log_q[keep])).sum()
+    return total / (B * T)
+
+
+def test_indexer_kl_matches_a_row_by_row_kl():
+    """Rows with no attention mass add nothing, -1 ids are left out, and the loss and the
+    indexer inputs' gradients match the per-query fp64 formula."""
+    from model.attention import indexer_kl
+
+    g = torch.Generator().manual_seed(5)
+    B, T, k, S, Hi, Di = 2, 6, 5, 9, 3, 4
+    idx = torch.randint(0, S, (B, T, k), generator=g)
+    idx[0, 1, 3:] = -1
+    idx[1, 4] = -1  # nothing selected
+    p_sel = torch.rand(B, T, k, generator=g).masked_fill(idx < 0, 0.0)
+    p_sel[0, 2] = 0.0  # selected entries, but no mass on them
+    p_sel[1, 0, 1] = 0.0  # one selected entry without mass
+    inputs = [torch.randn(B, T, Hi, Di, generator=g), torch.rand(B, T, Hi, generator=g),
+              torch.randn(B, S, Di, generator=g)]
+    got_in = [x.clone().requires_grad_() for x in inputs]
+    want_in = [x.double().requires_grad_() for x in inputs]
+    got = indexer_kl(p_sel, idx, *got_in)
+    want = _kl_row_by_row(p_sel, idx, *want_in)
+    got.backward()
+    want.backward()
+    assert want > 0
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-7)
+    for a, b in zip(got_in, want_in):
+        torch.testing.assert_close(a.grad.double(), b.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_indexer_kl_without_mass_is_zero_and_still_connected():
+    from model.attention import indexer_kl
+
+    iq = torch.randn(1, 3, 2, 4, requires_grad=True)
+    iw = torch.rand(1, 3, 2, requires_grad=True)
+    keys = torch.randn(1, 5, 4, requires_grad=True)
+    idx = torch.tensor([[[0, 1], [2, -1], [-1, -1]]])
+    loss = indexer_kl(torch.zeros(1, 3, 2), idx, iq, iw, keys)
+    loss.backward()
+    assert loss.item() == 0.0
+    for x in (iq, iw, keys):
+        assert x.grad is not None and torch.isfinite(x.grad).all() and not x.grad.any()
+
+
 def test_candidate_pool_keeps_newest_block_and_top_blocks():
     T = 64
     rt = AttentionRuntime(1, T, torch.device("cpu"))
