@@ -149,7 +149,9 @@ class CSA2Attention(nn.Module):
             if kl is not None:
                 loss = kl * ((hi - lo) / T) if loss is None else loss + kl * ((hi - lo) / T)
             if iq is not None and rt.collect_recall:
-                held = pool_rows if self.spec.mode == "full" else rt.pool[self.spec.kv_source][:, rows]
+                held = None
+                if self.spec.builds_pool or self.spec.mode == "reindex":
+                    held = pool_rows if pool_rows is not None else self._source_pool(rt, rows)
                 recall.append(self._recall_sums(q[:, rows], win[:, rows], chunk_halo, glob, idx, held, rt, rows))
         if topk:
             rt.topk[self.spec.layer_id] = topk[0] if len(topk) == 1 else torch.cat(topk, dim=1)
@@ -181,7 +183,7 @@ class CSA2Attention(nn.Module):
             if rt.indexer_mode == "sparse":  # KL on the selected set
                 kl = indexer_kl(p_sel, idx, iq, iw, keys, self.scores_at)
             else:  # dense warm-up: KL towards the dense attention over everything the indexer scores
-                cand = attend_idx if self.spec.mode == "full" else rt.pool[self.spec.kv_source][:, rows]
+                cand = attend_idx if self.spec.mode == "full" else self._source_pool(rt, rows)
                 kl = indexer_kl(_probs_at(p_sel, cand), cand, iq, iw, keys, self.scores_at)
         return out, kl
 
@@ -234,7 +236,7 @@ class CSA2Attention(nn.Module):
             scores = self._visible_scores(iq, iw, keys, rt, rows)
             idx = self.select(scores, self.index_topk)
             pool = None
-            if spec.builds_pool:
+            if spec.builds_pool and not self.pool_is_every_entry(keys.shape[1]):  # else Reindex scores densely
                 pool = candidate_pool(scores, rt.newest_visible(m, rows), self.pool_block, self.pool_blocks)
             return idx, pool
         if self.pool_is_every_entry(keys.shape[1]):  # reindex over the pool = over every visible entry
@@ -256,6 +258,13 @@ class CSA2Attention(nn.Module):
         keys, and the dense matmul reuses each key across a tile of queries where the gather
         loads it once per query."""
         return n_entries <= self.pool_blocks * self.pool_block
+
+    def _source_pool(self, rt: AttentionRuntime, rows: slice) -> torch.Tensor:
+        """The pool of this layer's KV source for the queries in `rows`: [B, Tc, P] entry ids, -1
+        = empty; every visible entry ([B, Tc, S]) when the pool keeps every block (none is built)."""
+        if self.pool_is_every_entry(rt.index_k[self.spec.kv_source].shape[1]):
+            return rt.all_visible(self.spec.compress_ratio, rows)
+        return rt.pool[self.spec.kv_source][:, rows]
 
 
 def _head_summed(impl):

@@ -143,10 +143,7 @@ def candidate_pool(scores: torch.Tensor, newest: torch.Tensor, block: int, n_blo
     block_score = torch.where(has_newest.unsqueeze(-1),
                               block_score.scatter(-1, newest_block, forced), block_score)
     kb = min(n_blocks, nb)
-    if kb == nb:  # every block survives: nothing to rank
-        blocks, values = torch.arange(nb, device=scores.device).expand_as(block_score), block_score
-    else:
-        blocks, values = topk_ids(block_score, kb)  # ascending block ids: the pool's order is canonical
+    blocks, values = topk_ids(block_score, kb)  # ascending block ids: the pool's order is canonical
     blocks = blocks.masked_fill(values == NEG_INF, -1)  # [B, T, kb]
     offs = torch.arange(block, device=scores.device)
     pos = (blocks.clamp(min=0).unsqueeze(-1) * block + offs).flatten(-2)  # [B, T, kb*block]

@@ -292,6 +292,29 @@ def test_reindex_scores_densely_when_the_pool_keeps_every_block(monkeypatch):
     for layer in reindex:
         torch.testing.assert_close(fast.topk[layer], gathered.topk[layer], rtol=0, atol=0)
         assert (fast.topk[layer] >= 0).any()
+    assert not fast.pool and gathered.pool  # no pool is built when it would hold every entry
+
+
+@pytest.mark.parametrize("indexer_mode", ["sparse", "dense"])
+def test_pool_recall_and_warmup_loss_without_a_built_pool(monkeypatch, indexer_mode):
+    """With no pool built (it would hold every entry), the pool recall and the dense warm-up's
+    Reindex KL read every visible entry: the same values as with the gathered pool."""
+    from model.attention import CSA2Attention
+
+    torch.manual_seed(0)
+    model = Transformer(tiny(engram_layers=[], index_topk=8, pool_blocks=16, pool_block=4, window=16)).train()
+    model.indexer_mode = indexer_mode
+    ids = torch.randint(0, 97, (2, 65), generator=torch.Generator().manual_seed(6))
+
+    def run():
+        return model(ids[:, :-1], labels=ids[:, 1:], collect_recall=True)
+
+    fast = run()
+    monkeypatch.setattr(CSA2Attention, "pool_is_every_entry", lambda self, n: False)
+    gathered = run()
+    assert fast.pool_recall is not None and fast.indexer_loss > 0
+    torch.testing.assert_close(fast.pool_recall, gathered.pool_recall, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(fast.indexer_loss, gathered.indexer_loss, rtol=1e-6, atol=1e-7)
 
 
 def test_position_dropped_from_pool_is_unreachable(tiny_model):

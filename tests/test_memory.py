@@ -124,9 +124,10 @@ def test_query_chunked_attention_equals_whole_sequence(impl, indexer_mode):
 def test_recomputation_leaves_no_state_behind():
     """With activation checkpointing the backward re-runs every block. Those re-runs must not
     add losses to the runtime or replace the forward's tensors (they would hold the recomputed
-    graphs alive, in a reference cycle with the runtime)."""
+    graphs alive, in a reference cycle with the runtime). A pool smaller than the context, so
+    the decoder builds one (a pool that would hold every entry is not built)."""
     torch.manual_seed(0)
-    model = Transformer(CFG)
+    model = Transformer(dataclasses.replace(CFG, pool_block=2, pool_blocks=3))
     checkpoint_blocks(model)
     x, y, doc = _batch()
     out = model(x, doc_ids=doc, keep_runtime=True)
