@@ -27,28 +27,34 @@ import triton
 import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# Pairs a program (so 2 * _PAIRS values), at most _ROWS_MAX rows, and warps: swept on the H200 at q
+# [8, 4096, 16, 512] bf16 (1024-8192 pairs, 2-8 warps): 1024 pairs and 4 warps 0.379 ms, the rest 0.41-0.93.
+_PAIRS, _ROWS_MAX, _WARPS = 1024, 16, 4
 
 
 @triton.jit
 def _rotary_kernel(X, COS, SIN, OUT, n_rows, share, C, HALF, sign,
-                   BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    # X / OUT [n_rows, C]; COS / SIN [n_rows // share, HALF]. Lane c >= lead = C - 2*HALF is in pair
-    # (c - lead) // 2; its partner lane is c ^ 1 (lead is even). Whole rows are one tile, loaded twice
-    # (lanes and partners, the same cache lines) and stored once, all coalesced:
-    #   even lane: x*cos - partner*sin;  odd lane: x*cos + partner*sin;  leading lanes: x as is.
+                   BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
+    # X / OUT [n_rows, C] seen as [n_rows, C/2, 2] pairs (elements 2j, 2j + 1); COS / SIN
+    # [n_rows // share, HALF]. Pair j >= lead = C/2 - HALF is rotated by angle j - lead:
+    #   even' = even*cos - sign*odd*sin;  odd' = odd*cos + sign*even*sin;  leading pairs as they are.
+    # A tile is BLOCK_R whole rows, loaded and stored once as [BLOCK_R, BLOCK_P, 2] (contiguous
+    # 16-byte vectors) and split into its even and odd halves in registers.
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-    cols = tl.arange(0, BLOCK_C)
-    lead = C - 2 * HALF
-    m = (rows < n_rows)[:, None] & (cols < C)[None, :]
-    at = rows[:, None] * C + cols[None, :]
-    x = tl.load(X + at, mask=m, other=0.0)
-    partner = tl.load(X + rows[:, None] * C + (cols ^ 1)[None, :], mask=m, other=0.0).to(tl.float32)
-    rot = (cols >= lead)[None, :] & m
-    ang = (rows // share)[:, None] * HALF + ((cols - lead) // 2)[None, :]
+    pairs = tl.arange(0, BLOCK_P)
+    lead = C // 2 - HALF
+    m = (rows < n_rows)[:, None] & (pairs < C // 2)[None, :]  # [BLOCK_R, BLOCK_P]
+    at = (rows[:, None] * C + 2 * pairs[None, :])[:, :, None] + tl.arange(0, 2)[None, None, :]
+    m2 = m[:, :, None] & (tl.arange(0, 2) < 2)[None, None, :]
+    even, odd = tl.split(tl.load(X + at, mask=m2, other=0.0))
+    rot = m & (pairs >= lead)[None, :]
+    ang = (rows // share)[:, None] * HALF + (pairs - lead)[None, :]
     cos = tl.load(COS + ang, mask=rot, other=1.0)
-    sin = tl.load(SIN + ang, mask=rot, other=0.0) * tl.where(cols % 2 == 0, -sign, sign)[None, :]
-    out = x.to(tl.float32) * cos + partner * sin
-    tl.store(OUT + at, tl.where(rot, out.to(OUT.dtype.element_ty), x), mask=m)
+    sin = tl.load(SIN + ang, mask=rot, other=0.0) * sign
+    e, o = even.to(tl.float32), odd.to(tl.float32)
+    new_even = tl.where(rot, (e * cos - o * sin).to(OUT.dtype.element_ty), even)
+    new_odd = tl.where(rot, (o * cos + e * sin).to(OUT.dtype.element_ty), odd)
+    tl.store(OUT + at, tl.join(new_even, new_odd), mask=m2)
 
 
 def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, share: int, inverse: bool) -> torch.Tensor:
@@ -56,12 +62,12 @@ def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, share: int, i
     rows = x.reshape(-1, C)
     out = torch.empty_like(rows)
     n_rows = rows.shape[0]
-    block_c = triton.next_power_of_2(C)
-    block_r = max(1, min(16, 4096 // block_c))  # ~4K elements a program
+    block_p = triton.next_power_of_2(C // 2)
+    block_r = max(1, min(_ROWS_MAX, _PAIRS // block_p))
     if n_rows:
         _rotary_kernel[(triton.cdiv(n_rows, block_r),)](
             rows, cos, sin, out, n_rows, share, C, half, -1.0 if inverse else 1.0,
-            BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
+            BLOCK_R=block_r, BLOCK_P=block_p, num_warps=_WARPS)
     return out.view(x.shape)
 
 
