@@ -10,6 +10,7 @@ Sections (bench/kernels_<name>.py, each `bench(device) -> dict`):
   e2e        the `small` training step, kernels off vs on: tokens/s ratio and MFU
   e2e_batch  the kernels-on `small` step at micro-batch 2, 4, 8: tokens/s ratio and MFU
   e2e_profile  that step's GPU time by kernel category at micro-batch 8, and the MFU bound it implies
+  small_ops  rotary and the mHC stream mixes at the step's shape vs their PyTorch references
 
     python -m bench.kernels [--only attention,mhc] [--out bench/results/kernels-h200.json]
 
@@ -30,7 +31,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-SECTIONS = ("quant", "attention", "indexer", "mhc", "engram", "e2e", "e2e_batch", "e2e_profile")
+SECTIONS = ("quant", "attention", "indexer", "mhc", "engram", "e2e", "e2e_batch", "e2e_profile", "small_ops")
 
 
 def main() -> None:

@@ -47,6 +47,13 @@ def _by_category(prof) -> dict[str, float]:
     return out
 
 
+def _top_kernels(prof, n: int = 30) -> list[dict]:
+    """The n kernels with the most GPU time: name (cut to 90 characters), ms, calls."""
+    events = sorted((e for e in prof.key_averages() if e.self_device_time_total > 0),
+                    key=lambda e: -e.self_device_time_total)[:n]
+    return [{"name": e.key[:90], "ms": round(e.self_device_time_total / 1e3, 2), "calls": e.count} for e in events]
+
+
 def bench(device, seq_len: int = 4096, micro_batch: int = 8, vocab: int = 129_280) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
@@ -97,4 +104,5 @@ def bench(device, seq_len: int = 4096, micro_batch: int = 8, vocab: int = 129_28
             "mfu_fwd_bwd": mfu, "peak_source": source,
             "mfu_bound_gemm_attention": mfu * wall_ms / bound_ms,
             "copy_gbs": copy_gbs, "heads": cfg.n_heads,
-            "attention_hbm_bound_frac_peak": 2 * cfg.n_heads * copy_gbs * 1e9 / peak}
+            "attention_hbm_bound_frac_peak": 2 * cfg.n_heads * copy_gbs * 1e9 / peak,
+            "top_kernels_fwd_bwd": _top_kernels(prof)}

@@ -72,13 +72,27 @@ class HyperConnection(nn.Module):
         return post, self.sinkhorn(comb_logits, self.iters, self.eps), next_pre
 
 
-def mix_streams(pre: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """Sub-layer input: pre [B, T, n], h [B, T, n, D] -> x [B, T, D]."""
+def _kernel_fits(h: torch.Tensor, *shapes: tuple[torch.Tensor, tuple]) -> bool:
+    """The stream-mix kernel takes these arguments: no fp64, no broadcasting."""
+    return h.dtype != torch.float64 and all(tuple(t.shape) == want for t, want in shapes)
+
+
+def mix_streams(pre: torch.Tensor, h: torch.Tensor, kernels: bool = False) -> torch.Tensor:
+    """Sub-layer input: pre [B, T, n], h [B, T, n, D] -> x [B, T, D]. kernels: the Triton kernel
+    (model/kernels/stream_mix.py; fp32 math, x in h's dtype)."""
+    if kernels and _kernel_fits(h, (pre, h.shape[:-1])):
+        from model.kernels.stream_mix import mix_streams_triton
+        return mix_streams_triton(pre, h)
     return torch.einsum("bts,btsd->btd", pre.to(h.dtype), h)
 
 
-def update_streams(h: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """Residual update h'[d] = post[d] * y + sum_s comb[s, d] * h[s]."""
+def update_streams(h: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                   kernels: bool = False) -> torch.Tensor:
+    """Residual update h'[d] = post[d] * y + sum_s comb[s, d] * h[s]. kernels: as `mix_streams`."""
+    if kernels and _kernel_fits(h, (y, h.shape[:-2] + h.shape[-1:]), (post, h.shape[:-1]),
+                                (comb, h.shape[:-1] + h.shape[-2:-1])):
+        from model.kernels.stream_mix import update_streams_triton
+        return update_streams_triton(h, y, post, comb)
     mixed = torch.einsum("btsd,btsc->btdc", comb.to(h.dtype), h)  # [B, T, n(dst), D]
     return mixed + post.to(h.dtype).unsqueeze(-1) * y.unsqueeze(2)
 

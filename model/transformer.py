@@ -71,9 +71,10 @@ class Block(nn.Module):
             h, x, mix = self.fused_mhc(h, *pending, pre, self.attn_hc.fn, self.attn_hc.eps)
             post, comb, ffn_pre = self.attn_hc.coefficients(mix)
         else:
-            h = settle(h, pending)
+            kernels = self.fused_mhc is not None  # the boundary the fused step cannot take
+            h = settle(h, pending, kernels)
             post, comb, ffn_pre = self.attn_hc(h)
-            x = mix_streams(pre, h)
+            x = mix_streams(pre, h, kernels)
         y = self.attn(self.attn_norm(x), rt)  # [B, T, D]
         if self.fused_mhc is not None:
             h, x, mix = self.fused_mhc(h, y, post, comb, ffn_pre, self.ffn_hc.fn, self.ffn_hc.eps)
@@ -89,9 +90,9 @@ class Block(nn.Module):
         return update_streams(h, y, post, comb), next_pre, None
 
 
-def settle(h: torch.Tensor, pending: Optional[tuple]) -> torch.Tensor:
+def settle(h: torch.Tensor, pending: Optional[tuple], kernels: bool = False) -> torch.Tensor:
     """h with a block's pending MoE update (y, post, comb) applied (h itself when none)."""
-    return h if pending is None else update_streams(h, *pending)
+    return h if pending is None else update_streams(h, *pending, kernels=kernels)
 
 
 class Transformer(nn.Module):
@@ -205,7 +206,7 @@ class Transformer(nn.Module):
         """input_ids [B, T] -> final normed hidden state [B, T, D]."""
         h, pre = self.embed_streams(input_ids)
         h, pre = self.run_layers(h, pre, input_ids, rt, self.layers)
-        return self.norm(mix_streams(pre, h))
+        return self.norm(mix_streams(pre, h, self.cfg.kernels))
 
     def embed_streams(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids [B, T] -> streams h [B, T, n, D] and the first sub-layer's one-hot pre-mix."""
@@ -223,9 +224,9 @@ class Transformer(nn.Module):
         for layer in layers:
             engram = self.engrams[str(layer.spec.layer_id)] if layer.spec.engram else None
             if engram is not None:
-                h, pending = engram(settle(h, pending), lookup, rt.doc_start, rt.positions, history), None
+                h, pending = engram(settle(h, pending, self.cfg.kernels), lookup, rt.doc_start, rt.positions, history), None
             h, pre, pending = layer(h, pre, rt, pending)
-        return settle(h, pending), pre
+        return settle(h, pending, self.cfg.kernels), pre
 
     def forward_ced(self, input_ids: torch.Tensor, replay: int, shard: Optional[SequenceShard] = None) -> torch.Tensor:
         """CED prefill with bounded replay (SPEC §2) -> logits [B, R, V] of the last R = min(replay, N)
@@ -245,10 +246,10 @@ class Transformer(nn.Module):
         rt = AttentionRuntime(B, N, input_ids.device, shard=shard)
         h, pre = self.embed_streams(input_ids)
         h, pre = self.run_layers(h, pre, input_ids, rt, self.layers[:n_enc])
-        owner.attn.write_global_kv(owner.attn_norm(mix_streams(pre, h)), rt)  # [B, N] entries from H_enc
+        owner.attn.write_global_kv(owner.attn_norm(mix_streams(pre, h, self.cfg.kernels)), rt)  # [B, N] entries from H_enc
         keys = {(owner.spec.layer_id, "kv"): rt.kv[owner.spec.layer_id],
                 (owner.spec.layer_id, "index_k"): rt.index_k[owner.spec.layer_id]}
         replay_shard = rt.shard.replay(N - R, N, keys, input_ids)
         rt_dec = AttentionRuntime(B, R, input_ids.device, shard=replay_shard)
         h, pre = self.run_layers(h[:, N - R:], pre[:, N - R:], input_ids[:, N - R:], rt_dec, self.layers[n_enc:])
-        return wide(self.head(self.norm(mix_streams(pre, h))))
+        return wide(self.head(self.norm(mix_streams(pre, h, self.cfg.kernels))))

@@ -1,0 +1,84 @@
+"""The step's smaller fused ops against their PyTorch references, at `small`'s training shape
+(8 x 4096 tokens), each in one process:
+
+* rotary (model/kernels/rope.py) on q [8, 4096, 16, 512] bf16, RoPE on the last 64 dims, angles
+  shared by the heads: forward and forward+backward vs `Rotary`'s reference; the forward's bytes
+  (one read and one write of q) as a fraction of the measured copy bandwidth.
+* the mHC stream mixes the fused step cannot take (model/kernels/stream_mix.py): update_streams
+  and mix_streams with fp32 streams [8, 4096, 4, 1024], a bf16 sub-layer output and fp32
+  coefficients, under bf16 autocast as in training (where the reference's einsums run as bf16
+  batched matmuls): forward and forward+backward vs the reference.
+
+    python -m bench.kernels_small_ops
+"""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from bench.kernel_timing import copy_bandwidth_gbs, timed_ms
+from model.kernels.stream_mix import mix_streams_triton, update_streams_triton
+from model.mhc import mix_streams, update_streams
+from model.rope import Rotary
+
+B, T, H, C, R, N, D = 8, 4096, 16, 512, 64, 4, 1024
+
+
+def _pair(fn_ref, fn_kernel, inputs) -> dict:
+    """Forward and forward+backward medians (ms) of both, under bf16 autocast, and the ratios."""
+    grad_inputs = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
+    diff = [t for t in grad_inputs if t.requires_grad]
+    out = {}
+    for name, fn in (("ref", fn_ref), ("kernel", fn_kernel)):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            with torch.no_grad():
+                o = fn(*inputs)
+            cot = torch.randn_like(o)
+
+            def fwd(fn=fn):
+                with torch.no_grad():
+                    fn(*inputs)
+
+            def fwd_bwd(fn=fn, cot=cot):
+                torch.autograd.grad(fn(*grad_inputs), diff, cot)
+
+            out[f"{name}_fwd_ms"] = timed_ms(fwd)
+            out[f"{name}_fwd_bwd_ms"] = timed_ms(fwd_bwd)
+    out["fwd_speedup"] = out["ref_fwd_ms"] / out["kernel_fwd_ms"]
+    out["fwd_bwd_speedup"] = out["ref_fwd_bwd_ms"] / out["kernel_fwd_bwd_ms"]
+    return out
+
+
+def bench(device) -> dict:
+    torch.cuda.set_device(device)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    copy_gbs = copy_bandwidth_gbs()
+    result = {"shape": {"tokens": B * T, "heads": H, "latent": C, "rope_dims": R, "streams": N, "dim": D},
+              "copy_gbs": copy_gbs}
+
+    ref_rot = Rotary(R, 160_000.0).cuda()
+    ker_rot = Rotary(R, 160_000.0, kernels=True).cuda()
+    q = torch.randn(B, T, H, C, device="cuda", generator=g).to(torch.bfloat16)
+    angles = ref_rot.angles(torch.arange(T, device="cuda").expand(B, T)).unsqueeze(-2)
+    rot = _pair(lambda x, a: ref_rot(x, a), lambda x, a: ker_rot(x, a), [q, angles])
+    rot["kernel_fwd_frac_copy"] = 2 * q.numel() * q.element_size() / (rot["kernel_fwd_ms"] * 1e6) / copy_gbs
+    result["rotary_q"] = rot
+
+    h = torch.randn(B, T, N, D, device="cuda", generator=g)
+    y = torch.randn(B, T, D, device="cuda", generator=g).to(torch.bfloat16)
+    post = 2 * torch.rand(B, T, N, device="cuda", generator=g)
+    comb = torch.rand(B, T, N, N, device="cuda", generator=g)
+    pre = torch.rand(B, T, N, device="cuda", generator=g)
+    upd = _pair(update_streams, update_streams_triton, [h, y, post, comb])
+    # forward bytes: h and h' (fp32) and y (bf16)
+    upd["kernel_fwd_frac_copy"] = (2 * h.numel() * 4 + y.numel() * 2) / (upd["kernel_fwd_ms"] * 1e6) / copy_gbs
+    result["update_streams"] = upd
+    mix = _pair(mix_streams, mix_streams_triton, [pre, h])
+    mix["kernel_fwd_frac_copy"] = (h.numel() * 4 + B * T * D * 4) / (mix["kernel_fwd_ms"] * 1e6) / copy_gbs
+    result["mix_streams"] = mix
+    return result
+
+
+if __name__ == "__main__":
+    print(json.dumps(bench(torch.device("cuda", 0)), indent=1))
