@@ -62,7 +62,7 @@ def bench(device) -> dict:
     ker_rot = Rotary(R, 160_000.0, kernels=True).cuda()
     q = torch.randn(B, T, H, C, device="cuda", generator=g).to(torch.bfloat16)
     angles = ref_rot.angles(torch.arange(T, device="cuda").expand(B, T)).unsqueeze(-2)
-    rot = _pair(lambda x, a: ref_rot(x, a), lambda x, a: ker_rot(x, a), [q, angles], 1)
+    rot = _pair(ref_rot, ker_rot, [q, angles], 1)
     rot["kernel_fwd_frac_copy"] = 2 * q.numel() * q.element_size() / (rot["kernel_fwd_ms"] * 1e6) / copy_gbs
     result["rotary_q"] = rot
 

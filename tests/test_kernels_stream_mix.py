@@ -54,6 +54,19 @@ def test_mix_streams_matches_reference(lead, n, D):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
+def test_gradients_only_of_the_inputs_that_need_them():
+    """A constant pre (the first sub-layer's one-hot) or comb: only the streams' gradient, equal
+    to the reference's."""
+    h, y, post, comb, pre = _inputs((2, 5), 4, 48, seed=2)
+    for fn, ref, consts, args in ((mix_streams_triton, mix_streams, (pre,), ()),
+                                  (update_streams_triton, update_streams, (), (y, post, comb))):
+        x = h.clone().requires_grad_()
+        got = torch.autograd.grad(fn(*consts, x, *args).sum(), x)[0]
+        x = h.clone().requires_grad_()
+        want = torch.autograd.grad(ref(*consts, x, *args).sum(), x)[0]
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_dispatch_takes_the_kernel_only_when_asked_and_shapes_match(monkeypatch):
     import model.kernels.stream_mix as sm
 

@@ -113,20 +113,23 @@ class _StreamMix(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         a, x, post, y = ctx.saved_tensors
+        need_a, need_x, need_p, need_y = ctx.needs_input_grad
         g = g.contiguous()
         T, NI, D = x.shape
         NO = a.shape[2]
-        has_y = y is not None
-        dx = _mix(a, (a.stride(0), a.stride(2), a.stride(1)), g, NI).to(x.dtype)  # a transposed
-        dy = _mix(post, (post.stride(0), post.stride(1), 0), g, 1).view(T, D).to(y.dtype) if has_y else None
-        da = torch.empty(T, NI, NO, dtype=torch.float32, device=x.device)
-        dpost = torch.empty(T, NO, dtype=torch.float32, device=x.device) if has_y else da
-        if T:
-            _reduce_kernel[(triton.cdiv(T, _RED_T),)](x, y if has_y else x, g, da, dpost, T, D, NI=NI, NO=NO,
-                                                     NIP=_pow2(NI), NOP=_pow2(NO), HAS_Y=has_y,
-                                                     BLOCK_T=_RED_T, BLOCK_D=_RED_D,
-                                                     **({} if INTERPRET else {"num_warps": _RED_WARPS}))
-        return da.to(a.dtype), dx, (dpost.to(post.dtype) if has_y else None), dy
+        want_p, want_y = y is not None and need_p, y is not None and need_y
+        dx = _mix(a, (a.stride(0), a.stride(2), a.stride(1)), g, NI) if need_x else None  # a transposed
+        dy = _mix(post, (post.stride(0), post.stride(1), 0), g, 1).view(T, D).to(y.dtype) if want_y else None
+        da = dpost = None
+        if need_a or want_p:  # e.g. not for the first sub-layer's constant one-hot pre
+            da = torch.empty(T, NI, NO, dtype=torch.float32, device=x.device)
+            dpost = torch.empty(T, NO, dtype=torch.float32, device=x.device) if want_p else da
+            if T:
+                _reduce_kernel[(triton.cdiv(T, _RED_T),)](x, y if want_p else x, g, da, dpost, T, D, NI=NI, NO=NO,
+                                                         NIP=_pow2(NI), NOP=_pow2(NO), HAS_Y=want_p,
+                                                         BLOCK_T=_RED_T, BLOCK_D=_RED_D,
+                                                         **({} if INTERPRET else {"num_warps": _RED_WARPS}))
+        return (da.to(a.dtype) if need_a else None), dx, (dpost.to(post.dtype) if want_p else None), dy
 
 
 @torch.compiler.disable  # trainer.compile: a graph break, launched as is (model/kernels/__init__.py)
