@@ -68,6 +68,25 @@ def test_matches_reference_with_padding_and_documents():
     _check(_inputs(k=20, W=24))
 
 
+def test_trailing_padding_as_select_topk_writes_it():
+    """select_topk's rows: ascending ids, then -1 to k; the kernels stop after the last selected
+    slot. Counts from 0 to k (whole 16-slot blocks of padding skipped, a partial last block), and
+    one row selected only in its last slot (leading padding: nothing may be skipped there)."""
+    args = _inputs(k=48, S=60)
+    B, T, k = args["idx"].shape
+    g = torch.Generator().manual_seed(2)
+    rows = []
+    for i in range(B * T):
+        n = [0, k, 1, 17, 33][i] if i < 5 else int(torch.randint(0, k + 1, (1,), generator=g))
+        ids = torch.randperm(60, generator=g)[:n].sort().values
+        rows.append(torch.cat((ids, ids.new_full((k - n,), -1))))
+    idx = torch.stack(rows).view(B, T, k)
+    idx[1, 5] = -1
+    idx[1, 5, -1] = 7
+    args["idx"] = idx
+    _check(args)
+
+
 def test_context_parallel_slice_with_halo():
     # positions offset, the W-1 rows before the slice from the previous rank (their gradient too)
     _check(_inputs(offset=40, halo=True))

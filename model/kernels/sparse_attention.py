@@ -124,6 +124,16 @@ def _bwd_block(Qrow, DOrow, KV, DKV, rows, n_ok, q_v, do_v, q_w, do_w, lse, delt
 
 
 @triton.jit
+def _selected_end(IDXrow, K, BLOCK_K: tl.constexpr):
+    """One past the last selected slot of a query's idx row (0 when every slot is -1). The key
+    blocks after it hold only -1 padding, which `select_topk` puts at the end (early queries
+    see fewer than k entries), so the loops stop there instead of running masked dots."""
+    offs = tl.arange(0, BLOCK_K)
+    ids = tl.load(IDXrow + offs, mask=offs < K, other=-1)
+    return tl.max(tl.where(ids >= 0, offs + 1, 0), 0)
+
+
+@triton.jit
 def _program(T, H, C, BLOCK_H: tl.constexpr, BLOCK_CV: tl.constexpr, SPLIT: tl.constexpr = 1):
     """Grid index -> (query, batch, query-in-batch, head offsets, offsets of the program's first
     value chunk); a program covers SPLIT consecutive chunks of BLOCK_CV. The C-chunk varies
@@ -140,7 +150,7 @@ def _program(T, H, C, BLOCK_H: tl.constexpr, BLOCK_CV: tl.constexpr, SPLIT: tl.c
 @triton.jit
 def _fwd_kernel(Q, KV, G, IDX, DOC, POS, SINK, OUT, LSE, T, H, C, W, K, S, qk_scale,
                 HAS_GLOB: tl.constexpr, PREC: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_C: tl.constexpr, BLOCK_CV: tl.constexpr):
+                BLOCK_C: tl.constexpr, BLOCK_CV: tl.constexpr, BLOCK_K: tl.constexpr):
     # Q/OUT [B, T, H, C]; KV [B, W-1+T, C] (halo rows first); G [B, S, C]; IDX [B, T, K];
     # DOC/POS [B, T]; SINK [H]; LSE [B, T, H] (log2 units)
     pid_q, b, t, offs_h, offs_v, first = _program(T, H, C, BLOCK_H, BLOCK_CV)
@@ -159,7 +169,7 @@ def _fwd_kernel(Q, KV, G, IDX, DOC, POS, SINK, OUT, LSE, T, H, C, W, K, S, qk_sc
         m, den, acc = _fwd_block(Qrow, KV, rows, n_ok, m, den, acc, offs_h, h_ok, offs_v, v_ok, C, qk_scale,
                                BLOCK_H, BLOCK_N, BLOCK_C, PREC)
     if HAS_GLOB:
-        for n0 in range(0, K, BLOCK_N):
+        for n0 in range(0, _selected_end(IDX + pid_q * K, K, BLOCK_K), BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             ids = tl.load(IDX + pid_q * K + offs_n, mask=offs_n < K, other=-1).to(tl.int64)
             n_ok = ids >= 0
@@ -175,11 +185,11 @@ def _fwd_kernel(Q, KV, G, IDX, DOC, POS, SINK, OUT, LSE, T, H, C, W, K, S, qk_sc
 
 @triton.jit
 def _psum_kernel(Q, G, IDX, LSE, PSUM, H, C, K, S, T, qk_scale, PREC: tl.constexpr, BLOCK_H: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
-    # PSUM [B, T, K] fp32: sum over heads of exp2(logit - LSE) on each selected slot
+                 BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):
+    # PSUM [B, T, K] fp32, zeroed: sum over heads of exp2(logit - LSE) on each selected slot
     pid_q = tl.program_id(0).to(tl.int64)
     b = pid_q // T
-    for n0 in range(0, K, BLOCK_N):
+    for n0 in range(0, _selected_end(IDX + pid_q * K, K, BLOCK_K), BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         ids = tl.load(IDX + pid_q * K + offs_n, mask=offs_n < K, other=-1).to(tl.int64)
         n_ok = ids >= 0
@@ -198,7 +208,7 @@ def _psum_kernel(Q, G, IDX, LSE, PSUM, H, C, K, S, T, qk_scale, PREC: tl.constex
 @triton.jit
 def _bwd_kernel(Q, KV, G, IDX, DOC, POS, OUT, DO, LSE, DQ, DKV, DG, DELTA, T, H, C, W, K, S, scale, qk_scale,
                 HAS_GLOB: tl.constexpr, PREC: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_C: tl.constexpr, BLOCK_CV: tl.constexpr, SPLIT: tl.constexpr):
+                BLOCK_C: tl.constexpr, BLOCK_CV: tl.constexpr, SPLIT: tl.constexpr, BLOCK_K: tl.constexpr):
     # DQ like Q; DKV [B, W-1+T, C] and DG [B, S, C] fp32 (atomic adds); DELTA [B, T, H] fp32.
     # SPLIT = 2: the program takes two value chunks (offs_v, offs_w) from one recomputation of p, ds.
     pid_q, b, t, offs_h, offs_v, first = _program(T, H, C, BLOCK_H, BLOCK_CV, SPLIT)
@@ -233,7 +243,7 @@ def _bwd_kernel(Q, KV, G, IDX, DOC, POS, OUT, DO, LSE, DQ, DKV, DG, DELTA, T, H,
                               offs_h, h_ok, offs_v, v_ok, offs_w, w_ok, C, scale, qk_scale,
                               BLOCK_H, BLOCK_N, BLOCK_C, PREC, SPLIT)
     if HAS_GLOB:
-        for n0 in range(0, K, BLOCK_N):
+        for n0 in range(0, _selected_end(IDX + pid_q * K, K, BLOCK_K), BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             ids = tl.load(IDX + pid_q * K + offs_n, mask=offs_n < K, other=-1).to(tl.int64)
             n_ok = ids >= 0
@@ -298,6 +308,11 @@ def _block_h(H: int) -> int:
     return max(16, min(64, triton.next_power_of_2(H)))
 
 
+def _block_k(k: int) -> int:
+    """The width `_selected_end` loads: a query's whole idx row."""
+    return max(16, triton.next_power_of_2(k))
+
+
 def _prec(q: torch.Tensor) -> str:
     return "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 inputs: exact fp32 dots, not tf32
 
@@ -315,7 +330,7 @@ class _SparseAttention(torch.autograd.Function):
         bh = _block_h(H)
         _fwd[_grid(B * T, H, C, bh)](q, kv, glob, idx, doc_start, positions, sink, out, lse, T, H, C, window,
                                      n_sel, glob.shape[1], scale * LOG2E, HAS_GLOB=has_glob,
-                                     PREC=_prec(q), BLOCK_H=bh, **_meta("fwd"))
+                                     PREC=_prec(q), BLOCK_H=bh, BLOCK_K=_block_k(n_sel), **_meta("fwd"))
         ctx.save_for_backward(q, kv, glob, idx, doc_start, positions, sink, out, lse)
         ctx.has_glob, ctx.scale, ctx.window, ctx.n_sel = has_glob, scale, window, n_sel
         ctx.mark_non_differentiable(lse)
@@ -334,7 +349,7 @@ class _SparseAttention(torch.autograd.Function):
         _bwd[_grid(B * T, H, C, bh)](q, kv, glob, idx, doc_start, positions, out, dout, lse, dq, dkv, dg, delta,
                                      T, H, C, ctx.window, ctx.n_sel, glob.shape[1], ctx.scale,
                                      ctx.scale * LOG2E, HAS_GLOB=ctx.has_glob, PREC=_prec(q), BLOCK_H=bh,
-                                     **_meta("bwd"))
+                                     BLOCK_K=_block_k(ctx.n_sel), **_meta("bwd"))
         # the sink column's ds is p_sink * (0 - delta): it has no value row
         p_sink = torch.exp2(sink.float() * LOG2E - lse)  # [B, T, H]
         dsink = -(p_sink * delta).sum((0, 1)).to(sink.dtype)
@@ -369,9 +384,10 @@ def sparse_attention_triton(q: torch.Tensor, win_kv: torch.Tensor, glob_kv: Opti
                                       float(scale), int(window))
     if glob_kv is None or not want_probs:
         return out, None
-    p_sum = torch.empty(idx.shape, dtype=torch.float32, device=q.device)
+    p_sum = torch.zeros(idx.shape, dtype=torch.float32, device=q.device)  # slots past the last selected one stay 0
     with torch.no_grad():
         _psum[(B * T,)](q.detach(), glob_kv.detach(), idx, lse, p_sum, H, C, idx.shape[-1], glob_kv.shape[1], T,
-                        float(scale) * LOG2E, PREC=_prec(q), BLOCK_H=_block_h(H), **_meta("psum"))
+                        float(scale) * LOG2E, PREC=_prec(q), BLOCK_H=_block_h(H), BLOCK_K=_block_k(idx.shape[-1]),
+                        **_meta("psum"))
     return out, p_sum
 
