@@ -24,7 +24,7 @@ BLOCK = 1024
 
 
 @triton.jit
-def _fwd_kernel(G, U, H, n, limit, CLAMP: tl.constexpr, BLOCK: tl.constexpr):
+def _swiglu_fwd_kernel(G, U, H, n, limit, CLAMP: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
     g = tl.load(G + offs, mask=ok, other=0.0).to(tl.float32)
@@ -37,7 +37,7 @@ def _fwd_kernel(G, U, H, n, limit, CLAMP: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _bwd_kernel(G, U, DH, DG, DU, n, limit, CLAMP: tl.constexpr, BLOCK: tl.constexpr):
+def _swiglu_bwd_kernel(G, U, DH, DG, DU, n, limit, CLAMP: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
     g = tl.load(G + offs, mask=ok, other=0.0).to(tl.float32)
@@ -64,7 +64,7 @@ class _SwiGLU(torch.autograd.Function):
         gate, up = gate.contiguous(), up.contiguous()
         h = torch.empty_like(gate)
         n = gate.numel()
-        _fwd_kernel[(triton.cdiv(n, BLOCK),)](gate, up, h, n, float(limit), CLAMP=limit > 0, BLOCK=BLOCK)
+        _swiglu_fwd_kernel[(triton.cdiv(n, BLOCK),)](gate, up, h, n, float(limit), CLAMP=limit > 0, BLOCK=BLOCK)
         ctx.save_for_backward(gate, up)
         ctx.limit = limit
         return h
@@ -74,7 +74,7 @@ class _SwiGLU(torch.autograd.Function):
         gate, up = ctx.saved_tensors
         dg, du = torch.empty_like(gate), torch.empty_like(up)
         n = gate.numel()
-        _bwd_kernel[(triton.cdiv(n, BLOCK),)](gate, up, dh.contiguous(), dg, du, n, float(ctx.limit),
+        _swiglu_bwd_kernel[(triton.cdiv(n, BLOCK),)](gate, up, dh.contiguous(), dg, du, n, float(ctx.limit),
                                               CLAMP=ctx.limit > 0, BLOCK=BLOCK)
         return dg, du, None
 
