@@ -55,9 +55,7 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _scores(Qrow, KV, rows, n_ok, offs_h, h_ok, C, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
             BLOCK_C: tl.constexpr, PREC: tl.constexpr):
-    """q [BLOCK_H, C] . kv[rows] [BLOCK_N, C]^T -> [BLOCK_H, BLOCK_N] fp32 (raw dot products).
-    offs_h are q's row offsets from Qrow (in rows of C): the heads of one query, or (window
-    kernels) flattened (query, head) rows."""
+    """q [BLOCK_H, C] . kv[rows] [BLOCK_N, C]^T -> [BLOCK_H, BLOCK_N] fp32 (raw dot products)."""
     s = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
     for c0 in range(0, C, BLOCK_C):
         offs_c = c0 + tl.arange(0, BLOCK_C)
@@ -69,13 +67,12 @@ def _scores(Qrow, KV, rows, n_ok, offs_h, h_ok, C, BLOCK_H: tl.constexpr, BLOCK_
 
 
 @triton.jit
-def _fwd_block(Qrow, KV, rows, n_ok, ok, m, den, acc, offs_h, h_ok, offs_v, v_ok, C, qk_scale,
+def _fwd_block(Qrow, KV, rows, n_ok, m, den, acc, offs_h, h_ok, offs_v, v_ok, C, qk_scale,
                BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, PREC: tl.constexpr):
-    """One online-softmax step over BLOCK_N keys (n_ok: rows to load; ok [BLOCK_H or 1, BLOCK_N]:
-    which (row, key) logits count); returns the updated (m, den, acc)."""
+    """One online-softmax step over BLOCK_N keys; returns the updated (m, den, acc)."""
     s = _scores(Qrow, KV, rows, n_ok, offs_h, h_ok, C, BLOCK_H, BLOCK_N, BLOCK_C, PREC)
-    s = tl.where(ok, s * qk_scale, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, 1))  # finite: m starts at the sink (or the window's LSE)
+    s = tl.where(n_ok[None, :], s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))  # finite: m starts at the sink
     alpha = tl.exp2(m - m_new)
     p = tl.exp2(s - m_new[:, None])
     den = den * alpha + tl.sum(p, 1)
@@ -102,12 +99,11 @@ def _dkv_chunk(KV, DKV, rows, n_ok, p, ds, q_v, do_v, dq, offs_v, v_ok, C, scale
 
 
 @triton.jit
-def _bwd_block(Qrow, DOrow, KV, DKV, rows, n_ok, ok, q_v, do_v, q_w, do_w, lse, delta, dq, dq_w, offs_h, h_ok,
+def _bwd_block(Qrow, DOrow, KV, DKV, rows, n_ok, q_v, do_v, q_w, do_w, lse, delta, dq, dq_w, offs_h, h_ok,
                offs_v, v_ok, offs_w, w_ok, C, scale, qk_scale, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_C: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr):
     """Recompute p and dp = dout . v over full C, then this program's value chunk(s) of dq and
-    dK=dV: the chunk at offs_v, and with SPLIT = 2 also the one at offs_w (same p and ds).
-    ok [BLOCK_H, BLOCK_N]: which (row, key) pairs count."""
+    dK=dV: the chunk at offs_v, and with SPLIT = 2 also the one at offs_w (same p and ds)."""
     s = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
     dp = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
     for c0 in range(0, C, BLOCK_C):  # one key load feeds both dots
@@ -118,6 +114,7 @@ def _bwd_block(Qrow, DOrow, KV, DKV, rows, n_ok, ok, q_v, do_v, q_w, do_w, lse, 
         s += tl.dot(tl.load(Qrow + offs_h[:, None] * C + offs_c[None, :], mask=hc, other=0.0), kt, input_precision=PREC)
         dp += tl.dot(tl.load(DOrow + offs_h[:, None] * C + offs_c[None, :], mask=hc, other=0.0), kt,
                      input_precision=PREC)
+    ok = h_ok[:, None] & n_ok[None, :]
     p = tl.where(ok, tl.exp2(s * qk_scale - lse[:, None]), 0.0)
     ds = p * (dp - delta[:, None])  # d loss / d logit (natural units)
     dq = _dkv_chunk(KV, DKV, rows, n_ok, p, ds, q_v, do_v, dq, offs_v, v_ok, C, scale, PREC)
@@ -138,8 +135,8 @@ def _selected_end(IDXrow, K, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _program(T, H, C, BLOCK_H: tl.constexpr, BLOCK_CV: tl.constexpr, SPLIT: tl.constexpr = 1):
-    """Selected-entry kernels: grid index -> (query, batch, head offsets, offsets of the program's
-    first value chunk); a program covers SPLIT consecutive chunks of BLOCK_CV. The C-chunk varies
+    """Grid index -> (query, batch, query-in-batch, head offsets, offsets of the program's first
+    value chunk); a program covers SPLIT consecutive chunks of BLOCK_CV. The C-chunk varies
     fastest so one query's programs run together and share its keys in L2."""
     NC = tl.cdiv(C, BLOCK_CV * SPLIT)
     NH = tl.cdiv(H, BLOCK_H)
@@ -147,79 +144,42 @@ def _program(T, H, C, BLOCK_H: tl.constexpr, BLOCK_CV: tl.constexpr, SPLIT: tl.c
     pid_q = (pid // (NC * NH)).to(tl.int64)
     offs_h = ((pid // NC) % NH) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_v = (pid % NC) * (BLOCK_CV * SPLIT) + tl.arange(0, BLOCK_CV)
-    return pid_q, pid_q // T, offs_h, offs_v, pid % NC == 0
+    return pid_q, pid_q // T, pid_q % T, offs_h, offs_v, pid % NC == 0
 
 
 @triton.jit
-def _window_rows(DOC, POS, T, H, C, W, BLOCK_M: tl.constexpr, BLOCK_CV: tl.constexpr, SPLIT: tl.constexpr = 1):
-    """Window kernels: grid index -> (batch, flattened (query, head) row offsets within the batch,
-    their mask and queries, the value-chunk offsets, first chunk?) and each row's band of KV rows
-    [lo, hi): window key w of query t is KV row t + w, valid from w_lo = doc start (as a window
-    index) to W - 1. Rows of one block are consecutive queries, so they share most window keys."""
-    NC = tl.cdiv(C, BLOCK_CV * SPLIT)
-    NR = tl.cdiv(T * H, BLOCK_M)
-    pid = tl.program_id(0)
-    b = (pid // (NC * NR)).to(tl.int64)
-    offs_r = ((pid // NC) % NR) * BLOCK_M + tl.arange(0, BLOCK_M)
-    r_ok = offs_r < T * H
-    t = offs_r // H
-    offs_v = (pid % NC) * (BLOCK_CV * SPLIT) + tl.arange(0, BLOCK_CV)
-    doc = tl.load(DOC + b * T + t, mask=r_ok, other=0)
-    pos = tl.load(POS + b * T + t, mask=r_ok, other=0)
-    lo = t + tl.maximum(doc - pos + W - 1, 0)
-    hi = t + W
-    return b, offs_r, r_ok, offs_v, pid % NC == 0, lo, hi
-
-
-@triton.jit
-def _window_fwd_kernel(Q, KV, DOC, POS, SINK, OUT, LSE, T, H, C, W, qk_scale, PREC: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_CV: tl.constexpr):
-    # Q/OUT [B, T, H, C] read as [B, T*H, C] rows; KV [B, W-1+T, C] (halo rows first); DOC/POS [B, T];
-    # SINK [H]; LSE [B, T, H] (log2 units). OUT/LSE: the window-and-sink softmax, which the
-    # selected-entry kernel continues from.
-    b, offs_r, r_ok, offs_v, first, lo, hi = _window_rows(DOC, POS, T, H, C, W, BLOCK_M, BLOCK_CV)
-    v_ok = offs_v < C
-    Qb = Q + b * T * H * C
-    m = tl.load(SINK + offs_r % H, mask=r_ok, other=0.0).to(tl.float32) * 1.4426950408889634
-    den = tl.full([BLOCK_M], 1.0, tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_CV], dtype=tl.float32)
-    j_lo = tl.min(tl.where(r_ok, lo, T + W), 0)
-    j_hi = tl.max(tl.where(r_ok, hi, 0), 0)
-    for n0 in range(j_lo, j_hi, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        ok = (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi[:, None])
-        m, den, acc = _fwd_block(Qb, KV + b * (T + W - 1) * C, offs_n, offs_n < j_hi, ok, m, den, acc, offs_r, r_ok,
-                                 offs_v, v_ok, C, qk_scale, BLOCK_M, BLOCK_N, BLOCK_C, PREC)
-    tl.store(OUT + b * T * H * C + offs_r[:, None] * C + offs_v[None, :], (acc / den[:, None]).to(OUT.dtype.element_ty),
-             mask=r_ok[:, None] & v_ok[None, :])
-    if first:  # every C-chunk program has the same m, den
-        tl.store(LSE + b * T * H + offs_r, m + tl.log2(den), mask=r_ok)
-
-
-@triton.jit
-def _selected_fwd_kernel(Q, G, IDX, OUT, LSE_W, LSE, T, H, C, K, S, qk_scale, PREC: tl.constexpr,
-                         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
-                         BLOCK_CV: tl.constexpr, BLOCK_K: tl.constexpr):
-    # G [B, S, C]; IDX [B, T, K]; OUT holds the window kernel's output, LSE_W its LSE: the online
-    # softmax resumes from them (m = LSE_W, den = 1, acc = OUT) and OUT / LSE get the final ones.
-    pid_q, b, offs_h, offs_v, first = _program(T, H, C, BLOCK_H, BLOCK_CV)
+def _fwd_kernel(Q, KV, G, IDX, DOC, POS, SINK, OUT, LSE, T, H, C, W, K, S, qk_scale,
+                HAS_GLOB: tl.constexpr, PREC: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_C: tl.constexpr, BLOCK_CV: tl.constexpr, BLOCK_K: tl.constexpr):
+    # Q/OUT [B, T, H, C]; KV [B, W-1+T, C] (halo rows first); G [B, S, C]; IDX [B, T, K];
+    # DOC/POS [B, T]; SINK [H]; LSE [B, T, H] (log2 units)
+    pid_q, b, t, offs_h, offs_v, first = _program(T, H, C, BLOCK_H, BLOCK_CV)
     h_ok = offs_h < H
     v_ok = offs_v < C
     Qrow = Q + pid_q * H * C
-    hv = h_ok[:, None] & v_ok[None, :]
-    m = tl.load(LSE_W + pid_q * H + offs_h, mask=h_ok, other=0.0)
+    m = tl.load(SINK + offs_h, mask=h_ok, other=0.0).to(tl.float32) * 1.4426950408889634
     den = tl.full([BLOCK_H], 1.0, tl.float32)
-    acc = tl.load(OUT + pid_q * H * C + offs_h[:, None] * C + offs_v[None, :], mask=hv, other=0.0).to(tl.float32)
-    for n0 in range(0, _selected_end(IDX + pid_q * K, K, BLOCK_K), BLOCK_N):
+    acc = tl.zeros([BLOCK_H, BLOCK_CV], dtype=tl.float32)
+    # window key w sits at position pos-W+1+w and row t+w of KV; blocks before the document skipped
+    w_lo = tl.maximum(tl.load(DOC + pid_q) - tl.load(POS + pid_q) + W - 1, 0)
+    for n0 in range((w_lo // BLOCK_N) * BLOCK_N, W, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        ids = tl.load(IDX + pid_q * K + offs_n, mask=offs_n < K, other=-1).to(tl.int64)
-        n_ok = ids >= 0
-        rows = b * S + tl.where(n_ok, ids, 0)
-        m, den, acc = _fwd_block(Qrow, G, rows, n_ok, n_ok[None, :], m, den, acc, offs_h, h_ok, offs_v, v_ok, C,
-                                 qk_scale, BLOCK_H, BLOCK_N, BLOCK_C, PREC)
-    tl.store(OUT + pid_q * H * C + offs_h[:, None] * C + offs_v[None, :], (acc / den[:, None]).to(OUT.dtype.element_ty),
-             mask=hv)
-    if first:
+        n_ok = (offs_n >= w_lo) & (offs_n < W)
+        rows = b * (T + W - 1) + t + offs_n
+        m, den, acc = _fwd_block(Qrow, KV, rows, n_ok, m, den, acc, offs_h, h_ok, offs_v, v_ok, C, qk_scale,
+                               BLOCK_H, BLOCK_N, BLOCK_C, PREC)
+    if HAS_GLOB:
+        for n0 in range(0, _selected_end(IDX + pid_q * K, K, BLOCK_K), BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            ids = tl.load(IDX + pid_q * K + offs_n, mask=offs_n < K, other=-1).to(tl.int64)
+            n_ok = ids >= 0
+            rows = b * S + tl.where(n_ok, ids, 0)
+            m, den, acc = _fwd_block(Qrow, G, rows, n_ok, m, den, acc, offs_h, h_ok, offs_v, v_ok, C, qk_scale,
+                                   BLOCK_H, BLOCK_N, BLOCK_C, PREC)
+    out = acc / den[:, None]
+    tl.store(OUT + pid_q * H * C + offs_h[:, None] * C + offs_v[None, :], out.to(OUT.dtype.element_ty),
+             mask=h_ok[:, None] & v_ok[None, :])
+    if first:  # every C-chunk program has the same m, den
         tl.store(LSE + pid_q * H + offs_h, m + tl.log2(den), mask=h_ok)
 
 
@@ -246,67 +206,12 @@ def _psum_kernel(Q, G, IDX, LSE, PSUM, H, C, K, S, T, qk_scale, PREC: tl.constex
 
 
 @triton.jit
-def _row_operands(Qrow, DOrow, OUTrow, offs_h, h_ok, offs_v, offs_w, C, BLOCK_H: tl.constexpr,
-                  BLOCK_CV: tl.constexpr, SPLIT: tl.constexpr):
-    """delta = rowsum(dout * out) over all of C, and the q / dout value chunks at offs_v (and
-    offs_w with SPLIT = 2) of rows offs_h."""
-    delta = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for c0 in range(0, C, BLOCK_CV):
-        offs_c = c0 + tl.arange(0, BLOCK_CV)
-        hc = h_ok[:, None] & (offs_c < C)[None, :]
-        o = tl.load(OUTrow + offs_h[:, None] * C + offs_c[None, :], mask=hc, other=0.0)
-        do = tl.load(DOrow + offs_h[:, None] * C + offs_c[None, :], mask=hc, other=0.0)
-        delta += tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    hv = h_ok[:, None] & (offs_v < C)[None, :]
-    hw = h_ok[:, None] & ((offs_w < C) & (SPLIT == 2))[None, :]
-    q_v = tl.load(Qrow + offs_h[:, None] * C + offs_v[None, :], mask=hv, other=0.0)
-    do_v = tl.load(DOrow + offs_h[:, None] * C + offs_v[None, :], mask=hv, other=0.0)
-    q_w = tl.load(Qrow + offs_h[:, None] * C + offs_w[None, :], mask=hw, other=0.0)
-    do_w = tl.load(DOrow + offs_h[:, None] * C + offs_w[None, :], mask=hw, other=0.0)
-    return delta, q_v, do_v, q_w, do_w
-
-
-@triton.jit
-def _window_bwd_kernel(Q, KV, DOC, POS, OUT, DO, LSE, DQ, DKV, DELTA, T, H, C, W, scale, qk_scale,
-                       PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
-                       BLOCK_CV: tl.constexpr, SPLIT: tl.constexpr):
-    # LSE: the final one; DQ like Q (the window part, which the selected-entry kernel adds to);
-    # DKV [B, W-1+T, C] fp32 (atomic adds: one per key row and program, not per query); DELTA [B, T, H].
-    b, offs_r, r_ok, offs_v, first, lo, hi = _window_rows(DOC, POS, T, H, C, W, BLOCK_M, BLOCK_CV, SPLIT)
-    offs_w = offs_v + BLOCK_CV
-    v_ok = offs_v < C
-    w_ok = (offs_w < C) & (SPLIT == 2)
-    base = b * T * H * C
-    delta, q_v, do_v, q_w, do_w = _row_operands(Q + base, DO + base, OUT + base, offs_r, r_ok, offs_v, offs_w, C,
-                                                BLOCK_M, BLOCK_CV, SPLIT)
-    lse = tl.load(LSE + b * T * H + offs_r, mask=r_ok, other=0.0)
-    dq = tl.zeros([BLOCK_M, BLOCK_CV], dtype=tl.float32)
-    dq_w = tl.zeros([BLOCK_M, BLOCK_CV], dtype=tl.float32)
-    j_lo = tl.min(tl.where(r_ok, lo, T + W), 0)
-    j_hi = tl.max(tl.where(r_ok, hi, 0), 0)
-    for n0 in range(j_lo, j_hi, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        ok = (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi[:, None]) & r_ok[:, None]
-        dq, dq_w = _bwd_block(Q + base, DO + base, KV + b * (T + W - 1) * C, DKV + b * (T + W - 1) * C, offs_n,
-                              offs_n < j_hi, ok, q_v, do_v, q_w, do_w, lse, delta, dq, dq_w, offs_r, r_ok,
-                              offs_v, v_ok, offs_w, w_ok, C, scale, qk_scale, BLOCK_M, BLOCK_N, BLOCK_C, PREC, SPLIT)
-    tl.store(DQ + base + offs_r[:, None] * C + offs_v[None, :], (dq * scale).to(DQ.dtype.element_ty),
-             mask=r_ok[:, None] & v_ok[None, :])
-    if SPLIT == 2:
-        tl.store(DQ + base + offs_r[:, None] * C + offs_w[None, :], (dq_w * scale).to(DQ.dtype.element_ty),
-                 mask=r_ok[:, None] & w_ok[None, :])
-    if first:
-        tl.store(DELTA + b * T * H + offs_r, delta, mask=r_ok)
-
-
-@triton.jit
-def _selected_bwd_kernel(Q, G, IDX, DO, LSE, DQ, DG, DELTA, T, H, C, K, S, scale, qk_scale,
-                         PREC: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
-                         BLOCK_CV: tl.constexpr, SPLIT: tl.constexpr, BLOCK_K: tl.constexpr):
-    # DQ holds the window kernel's part (this adds the selected entries'); DG [B, S, C] fp32 (atomic
-    # adds); DELTA from the window kernel. SPLIT = 2: the program takes two value chunks (offs_v,
-    # offs_w) from one recomputation of p, ds.
-    pid_q, b, offs_h, offs_v, first = _program(T, H, C, BLOCK_H, BLOCK_CV, SPLIT)
+def _bwd_kernel(Q, KV, G, IDX, DOC, POS, OUT, DO, LSE, DQ, DKV, DG, DELTA, T, H, C, W, K, S, scale, qk_scale,
+                HAS_GLOB: tl.constexpr, PREC: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_C: tl.constexpr, BLOCK_CV: tl.constexpr, SPLIT: tl.constexpr, BLOCK_K: tl.constexpr):
+    # DQ like Q; DKV [B, W-1+T, C] and DG [B, S, C] fp32 (atomic adds); DELTA [B, T, H] fp32.
+    # SPLIT = 2: the program takes two value chunks (offs_v, offs_w) from one recomputation of p, ds.
+    pid_q, b, t, offs_h, offs_v, first = _program(T, H, C, BLOCK_H, BLOCK_CV, SPLIT)
     offs_w = offs_v + BLOCK_CV
     h_ok = offs_h < H
     v_ok = offs_v < C
@@ -315,30 +220,44 @@ def _selected_bwd_kernel(Q, G, IDX, DO, LSE, DQ, DG, DELTA, T, H, C, K, S, scale
     hw = h_ok[:, None] & w_ok[None, :]
     Qrow = Q + pid_q * H * C
     DOrow = DO + pid_q * H * C
+    delta = tl.zeros([BLOCK_H], dtype=tl.float32)  # rowsum(dout * out) over all of C
+    for c0 in range(0, C, BLOCK_CV):
+        offs_c = c0 + tl.arange(0, BLOCK_CV)
+        hc = h_ok[:, None] & (offs_c < C)[None, :]
+        o = tl.load(OUT + pid_q * H * C + offs_h[:, None] * C + offs_c[None, :], mask=hc, other=0.0)
+        do = tl.load(DOrow + offs_h[:, None] * C + offs_c[None, :], mask=hc, other=0.0)
+        delta += tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    lse = tl.load(LSE + pid_q * H + offs_h, mask=h_ok, other=0.0)
     q_v = tl.load(Qrow + offs_h[:, None] * C + offs_v[None, :], mask=hv, other=0.0)
     do_v = tl.load(DOrow + offs_h[:, None] * C + offs_v[None, :], mask=hv, other=0.0)
     q_w = tl.load(Qrow + offs_h[:, None] * C + offs_w[None, :], mask=hw, other=0.0)
     do_w = tl.load(DOrow + offs_h[:, None] * C + offs_w[None, :], mask=hw, other=0.0)
-    delta = tl.load(DELTA + pid_q * H + offs_h, mask=h_ok, other=0.0)
-    lse = tl.load(LSE + pid_q * H + offs_h, mask=h_ok, other=0.0)
     dq = tl.zeros([BLOCK_H, BLOCK_CV], dtype=tl.float32)
     dq_w = tl.zeros([BLOCK_H, BLOCK_CV], dtype=tl.float32)
-    for n0 in range(0, _selected_end(IDX + pid_q * K, K, BLOCK_K), BLOCK_N):
+    w_lo = tl.maximum(tl.load(DOC + pid_q) - tl.load(POS + pid_q) + W - 1, 0)
+    for n0 in range((w_lo // BLOCK_N) * BLOCK_N, W, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        ids = tl.load(IDX + pid_q * K + offs_n, mask=offs_n < K, other=-1).to(tl.int64)
-        n_ok = ids >= 0
-        rows = b * S + tl.where(n_ok, ids, 0)
-        dq, dq_w = _bwd_block(Qrow, DOrow, G, DG, rows, n_ok, h_ok[:, None] & n_ok[None, :], q_v, do_v, q_w, do_w,
-                              lse, delta, dq, dq_w, offs_h, h_ok, offs_v, v_ok, offs_w, w_ok, C, scale, qk_scale,
+        n_ok = (offs_n >= w_lo) & (offs_n < W)
+        rows = b * (T + W - 1) + t + offs_n
+        dq, dq_w = _bwd_block(Qrow, DOrow, KV, DKV, rows, n_ok, q_v, do_v, q_w, do_w, lse, delta, dq, dq_w,
+                              offs_h, h_ok, offs_v, v_ok, offs_w, w_ok, C, scale, qk_scale,
                               BLOCK_H, BLOCK_N, BLOCK_C, PREC, SPLIT)
-    dq_ptr = DQ + pid_q * H * C + offs_h[:, None] * C
-    tl.store(dq_ptr + offs_v[None, :],
-             (tl.load(dq_ptr + offs_v[None, :], mask=hv, other=0.0).to(tl.float32) + dq * scale).to(DQ.dtype.element_ty),
+    if HAS_GLOB:
+        for n0 in range(0, _selected_end(IDX + pid_q * K, K, BLOCK_K), BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            ids = tl.load(IDX + pid_q * K + offs_n, mask=offs_n < K, other=-1).to(tl.int64)
+            n_ok = ids >= 0
+            rows = b * S + tl.where(n_ok, ids, 0)
+            dq, dq_w = _bwd_block(Qrow, DOrow, G, DG, rows, n_ok, q_v, do_v, q_w, do_w, lse, delta, dq, dq_w,
+                                  offs_h, h_ok, offs_v, v_ok, offs_w, w_ok, C, scale, qk_scale,
+                                  BLOCK_H, BLOCK_N, BLOCK_C, PREC, SPLIT)
+    tl.store(DQ + pid_q * H * C + offs_h[:, None] * C + offs_v[None, :], (dq * scale).to(DQ.dtype.element_ty),
              mask=hv)
     if SPLIT == 2:
-        tl.store(dq_ptr + offs_w[None, :],
-                 (tl.load(dq_ptr + offs_w[None, :], mask=hw, other=0.0).to(tl.float32) + dq_w * scale)
-                 .to(DQ.dtype.element_ty), mask=hw)
+        tl.store(DQ + pid_q * H * C + offs_h[:, None] * C + offs_w[None, :],
+                 (dq_w * scale).to(DQ.dtype.element_ty), mask=hw)
+    if first:
+        tl.store(DELTA + pid_q * H + offs_h, delta, mask=h_ok)
 
 
 # Block sizes. The interpreter runs fixed small blocks (tl.dot needs dims >= 16, no autotune);
@@ -353,33 +272,22 @@ def _selected_bwd_kernel(Q, G, IDX, DO, LSE, DQ, DG, DELTA, T, H, C, K, S, scale
 # SPLIT=2 configs (module docstring) were swept at micro-batch 8 (8 x 4096 queries): 256 / 32 / 4
 # warps / 2 stages 22.2 ms, the SPLIT=1 best 27.1 ms.
 # The backward's atomics need DKV / DG zeroed between tuning runs.
-_FIXED = dict(BLOCK_N=16, BLOCK_C=16, BLOCK_CV=16, SPLIT=1, BLOCK_M=32)
+_FIXED = dict(BLOCK_N=16, BLOCK_C=16, BLOCK_CV=16, SPLIT=1)
 if INTERPRET:
-    _win_fwd, _win_bwd, _sel_fwd, _sel_bwd, _psum = (_window_fwd_kernel, _window_bwd_kernel, _selected_fwd_kernel,
-                                                     _selected_bwd_kernel, _psum_kernel)
+    _fwd, _bwd, _psum = _fwd_kernel, _bwd_kernel, _psum_kernel
 else:
-    def _cfg(cv, w, st, n=64, split=None, m=None):
-        meta = dict(BLOCK_N=n, BLOCK_C=64, BLOCK_CV=cv, **({} if split is None else {"SPLIT": split}),
-                    **({} if m is None else {"BLOCK_M": m}))
+    def _cfg(cv, w, st, n=64, split=None):
+        meta = dict(BLOCK_N=n, BLOCK_C=64, BLOCK_CV=cv, **({} if split is None else {"SPLIT": split}))
         return triton.Config(meta, num_warps=w, num_stages=st)
 
-    _sel_fwd = triton.autotune([_cfg(128, 4, 2), _cfg(128, 8, 2), _cfg(256, 8, 2), _cfg(64, 4, 3),
-                                _cfg(512, 4, 3), _cfg(512, 4, 2), _cfg(256, 4, 3)],
-                               key=["H", "C"], restore_value=["OUT"])(_selected_fwd_kernel)
-    _sel_bwd = triton.autotune([_cfg(128, 8, 2, 64, 1), _cfg(64, 8, 2, 64, 1), _cfg(128, 8, 2, 32, 1),
-                                _cfg(128, 8, 3, 64, 1), _cfg(256, 4, 3, 32, 1), _cfg(256, 4, 2, 64, 1),
-                                _cfg(256, 2, 2, 32, 1), _cfg(512, 4, 2, 32, 1)]
-                               + [_cfg(256, 8, 2, 64, 2), _cfg(256, 8, 2, 32, 2), _cfg(256, 4, 2, 32, 2),
-                                  _cfg(256, 4, 2, 64, 2), _cfg(128, 4, 2, 64, 2)],
-                               key=["H", "C"], reset_to_zero=["DG"], restore_value=["DQ"])(_selected_bwd_kernel)
-    # window kernels: BLOCK_M (query, head) rows a program, BLOCK_M / H consecutive queries
-    _win_fwd = triton.autotune([_cfg(cv, w, st, n, m=m) for m, cv, w, st, n in (
-        (64, 128, 4, 2, 64), (64, 256, 4, 2, 64), (64, 256, 8, 2, 64), (64, 512, 8, 2, 32), (128, 128, 8, 2, 64),
-        (128, 256, 8, 2, 64), (128, 128, 4, 2, 32), (64, 128, 4, 3, 32))], key=["H", "C"])(_window_fwd_kernel)
-    _win_bwd = triton.autotune([_cfg(cv, w, st, n, split, m) for m, cv, w, st, n, split in (
-        (64, 128, 4, 2, 32, 1), (64, 128, 8, 2, 64, 1), (64, 256, 8, 2, 32, 1), (64, 128, 4, 2, 32, 2),
-        (64, 128, 8, 2, 64, 2), (128, 64, 8, 2, 32, 1), (128, 128, 8, 2, 32, 1), (128, 64, 8, 2, 64, 2),
-        (64, 64, 4, 2, 64, 1))], key=["H", "C"], reset_to_zero=["DKV"])(_window_bwd_kernel)
+    _fwd = triton.autotune([_cfg(128, 4, 2), _cfg(128, 8, 2), _cfg(256, 8, 2), _cfg(64, 4, 3),
+                            _cfg(512, 4, 3), _cfg(512, 4, 2), _cfg(256, 4, 3)],
+                           key=["H", "C", "HAS_GLOB"])(_fwd_kernel)
+    _bwd = triton.autotune([_cfg(128, 8, 2, 64, 1), _cfg(64, 8, 2, 64, 1), _cfg(128, 8, 2, 32, 1), _cfg(128, 8, 3, 64, 1),
+                            _cfg(256, 4, 3, 32, 1), _cfg(256, 4, 2, 64, 1), _cfg(256, 2, 2, 32, 1), _cfg(512, 4, 2, 32, 1)]
+                           + [_cfg(256, 8, 2, 64, 2), _cfg(256, 8, 2, 32, 2), _cfg(256, 4, 2, 32, 2),
+                              _cfg(256, 4, 2, 64, 2), _cfg(128, 4, 2, 64, 2)],
+                           key=["H", "C", "HAS_GLOB"], reset_to_zero=["DKV", "DG"])(_bwd_kernel)
     _psum = triton.autotune([triton.Config(dict(BLOCK_N=n, BLOCK_C=64), num_warps=w, num_stages=2)
                              for n, w in ((64, 4), (32, 4), (64, 8))], key=["H", "C"])(_psum_kernel)
 
@@ -388,19 +296,12 @@ def _meta(kernel: str) -> dict:
     """Block sizes to pass explicitly (interpreter only; autotuned configs supply them on a GPU)."""
     if not INTERPRET:
         return {}
-    drop = {"win_fwd": ("SPLIT",), "win_bwd": (), "sel_fwd": ("SPLIT", "BLOCK_M"), "sel_bwd": ("BLOCK_M",),
-            "psum": ("BLOCK_CV", "SPLIT", "BLOCK_M")}[kernel]
+    drop = {"fwd": ("SPLIT",), "bwd": (), "psum": ("BLOCK_CV", "SPLIT")}[kernel]
     return {k: v for k, v in _FIXED.items() if k not in drop}
 
 
 def _grid(n_query: int, H: int, C: int, block_h: int):
-    """Selected-entry kernels: one program per query, head block and value chunk(s)."""
     return lambda meta: (n_query * triton.cdiv(H, block_h) * triton.cdiv(C, meta["BLOCK_CV"] * meta.get("SPLIT", 1)),)
-
-
-def _window_grid(B: int, T: int, H: int, C: int):
-    """Window kernels: one program per sequence, block of BLOCK_M (query, head) rows and value chunk(s)."""
-    return lambda meta: (B * triton.cdiv(T * H, meta["BLOCK_M"]) * triton.cdiv(C, meta["BLOCK_CV"] * meta.get("SPLIT", 1)),)
 
 
 def _block_h(H: int) -> int:
@@ -421,20 +322,17 @@ class _SparseAttention(torch.autograd.Function):
     def forward(ctx, q, kv, glob, idx, doc_start, positions, sink, scale, window):
         B, T, H, C = q.shape
         has_glob = glob is not None
+        if not has_glob:  # window-only layer: dummies the kernel never reads (not empty: no null pointer)
+            glob, idx = kv, torch.full((1,), -1, dtype=torch.int64, device=q.device)
+        n_sel = idx.shape[-1] if has_glob else 0
         out = torch.empty_like(q)
         lse = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
-        # window + sink first; the selected entries continue its online softmax from (out, lse_w)
-        lse_w = torch.empty_like(lse) if has_glob else lse
-        _win_fwd[_window_grid(B, T, H, C)](q, kv, doc_start, positions, sink, out, lse_w, T, H, C, window,
-                                           scale * LOG2E, PREC=_prec(q), **_meta("win_fwd"))
-        if has_glob:
-            n_sel = idx.shape[-1]
-            bh = _block_h(H)
-            _sel_fwd[_grid(B * T, H, C, bh)](q, glob, idx, out, lse_w, lse, T, H, C, n_sel, glob.shape[1],
-                                             scale * LOG2E, PREC=_prec(q), BLOCK_H=bh, BLOCK_K=_block_k(n_sel),
-                                             **_meta("sel_fwd"))
+        bh = _block_h(H)
+        _fwd[_grid(B * T, H, C, bh)](q, kv, glob, idx, doc_start, positions, sink, out, lse, T, H, C, window,
+                                     n_sel, glob.shape[1], scale * LOG2E, HAS_GLOB=has_glob,
+                                     PREC=_prec(q), BLOCK_H=bh, BLOCK_K=_block_k(n_sel), **_meta("fwd"))
         ctx.save_for_backward(q, kv, glob, idx, doc_start, positions, sink, out, lse)
-        ctx.has_glob, ctx.scale, ctx.window = has_glob, scale, window
+        ctx.has_glob, ctx.scale, ctx.window, ctx.n_sel = has_glob, scale, window, n_sel
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -445,22 +343,17 @@ class _SparseAttention(torch.autograd.Function):
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()
         dq = torch.empty_like(q)
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # fp32: atomic accumulation
+        dg = torch.zeros(glob.shape, dtype=torch.float32, device=q.device) if ctx.has_glob else dkv
         delta = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
-        _win_bwd[_window_grid(B, T, H, C)](q, kv, doc_start, positions, out, dout, lse, dq, dkv, delta, T, H, C,
-                                           ctx.window, ctx.scale, ctx.scale * LOG2E, PREC=_prec(q),
-                                           **_meta("win_bwd"))
-        dglob = None
-        if ctx.has_glob:
-            n_sel = idx.shape[-1]
-            dg = torch.zeros(glob.shape, dtype=torch.float32, device=q.device)
-            bh = _block_h(H)
-            _sel_bwd[_grid(B * T, H, C, bh)](q, glob, idx, dout, lse, dq, dg, delta, T, H, C, n_sel, glob.shape[1],
-                                             ctx.scale, ctx.scale * LOG2E, PREC=_prec(q), BLOCK_H=bh,
-                                             BLOCK_K=_block_k(n_sel), **_meta("sel_bwd"))
-            dglob = dg.to(glob.dtype)
+        bh = _block_h(H)
+        _bwd[_grid(B * T, H, C, bh)](q, kv, glob, idx, doc_start, positions, out, dout, lse, dq, dkv, dg, delta,
+                                     T, H, C, ctx.window, ctx.n_sel, glob.shape[1], ctx.scale,
+                                     ctx.scale * LOG2E, HAS_GLOB=ctx.has_glob, PREC=_prec(q), BLOCK_H=bh,
+                                     BLOCK_K=_block_k(ctx.n_sel), **_meta("bwd"))
         # the sink column's ds is p_sink * (0 - delta): it has no value row
         p_sink = torch.exp2(sink.float() * LOG2E - lse)  # [B, T, H]
         dsink = -(p_sink * delta).sum((0, 1)).to(sink.dtype)
+        dglob = dg.to(glob.dtype) if ctx.has_glob else None
         return dq, dkv.to(kv.dtype), dglob, None, None, None, dsink, None, None
 
 
