@@ -118,14 +118,26 @@ def test_backward_with_two_value_chunks_a_program(monkeypatch, C):
     _check(_inputs(C=C, k=20, W=24, offset=40, halo=True))
 
 
+@pytest.mark.parametrize("C,block_cv", [(32, 32), (48, 64)], ids=["C32", "C48-masked-tail"])
+def test_one_pass_when_a_program_covers_the_latent(monkeypatch, C, block_cv):
+    """ONE_PASS: a program's value chunk covers C, so each key block's rows are loaded once and
+    feed every dot (forward and backward, one chunk a program). C = 48 in a chunk of 64: the
+    columns past C are masked."""
+    import model.kernels.sparse_attention as sa
+
+    monkeypatch.setitem(sa._FIXED, "BLOCK_CV", block_cv)
+    _check(_inputs(C=C, k=20, W=24, offset=40, halo=True))
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("halo", [False, True])
-def test_gpu_bf16_full_scale(halo):
-    args = _inputs(B=1, T=256, H=64, C=512, k=512, W=128, S=1024, offset=512 if halo else 0, halo=halo,
+@pytest.mark.parametrize("H,halo", [(64, False), (64, True), (16, True)], ids=["H64", "H64-halo", "H16-halo"])
+def test_gpu_bf16_full_scale(H, halo):
+    """H = 64 (`flash`) and H = 16 (`small`): the autotuner picks chunked and one-pass configs."""
+    args = _inputs(B=1, T=256, H=H, C=512, k=512, W=128, S=1024, offset=512 if halo else 0, halo=halo,
                    dtype=torch.bfloat16, device="cuda")
     names = [n for n in ("q", "win_kv", "glob_kv", "sink", "halo") if args[n] is not None]
     gout = torch.randn(args["q"].shape, device="cuda")

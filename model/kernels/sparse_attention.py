@@ -67,26 +67,33 @@ def _scores(Qrow, KV, rows, n_ok, offs_h, h_ok, C, BLOCK_H: tl.constexpr, BLOCK_
 
 
 @triton.jit
-def _fwd_block(Qrow, KV, rows, n_ok, m, den, acc, offs_h, h_ok, offs_v, v_ok, C, qk_scale,
-               BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, PREC: tl.constexpr):
-    """One online-softmax step over BLOCK_N keys; returns the updated (m, den, acc)."""
-    s = _scores(Qrow, KV, rows, n_ok, offs_h, h_ok, C, BLOCK_H, BLOCK_N, BLOCK_C, PREC)
+def _fwd_block(Qrow, KV, rows, n_ok, q, m, den, acc, offs_h, h_ok, offs_v, v_ok, C, qk_scale,
+               BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, PREC: tl.constexpr,
+               ONE_PASS: tl.constexpr):
+    """One online-softmax step over BLOCK_N keys; returns the updated (m, den, acc). ONE_PASS (the
+    program's value chunk is all of C): the [BLOCK_N, C] rows are loaded once and feed both dots,
+    against q [BLOCK_H, C] held by the caller; otherwise the logits stream C in BLOCK_C pieces."""
+    dt = Qrow.dtype.element_ty
+    if ONE_PASS:
+        v = tl.load(KV + rows[:, None] * C + offs_v[None, :], mask=n_ok[:, None] & v_ok[None, :], other=0.0).to(dt)
+        s = tl.dot(q, tl.trans(v), input_precision=PREC)
+    else:
+        s = _scores(Qrow, KV, rows, n_ok, offs_h, h_ok, C, BLOCK_H, BLOCK_N, BLOCK_C, PREC)
+        v = tl.load(KV + rows[:, None] * C + offs_v[None, :], mask=n_ok[:, None] & v_ok[None, :], other=0.0).to(dt)
     s = tl.where(n_ok[None, :], s * qk_scale, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))  # finite: m starts at the sink
     alpha = tl.exp2(m - m_new)
     p = tl.exp2(s - m_new[:, None])
     den = den * alpha + tl.sum(p, 1)
-    v = tl.load(KV + rows[:, None] * C + offs_v[None, :], mask=n_ok[:, None] & v_ok[None, :], other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(Qrow.dtype.element_ty), v.to(Qrow.dtype.element_ty),
-                                        input_precision=PREC)
+    acc = acc * alpha[:, None] + tl.dot(p.to(dt), v, input_precision=PREC)
     return m_new, den, acc
 
 
 @triton.jit
-def _dkv_chunk(KV, DKV, rows, n_ok, p, ds, q_v, do_v, dq, offs_v, v_ok, C, scale, PREC: tl.constexpr):
-    """One value chunk: dq += ds . v, and dK = dV rows (p^T . dout + ds^T . q) added into DKV."""
+def _dkv_chunk(DKV, rows, n_ok, v, p, ds, q_v, do_v, dq, offs_v, v_ok, C, scale, PREC: tl.constexpr):
+    """One value chunk v = kv[rows] [BLOCK_N, BLOCK_CV]: dq += ds . v, and dK = dV rows
+    (p^T . dout + ds^T . q) added into DKV."""
     dt = q_v.dtype
-    v = tl.load(KV + rows[:, None] * C + offs_v[None, :], mask=n_ok[:, None] & v_ok[None, :], other=0.0).to(dt)
     dq += tl.dot(ds.to(dt), v, input_precision=PREC)
     dkv = tl.dot(tl.trans(p.to(dt)), do_v, input_precision=PREC)  # K = V: value part ...
     dkv += tl.dot(tl.trans((ds * scale).to(dt)), q_v, input_precision=PREC)  # ... plus key part
@@ -99,27 +106,53 @@ def _dkv_chunk(KV, DKV, rows, n_ok, p, ds, q_v, do_v, dq, offs_v, v_ok, C, scale
 
 
 @triton.jit
+def _value_chunks(KV, rows, n_ok, offs_v, v_ok, offs_w, w_ok, C, dt, SPLIT: tl.constexpr):
+    """kv[rows] at the program's value chunk(s): [BLOCK_N, BLOCK_CV] each (the second = the first
+    when SPLIT = 1)."""
+    v = tl.load(KV + rows[:, None] * C + offs_v[None, :], mask=n_ok[:, None] & v_ok[None, :], other=0.0).to(dt)
+    v_w = v
+    if SPLIT == 2:
+        v_w = tl.load(KV + rows[:, None] * C + offs_w[None, :], mask=n_ok[:, None] & w_ok[None, :],
+                      other=0.0).to(dt)
+    return v, v_w
+
+
+@triton.jit
 def _bwd_block(Qrow, DOrow, KV, DKV, rows, n_ok, q_v, do_v, q_w, do_w, lse, delta, dq, dq_w, offs_h, h_ok,
                offs_v, v_ok, offs_w, w_ok, C, scale, qk_scale, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_C: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr):
+               BLOCK_C: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr, ONE_PASS: tl.constexpr):
     """Recompute p and dp = dout . v over full C, then this program's value chunk(s) of dq and
-    dK=dV: the chunk at offs_v, and with SPLIT = 2 also the one at offs_w (same p and ds)."""
-    s = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
-    dp = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
-    for c0 in range(0, C, BLOCK_C):  # one key load feeds both dots
-        offs_c = c0 + tl.arange(0, BLOCK_C)
-        hc = h_ok[:, None] & (offs_c < C)[None, :]
-        kc = tl.load(KV + rows[:, None] * C + offs_c[None, :], mask=n_ok[:, None] & (offs_c < C)[None, :], other=0.0)
-        kt = tl.trans(kc.to(Qrow.dtype.element_ty))
-        s += tl.dot(tl.load(Qrow + offs_h[:, None] * C + offs_c[None, :], mask=hc, other=0.0), kt, input_precision=PREC)
-        dp += tl.dot(tl.load(DOrow + offs_h[:, None] * C + offs_c[None, :], mask=hc, other=0.0), kt,
-                     input_precision=PREC)
+    dK=dV: the chunk at offs_v, and with SPLIT = 2 also the one at offs_w (same p and ds).
+    ONE_PASS (the program's chunks cover C): the rows of each chunk are loaded once and feed the
+    logits, dp and dq, against the q / dout chunks the program holds."""
+    dt = Qrow.dtype.element_ty
+    if ONE_PASS:
+        v, v_w = _value_chunks(KV, rows, n_ok, offs_v, v_ok, offs_w, w_ok, C, dt, SPLIT)
+        s = tl.dot(q_v, tl.trans(v), input_precision=PREC)
+        dp = tl.dot(do_v, tl.trans(v), input_precision=PREC)
+        if SPLIT == 2:
+            s += tl.dot(q_w, tl.trans(v_w), input_precision=PREC)
+            dp += tl.dot(do_w, tl.trans(v_w), input_precision=PREC)
+    else:
+        s = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
+        dp = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
+        for c0 in range(0, C, BLOCK_C):  # one key load feeds both dots
+            offs_c = c0 + tl.arange(0, BLOCK_C)
+            hc = h_ok[:, None] & (offs_c < C)[None, :]
+            kc = tl.load(KV + rows[:, None] * C + offs_c[None, :], mask=n_ok[:, None] & (offs_c < C)[None, :],
+                         other=0.0)
+            kt = tl.trans(kc.to(dt))
+            s += tl.dot(tl.load(Qrow + offs_h[:, None] * C + offs_c[None, :], mask=hc, other=0.0), kt,
+                        input_precision=PREC)
+            dp += tl.dot(tl.load(DOrow + offs_h[:, None] * C + offs_c[None, :], mask=hc, other=0.0), kt,
+                         input_precision=PREC)
+        v, v_w = _value_chunks(KV, rows, n_ok, offs_v, v_ok, offs_w, w_ok, C, dt, SPLIT)
     ok = h_ok[:, None] & n_ok[None, :]
     p = tl.where(ok, tl.exp2(s * qk_scale - lse[:, None]), 0.0)
     ds = p * (dp - delta[:, None])  # d loss / d logit (natural units)
-    dq = _dkv_chunk(KV, DKV, rows, n_ok, p, ds, q_v, do_v, dq, offs_v, v_ok, C, scale, PREC)
+    dq = _dkv_chunk(DKV, rows, n_ok, v, p, ds, q_v, do_v, dq, offs_v, v_ok, C, scale, PREC)
     if SPLIT == 2:
-        dq_w = _dkv_chunk(KV, DKV, rows, n_ok, p, ds, q_w, do_w, dq_w, offs_w, w_ok, C, scale, PREC)
+        dq_w = _dkv_chunk(DKV, rows, n_ok, v_w, p, ds, q_w, do_w, dq_w, offs_w, w_ok, C, scale, PREC)
     return dq, dq_w
 
 
@@ -150,13 +183,17 @@ def _program(T, H, C, BLOCK_H: tl.constexpr, BLOCK_CV: tl.constexpr, SPLIT: tl.c
 @triton.jit
 def _fwd_kernel(Q, KV, G, IDX, DOC, POS, SINK, OUT, LSE, T, H, C, W, K, S, qk_scale,
                 HAS_GLOB: tl.constexpr, PREC: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_C: tl.constexpr, BLOCK_CV: tl.constexpr, BLOCK_K: tl.constexpr):
+                BLOCK_C: tl.constexpr, BLOCK_CV: tl.constexpr, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr):
     # Q/OUT [B, T, H, C]; KV [B, W-1+T, C] (halo rows first); G [B, S, C]; IDX [B, T, K];
     # DOC/POS [B, T]; SINK [H]; LSE [B, T, H] (log2 units)
     pid_q, b, t, offs_h, offs_v, first = _program(T, H, C, BLOCK_H, BLOCK_CV)
     h_ok = offs_h < H
     v_ok = offs_v < C
     Qrow = Q + pid_q * H * C
+    if ONE_PASS:  # the program's chunk is all of C: q is loaded once for every key block's logits
+        q = tl.load(Qrow + offs_h[:, None] * C + offs_v[None, :], mask=h_ok[:, None] & v_ok[None, :], other=0.0)
+    else:  # unused: the logits stream q from memory in BLOCK_C pieces
+        q = tl.zeros([BLOCK_H, BLOCK_CV], dtype=Q.dtype.element_ty)
     m = tl.load(SINK + offs_h, mask=h_ok, other=0.0).to(tl.float32) * 1.4426950408889634
     den = tl.full([BLOCK_H], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_CV], dtype=tl.float32)
@@ -166,16 +203,16 @@ def _fwd_kernel(Q, KV, G, IDX, DOC, POS, SINK, OUT, LSE, T, H, C, W, K, S, qk_sc
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = (offs_n >= w_lo) & (offs_n < W)
         rows = b * (T + W - 1) + t + offs_n
-        m, den, acc = _fwd_block(Qrow, KV, rows, n_ok, m, den, acc, offs_h, h_ok, offs_v, v_ok, C, qk_scale,
-                               BLOCK_H, BLOCK_N, BLOCK_C, PREC)
+        m, den, acc = _fwd_block(Qrow, KV, rows, n_ok, q, m, den, acc, offs_h, h_ok, offs_v, v_ok, C, qk_scale,
+                                 BLOCK_H, BLOCK_N, BLOCK_C, PREC, ONE_PASS)
     if HAS_GLOB:
         for n0 in range(0, _selected_end(IDX + pid_q * K, K, BLOCK_K), BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             ids = tl.load(IDX + pid_q * K + offs_n, mask=offs_n < K, other=-1).to(tl.int64)
             n_ok = ids >= 0
             rows = b * S + tl.where(n_ok, ids, 0)
-            m, den, acc = _fwd_block(Qrow, G, rows, n_ok, m, den, acc, offs_h, h_ok, offs_v, v_ok, C, qk_scale,
-                                   BLOCK_H, BLOCK_N, BLOCK_C, PREC)
+            m, den, acc = _fwd_block(Qrow, G, rows, n_ok, q, m, den, acc, offs_h, h_ok, offs_v, v_ok, C,
+                                     qk_scale, BLOCK_H, BLOCK_N, BLOCK_C, PREC, ONE_PASS)
     out = acc / den[:, None]
     tl.store(OUT + pid_q * H * C + offs_h[:, None] * C + offs_v[None, :], out.to(OUT.dtype.element_ty),
              mask=h_ok[:, None] & v_ok[None, :])
@@ -208,7 +245,8 @@ def _psum_kernel(Q, G, IDX, LSE, PSUM, H, C, K, S, T, qk_scale, PREC: tl.constex
 @triton.jit
 def _bwd_kernel(Q, KV, G, IDX, DOC, POS, OUT, DO, LSE, DQ, DKV, DG, DELTA, T, H, C, W, K, S, scale, qk_scale,
                 HAS_GLOB: tl.constexpr, PREC: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_C: tl.constexpr, BLOCK_CV: tl.constexpr, SPLIT: tl.constexpr, BLOCK_K: tl.constexpr):
+                BLOCK_C: tl.constexpr, BLOCK_CV: tl.constexpr, SPLIT: tl.constexpr, BLOCK_K: tl.constexpr,
+                ONE_PASS: tl.constexpr):
     # DQ like Q; DKV [B, W-1+T, C] and DG [B, S, C] fp32 (atomic adds); DELTA [B, T, H] fp32.
     # SPLIT = 2: the program takes two value chunks (offs_v, offs_w) from one recomputation of p, ds.
     pid_q, b, t, offs_h, offs_v, first = _program(T, H, C, BLOCK_H, BLOCK_CV, SPLIT)
@@ -241,7 +279,7 @@ def _bwd_kernel(Q, KV, G, IDX, DOC, POS, OUT, DO, LSE, DQ, DKV, DG, DELTA, T, H,
         rows = b * (T + W - 1) + t + offs_n
         dq, dq_w = _bwd_block(Qrow, DOrow, KV, DKV, rows, n_ok, q_v, do_v, q_w, do_w, lse, delta, dq, dq_w,
                               offs_h, h_ok, offs_v, v_ok, offs_w, w_ok, C, scale, qk_scale,
-                              BLOCK_H, BLOCK_N, BLOCK_C, PREC, SPLIT)
+                              BLOCK_H, BLOCK_N, BLOCK_C, PREC, SPLIT, ONE_PASS)
     if HAS_GLOB:
         for n0 in range(0, _selected_end(IDX + pid_q * K, K, BLOCK_K), BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -250,7 +288,7 @@ def _bwd_kernel(Q, KV, G, IDX, DOC, POS, OUT, DO, LSE, DQ, DKV, DG, DELTA, T, H,
             rows = b * S + tl.where(n_ok, ids, 0)
             dq, dq_w = _bwd_block(Qrow, DOrow, G, DG, rows, n_ok, q_v, do_v, q_w, do_w, lse, delta, dq, dq_w,
                                   offs_h, h_ok, offs_v, v_ok, offs_w, w_ok, C, scale, qk_scale,
-                                  BLOCK_H, BLOCK_N, BLOCK_C, PREC, SPLIT)
+                                  BLOCK_H, BLOCK_N, BLOCK_C, PREC, SPLIT, ONE_PASS)
     tl.store(DQ + pid_q * H * C + offs_h[:, None] * C + offs_v[None, :], (dq * scale).to(DQ.dtype.element_ty),
              mask=hv)
     if SPLIT == 2:
@@ -273,21 +311,26 @@ def _bwd_kernel(Q, KV, G, IDX, DOC, POS, OUT, DO, LSE, DQ, DKV, DG, DELTA, T, H,
 # warps / 2 stages 22.2 ms, the SPLIT=1 best 27.1 ms.
 # The backward's atomics need DKV / DG zeroed between tuning runs.
 _FIXED = dict(BLOCK_N=16, BLOCK_C=16, BLOCK_CV=16, SPLIT=1)
+# ONE_PASS: the program's value chunk(s) cover C, so each key block's rows are loaded once for the
+# logits and the value dots (forward), and for the logits, dp, dq and dK = dV (backward).
+_one_pass = triton.heuristics({"ONE_PASS": lambda a: a["BLOCK_CV"] * a.get("SPLIT", 1) >= a["C"]})
 if INTERPRET:
-    _fwd, _bwd, _psum = _fwd_kernel, _bwd_kernel, _psum_kernel
+    _fwd, _bwd, _psum = _one_pass(_fwd_kernel), _one_pass(_bwd_kernel), _psum_kernel
 else:
     def _cfg(cv, w, st, n=64, split=None):
         meta = dict(BLOCK_N=n, BLOCK_C=64, BLOCK_CV=cv, **({} if split is None else {"SPLIT": split}))
         return triton.Config(meta, num_warps=w, num_stages=st)
 
     _fwd = triton.autotune([_cfg(128, 4, 2), _cfg(128, 8, 2), _cfg(256, 8, 2), _cfg(64, 4, 3),
-                            _cfg(512, 4, 3), _cfg(512, 4, 2), _cfg(256, 4, 3)],
-                           key=["H", "C", "HAS_GLOB"])(_fwd_kernel)
+                            _cfg(512, 4, 3), _cfg(512, 4, 2), _cfg(256, 4, 3),
+                            _cfg(512, 4, 3, 32), _cfg(512, 4, 2, 32), _cfg(512, 8, 2, 32), _cfg(512, 4, 3, 16)],
+                           key=["H", "C", "HAS_GLOB"])(_one_pass(_fwd_kernel))
     _bwd = triton.autotune([_cfg(128, 8, 2, 64, 1), _cfg(64, 8, 2, 64, 1), _cfg(128, 8, 2, 32, 1), _cfg(128, 8, 3, 64, 1),
                             _cfg(256, 4, 3, 32, 1), _cfg(256, 4, 2, 64, 1), _cfg(256, 2, 2, 32, 1), _cfg(512, 4, 2, 32, 1)]
                            + [_cfg(256, 8, 2, 64, 2), _cfg(256, 8, 2, 32, 2), _cfg(256, 4, 2, 32, 2),
-                              _cfg(256, 4, 2, 64, 2), _cfg(128, 4, 2, 64, 2)],
-                           key=["H", "C", "HAS_GLOB"], reset_to_zero=["DKV", "DG"])(_bwd_kernel)
+                              _cfg(256, 4, 2, 64, 2), _cfg(128, 4, 2, 64, 2), _cfg(256, 4, 3, 32, 2),
+                              _cfg(256, 4, 2, 16, 2), _cfg(512, 8, 2, 32, 1)],
+                           key=["H", "C", "HAS_GLOB"], reset_to_zero=["DKV", "DG"])(_one_pass(_bwd_kernel))
     _psum = triton.autotune([triton.Config(dict(BLOCK_N=n, BLOCK_C=64), num_warps=w, num_stages=2)
                              for n, w in ((64, 4), (32, 4), (64, 8))], key=["H", "C"])(_psum_kernel)
 
