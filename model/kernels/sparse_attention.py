@@ -31,6 +31,14 @@ adds a key block) from one recomputation of the logits: at H = 16, C = 512 (`sma
 256 with SPLIT = 2 covers C in one program, 22.2 ms against 27.1 for the best one-chunk config
 (H200, micro-batch 8 x 4096 queries, k = 512).
 
+ONE_PASS (set when a program's chunk(s) cover C, as `small`'s configs do): a key block's rows are
+loaded once and feed every dot, against q and dout held in registers; otherwise the logits stream
+C in BLOCK_C pieces and the value chunk is loaded again. At micro-batch 8's shape it took a layer
+with selected entries from 31.3 to 23.4 ms forward+backward (H200). What the backward then spends
+(timing-only variants, 15.2 ms): without the dK = dV dots and adds 6.2 ms; with the adds on 64 of
+the 512 columns 12.6 ms, so the dots (and their layout changes) cost about 6 ms and the adds about 3.
+Computing dK = dV transposed ([BLOCK_CV, BLOCK_N] = dout^T . p + q^T . ds) was slower (23.3 -> 24.8 ms).
+
 Known costs: logits are recomputed C/(BLOCK_CV*SPLIT) times (forward: SPLIT = 1); every window row
 receives W atomic adds, every selected row one per query selecting it. The adds are relaxed
 reductions: with Triton's default acq_rel atomics the backward took 1.55-1.6x as long (H200, T=4096,
