@@ -39,11 +39,11 @@ with selected entries from 31.3 to 23.4 ms forward+backward (H200). What the bac
 the 512 columns 12.6 ms, so the dots (and their layout changes) cost about 6 ms and the adds about 3.
 Computing dK = dV transposed ([BLOCK_CV, BLOCK_N] = dout^T . p + q^T . ds) was slower (23.3 -> 24.8 ms).
 
-Known costs: logits are recomputed C/(BLOCK_CV*SPLIT) times (forward: SPLIT = 1); every window row
-receives W atomic adds, every selected row one per query selecting it. The adds are relaxed
-reductions: with Triton's default acq_rel atomics the backward took 1.55-1.6x as long (H200, T=4096,
-k=512, 8K-64K context), and with the adds removed outright (timing only) it is 0-10% faster, so a
-key-major window backward would save little; no fp64.
+Known costs: without ONE_PASS, logits are recomputed C/(BLOCK_CV*SPLIT) times (forward: SPLIT = 1);
+every window row receives W atomic adds, every selected row one per query selecting it. The adds are
+relaxed reductions: with Triton's default acq_rel atomics the backward took 1.55-1.6x as long (H200,
+T=4096, k=512, 8K-64K context; H = 64, before ONE_PASS, when removing the adds outright made it only
+0-10% faster); no fp64.
 """
 from __future__ import annotations
 
@@ -316,7 +316,9 @@ def _bwd_kernel(Q, KV, G, IDX, DOC, POS, OUT, DO, LSE, DQ, DKV, DG, DELTA, T, H,
 # (the autotuned set was the first four): forward 4.1-7.3 ms -> 2.0 ms (BLOCK_CV=512, 4 warps,
 # 3 stages), backward 14.5-28 ms -> 7.2 ms (BLOCK_CV=256, 4 warps, BLOCK_N 32 / 64). The backward's
 # SPLIT=2 configs (module docstring) were swept at micro-batch 8 (8 x 4096 queries): 256 / 32 / 4
-# warps / 2 stages 22.2 ms, the SPLIT=1 best 27.1 ms.
+# warps / 2 stages 22.2 ms, the SPLIT=1 best 27.1 ms. The ONE_PASS configs with key blocks of 16 / 32
+# rows came with 914eabf: at that shape the forward picks 512 / 32 / 4 warps / 2 stages, the backward
+# still 256 / 32 / 4 / 2 / SPLIT = 2.
 # The backward's atomics need DKV / DG zeroed between tuning runs.
 _FIXED = dict(BLOCK_N=16, BLOCK_C=16, BLOCK_CV=16, SPLIT=1)
 # ONE_PASS: the program's value chunk(s) cover C, so each key block's rows are loaded once for the

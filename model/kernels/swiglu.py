@@ -75,7 +75,7 @@ class _SwiGLU(torch.autograd.Function):
         dg, du = torch.empty_like(gate), torch.empty_like(up)
         n = gate.numel()
         _swiglu_bwd_kernel[(triton.cdiv(n, BLOCK),)](gate, up, dh.contiguous(), dg, du, n, float(ctx.limit),
-                                              CLAMP=ctx.limit > 0, BLOCK=BLOCK)
+                                                     CLAMP=ctx.limit > 0, BLOCK=BLOCK)
         return dg, du, None
 
 
