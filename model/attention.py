@@ -175,10 +175,13 @@ class CSA2Attention(nn.Module):
         attend_idx = idx
         if glob is not None and rt.indexer_mode == "dense":
             attend_idx = rt.all_visible(self.spec.compress_ratio, rows)  # [B, Tc, S]: column j is entry j
+        with_kl = iq is not None and rt.with_indexer_loss  # Reuse layers have no indexer of their own
+        # p_sel [B, Tc, k] head-summed, only for the indexer loss: the kernel's p_sum pass costs as
+        # much as a third of its forward
         out, p_sel = self.attend(q, win, glob, attend_idx, rt.doc_start[:, rows], self.sink, self.scale,
-                                 self.window, rt.positions[:, rows], halo)  # p_sel [B, Tc, k] head-summed
+                                 self.window, rt.positions[:, rows], halo, want_probs=with_kl)
         kl = None
-        if iq is not None and rt.with_indexer_loss:
+        if with_kl:
             keys = rt.index_k[self.spec.kv_source]
             if rt.indexer_mode == "sparse":  # KL on the selected set
                 kl = indexer_kl(p_sel, idx, iq, iw, keys, self.scores_at)
@@ -270,9 +273,9 @@ class CSA2Attention(nn.Module):
 def _head_summed(impl):
     """A reference attention whose selected-entry probabilities come summed over heads
     [B, T, k], as the Triton kernel returns them (all the indexer loss needs)."""
-    def attend(*args):
+    def attend(*args, want_probs: bool = True):
         out, p_glob = impl(*args)
-        return out, None if p_glob is None else p_glob.sum(2)
+        return out, None if p_glob is None or not want_probs else p_glob.sum(2)
     return attend
 
 

@@ -249,6 +249,30 @@ def test_reuse_reads_source_indices_and_only_full_layers_allocate_kv(tiny_model)
             assert spec.layer_id not in rt.topk
 
 
+def test_only_layers_with_an_indexer_loss_ask_for_selected_probabilities():
+    """The kernel's p_sum pass runs only where indexer_kl reads it: layers with their own indexer
+    query (Full, Reindex), in training with labels. Reuse and SWA layers never ask."""
+    torch.manual_seed(0)
+    model = Transformer(tiny(engram_layers=[], index_topk=8, pool_blocks=3, pool_block=4, window=16))
+    asked = {}
+    for layer in model.layers:
+        def attend(*args, _inner=layer.attn.attend, _id=layer.spec.layer_id, want_probs=True):
+            asked.setdefault(_id, []).append(want_probs)
+            return _inner(*args, want_probs=want_probs)
+        layer.attn.attend = attend
+    x = torch.randint(0, 97, (2, 65), generator=torch.Generator().manual_seed(1))
+    model.train()
+    out = model(x[:, :-1], labels=x[:, 1:])
+    assert out.indexer_loss > 0
+    for spec in model.plan.layers:
+        assert asked[spec.layer_id] == [spec.mode in ("full", "reindex")], (spec.layer_id, spec.mode)
+    asked.clear()
+    model.eval()
+    with torch.no_grad():
+        model(x[:, :-1], labels=x[:, 1:])
+    assert all(v == [False] for v in asked.values())
+
+
 def test_reindex_selects_only_inside_the_pool(tiny_model):
     x = torch.randint(0, 97, (2, 64), generator=torch.Generator().manual_seed(2))
     rt = _run_with_runtime(tiny_model, x)

@@ -73,8 +73,8 @@ def test_dense_mode_attends_to_every_visible_entry():
 
 
 def _wrap(fn, hook):
-    def inner(*args):
-        out = fn(*args)
+    def inner(*args, **kwargs):
+        out = fn(*args, **kwargs)
         hook(None, args, out)
         return out
     return inner
