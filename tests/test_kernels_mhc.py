@@ -17,10 +17,12 @@ from model.mhc import HyperConnection, mix_streams, sinkhorn_comb, update_stream
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-6
-# default D blocks, and small blocks so D=64 spans several D blocks, forward splits and
-# backward token groups (T=37 with 16-token tiles also leaves a partial tile)
+# default D blocks; small blocks so D=64 spans several D blocks, forward splits and backward
+# token groups (T=37 with 16-token tiles also leaves a partial tile); and the defaults, where fp32
+# streams run the backward on other tiles than the forward (16 tokens x 64 columns vs 32 x 32)
 CONFIGS = [MHCKernelConfig(block_t=16),
-           MHCKernelConfig(block_t=16, fwd_block_d=16, bwd_block_d=16, fwd_splits=3, bwd_groups=2)]
+           MHCKernelConfig(block_t=16, fwd_block_d=16, bwd_block_d=16, fwd_splits=3, bwd_groups=2),
+           MHCKernelConfig()]
 
 
 def make_inputs(lead=(1, 37), n=4, dim=64, dtype=torch.float32, seed=0, device=DEV):
@@ -43,7 +45,7 @@ def grads(outputs, inputs, cotangents):
 NAMES = ["h", "y", "post", "comb", "pre", "fn"]
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=["default", "split"])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=["tiles16", "split", "defaults"])
 def test_forward_and_gradients_match_reference(cfg):
     inputs = make_inputs()
     fused = fused_mhc_step(*inputs, EPS, config=cfg)

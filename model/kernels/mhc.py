@@ -68,14 +68,19 @@ _DOT_PRECISION = "tf32x3"
 
 @dataclass(frozen=True)
 class MHCKernelConfig:
-    """Tiles and work split. block_t >= 16 (tl.dot). None picks the per-dtype default, the
-    largest tiles that compile for sm_90 without register spills (checked offline with
-    ptxas; not yet timed on a GPU): D blocks of 64 for bf16 streams, 32 otherwise (the fp32
-    operands of the 3-pass tf32 dot need more registers)."""
-    block_t: int = 32  # tokens per tile (both kernels)
+    """Tiles and work split. block_t >= 16 (tl.dot). None picks the per-dtype default: D blocks
+    of 64 for bf16 streams, 32 otherwise (the fp32 operands of the 3-pass tf32 dot need more
+    registers), chosen offline with ptxas for no register spills. fp32 streams (what training
+    with fp32 master weights runs) have their own timed defaults: an H200 sweep at 32768 tokens,
+    D = 1024 (token tiles 16-128, D blocks 32-128, 4 / 8 warps, 1-3 stages) put the forward at 4
+    warps (1.10 -> 0.68 ms) and the backward at token tiles of 16 with D blocks of 64 (2.21 ->
+    1.93 ms, host-side sums included)."""
+    block_t: int = 32  # tokens per tile: the forward's, and the backward's unless bwd_block_t
     fwd_block_d: Optional[int] = None  # model-dim columns per forward tile
     bwd_block_d: Optional[int] = None  # ... per backward tile
-    num_warps: int = 8
+    bwd_block_t: Optional[int] = None  # backward token tile (None: 16 for fp32 streams, else block_t)
+    num_warps: int = 8  # the backward's, and the forward's unless fwd_num_warps
+    fwd_num_warps: Optional[int] = None  # None: 4 for fp32 streams, else num_warps
     num_stages: int = 1  # backward: short load-bound loops, software pipelining only costs smem and registers
     # forward: 3 stages prefetch the next D block's streams while this one mixes. H200, 32768 tokens,
     # D = 1024, bf16 streams: forward 0.89 -> 0.49 ms (the backward at 3 stages went 2.27 -> 2.54 ms);
@@ -87,7 +92,11 @@ class MHCKernelConfig:
 
     def resolved(self, dtype: torch.dtype) -> MHCKernelConfig:
         block_d = 64 if dtype == torch.bfloat16 else 32  # 64 bf16 = a 128-byte line per stream row
-        return replace(self, fwd_block_d=self.fwd_block_d or block_d, bwd_block_d=self.bwd_block_d or block_d)
+        fp32 = dtype == torch.float32
+        return replace(self, fwd_block_d=self.fwd_block_d or block_d,
+                       bwd_block_d=self.bwd_block_d or (64 if fp32 else block_d),
+                       bwd_block_t=self.bwd_block_t or (16 if fp32 else self.block_t),
+                       fwd_num_warps=self.fwd_num_warps or (4 if fp32 else self.num_warps))
 
 
 def _interpreting() -> bool:
@@ -344,7 +353,7 @@ class _FusedMHCStep(torch.autograd.Function):
             _mhc_fwd_kernel[(triton.cdiv(T, cfg.block_t), splits)](
                 h, y, post, comb, pre, fa, h_new, x, dot_part, ss_part, T, D, per_split,
                 N=N, MS=MS, MA=_pow2(MS, 64), BT=cfg.block_t, BD=cfg.fwd_block_d,
-                PRECISION=precision, UPCAST=_interpreting(), num_warps=cfg.num_warps, num_stages=cfg.fwd_num_stages)
+                PRECISION=precision, UPCAST=_interpreting(), num_warps=cfg.fwd_num_warps, num_stages=cfg.fwd_num_stages)
         # [T] RMS factor and [T, M] logits: tiny host-side reductions over the D splits
         r = torch.rsqrt(ss_part.sum(0) / (N * D) + eps)
         dot = dot_part.sum(0)
@@ -380,7 +389,7 @@ class _FusedMHCStep(torch.autograd.Function):
         g_hn = g_hn.contiguous() if g_hn is not None else None
         g_x = g_x.contiguous() if g_x is not None else None
         n_blocks = triton.cdiv(D, cfg.bwd_block_d)
-        n_tiles = triton.cdiv(T, cfg.block_t)
+        n_tiles = triton.cdiv(T, cfg.bwd_block_t)
         groups = cfg.bwd_groups or triton.cdiv(_programs_wanted(h.device), n_blocks)
         groups = max(1, min(groups, n_tiles))
         g_h = torch.empty_like(h)
@@ -395,7 +404,7 @@ class _FusedMHCStep(torch.autograd.Function):
                 h, y, post, comb, pre, fn,
                 g_hn if g_hn is not None else h, g_x if g_x is not None else y, coef, gdot, gc,
                 g_h, g_y, gpost_part, gcomb_part, gpre_part, gfn_part, T, D, n_tiles,
-                N=N, M=M, MC=gc.shape[1] if in_kernel_fn else 16, BT=cfg.block_t, BD=cfg.bwd_block_d,
+                N=N, M=M, MC=gc.shape[1] if in_kernel_fn else 16, BT=cfg.bwd_block_t, BD=cfg.bwd_block_d,
                 HAS_GHN=g_hn is not None, HAS_GX=g_x is not None, HAS_GMIX=g_mix is not None,
                 NEED_GFN=in_kernel_fn, UPCAST=_interpreting(), num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages)
