@@ -101,21 +101,23 @@ class RoutedExperts(nn.Module):
 class _Gather(torch.autograd.Function):
     """x.index_select(0, index) [M * copies, D] from x [M, D], where row r of x appears `copies`
     times in the output, at positions back[r * copies : (r + 1) * copies]. The gradient gathers
-    with `back` and sums each row's copies: index_select's own backward is a scatter-add."""
+    with `back` and sums each row's copies: index_select's own backward is a scatter-add.
+    `dtype`: the rows come out cast to it (x is cast before the gather, copies times less to
+    convert), and the gradient's copies are summed in x's dtype."""
 
     @staticmethod
-    def forward(ctx, x, index, back, copies):
+    def forward(ctx, x, index, back, copies, dtype=None):
         ctx.save_for_backward(back)
-        ctx.copies = copies
-        return x.index_select(0, index)
+        ctx.copies, ctx.in_dtype = copies, x.dtype
+        return (x if dtype is None else x.to(dtype)).index_select(0, index)
 
     @staticmethod
     def backward(ctx, grad):
         (back,) = ctx.saved_tensors
         g = grad.index_select(0, back)
         if ctx.copies > 1:
-            g = g.view(-1, ctx.copies, g.shape[-1]).sum(1)
-        return g, None, None, None
+            g = g.view(-1, ctx.copies, g.shape[-1]).sum(1, dtype=ctx.in_dtype)
+        return g.to(ctx.in_dtype), None, None, None, None
 
 
 class Router(nn.Module):
@@ -153,6 +155,10 @@ class MoE(nn.Module):
         self.n_routed, self.topk, self.seq_aux_alpha = n_routed, topk, seq_aux_alpha
         self.router = Router(dim, n_routed, topk, route_scale)
         self.experts = RoutedExperts(n_routed, dim, inter_dim, limit, kernels=kernels)
+        self.combine = None  # model.kernels: the fused combine (model/kernels/moe_combine.py)
+        if kernels:
+            from model.kernels.moe_combine import moe_combine_triton  # Triton only when the kernels are on
+            self.combine = moe_combine_triton
         self.shared = SharedExpert(dim, inter_dim * n_shared, limit, kernels) if n_shared > 0 else None
 
     def dispatch(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -166,7 +172,12 @@ class MoE(nn.Module):
         order = flat.argsort(stable=True)  # row i of the sorted rows is choice slot order[i]
         inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
         counts = torch.bincount(flat, minlength=self.n_routed)  # [E], on the device
-        y = self.experts(_Gather.apply(x, order // self.topk, inv, self.topk), counts)  # [N*k, D] by expert
+        # under autocast the experts compute in its dtype: cast the N rows, not their N*k copies
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else None
+        y = self.experts(_Gather.apply(x, order // self.topk, inv, self.topk, dtype), counts)  # [N*k, D] by expert
+        if self.combine is not None and x.dtype != torch.float64 and not torch.compiler.is_compiling():
+            # (inductor fuses the reference itself; float64 precision checks take the reference)
+            return self.combine(y, inv, weights, x.dtype)
         y = _Gather.apply(y, inv, order, 1).view(N, self.topk, D)  # [N, k, D] by token
         y = y * weights.unsqueeze(-1).to(y.dtype)
         return y.sum(1, dtype=x.dtype)  # autocast: y may be narrower than x; the sum is in x's dtype
