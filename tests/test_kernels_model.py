@@ -34,8 +34,13 @@ def test_kernels_match_the_reference_model(monkeypatch):
     the cost follows the number of programs and loop steps, and the chunked programs have their
     own tests (tests/test_kernels_sparse_attention.py)."""
     import model.kernels.sparse_attention as sa
+    import model.kernels.stream_mix as sm
 
     monkeypatch.setattr(sa, "_FIXED", dict(sa._FIXED, BLOCK_C=64, BLOCK_CV=64))
+    # the stream mixes in one program a call (64 tokens x dim 128); their small tiles have their own
+    # tests (tests/test_kernels_stream_mix.py), and here they were a third of the interpreter's time
+    for name, size in (("_MIX_T", 64), ("_MIX_D", 128), ("_RED_T", 64), ("_RED_D", 128)):
+        monkeypatch.setattr(sm, name, size)
     torch.manual_seed(0)
     ref = Transformer(dataclasses.replace(CFG, attn_chunk_tokens=16, loss_chunk_tokens=24))
     ker = Transformer(dataclasses.replace(CFG, attn_chunk_tokens=16, loss_chunk_tokens=24, kernels=True))
