@@ -120,6 +120,17 @@ class _Gather(torch.autograd.Function):
         return g.to(ctx.in_dtype), None, None, None, None
 
 
+def combine_reference(y: torch.Tensor, inv: torch.Tensor, order: torch.Tensor, weights: torch.Tensor,
+                      out_dtype: torch.dtype) -> torch.Tensor:
+    """The routed outputs y [N*k, D] (expert order; choice slot s is row inv[s], order = inv's
+    inverse) back in token order, scaled by weights [N, k] and summed over a token's k experts
+    -> [N, D] in out_dtype. `model/kernels/moe_combine.py` is the fused version."""
+    N, k = weights.shape
+    y = _Gather.apply(y, inv, order, 1).view(N, k, -1)  # [N, k, D] by token
+    y = y * weights.unsqueeze(-1).to(y.dtype)
+    return y.sum(1, dtype=out_dtype)  # autocast: y may be narrower than x; the sum is in x's dtype
+
+
 class Router(nn.Module):
     def __init__(self, dim: int, n_experts: int, topk: int, route_scale: float):
         super().__init__()
@@ -167,7 +178,6 @@ class MoE(nn.Module):
         Choice slot s = n*k + j (token n's j-th expert) is row inv[s] of the expert-sorted
         rows. Both reorderings are permutations, so each gradient is a gather too: no
         scatter-add (fp32 atomics) in the forward's combine or the backward's dispatch."""
-        N, D = x.shape
         flat = chosen.flatten()
         order = flat.argsort(stable=True)  # row i of the sorted rows is choice slot order[i]
         inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
@@ -178,9 +188,7 @@ class MoE(nn.Module):
         if self.combine is not None and x.dtype != torch.float64 and not torch.compiler.is_compiling():
             # (inductor fuses the reference itself; float64 precision checks take the reference)
             return self.combine(y, inv, weights, x.dtype)
-        y = _Gather.apply(y, inv, order, 1).view(N, self.topk, D)  # [N, k, D] by token
-        y = y * weights.unsqueeze(-1).to(y.dtype)
-        return y.sum(1, dtype=x.dtype)  # autocast: y may be narrower than x; the sum is in x's dtype
+        return combine_reference(y, inv, order, weights, x.dtype)
 
     def forward(self, x: torch.Tensor, shard=None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, D] -> (y [B, T, D], sequence-wise balance loss scalar). `shard`: where the T

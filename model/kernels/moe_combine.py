@@ -1,6 +1,6 @@
-"""Fused MoE combine, forward and backward. Reference: the tail of `model.moe.MoE.dispatch`,
-which gathers the expert outputs back into token order ([N, k, D]), scales each row by its
-routing weight and sums a token's k rows.
+"""Fused MoE combine, forward and backward. Reference: `model.moe.combine_reference`, the tail
+of `MoE.dispatch`, which gathers the expert outputs back into token order ([N, k, D]), scales
+each row by its routing weight and sums a token's k rows.
 
 Eager PyTorch runs that as a gather, a multiply and a sum over [N, k, D] (and, backward, a
 multiply, a product-and-sum for the weights' gradient and a gather): at the `small` step
