@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 from conf.model import ModelConfig
 from model.csa import ATTENTION_IMPLS, dense_attention
 from model.indexer import IndexKey, IndexQuery, candidate_pool, index_scores, index_scores_at, select_topk
-from model.numerics import wide
+from model.numerics import RMSNorm, wide
 from model.plan import LayerSpec
 from model.quant import fake_quant_fp8, fake_quant_kv_fp4
 from model.rope import Rotary
@@ -36,7 +36,7 @@ class Compressor(nn.Module):
         self.ratio = ratio
         self.wkv = nn.Linear(dim, kv_dim, bias=False)
         self.wgate = nn.Linear(dim, kv_dim, bias=False) if ratio > 1 else None
-        self.norm = nn.RMSNorm(kv_dim, eps=eps)
+        self.norm = RMSNorm(kv_dim, eps=eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [B, T, D] -> [B, T // m, C]; a trailing partial block is not an entry yet
@@ -84,10 +84,10 @@ class CSA2Attention(nn.Module):
                                  cfg.rope_factor if yarn else 1.0, cfg.original_seq_len,
                                  cfg.beta_fast, cfg.beta_slow, kernels=cfg.kernels)
         self.wq_a = nn.Linear(cfg.dim, cfg.q_lora_rank, bias=False)
-        self.q_norm = nn.RMSNorm(cfg.q_lora_rank, eps=cfg.norm_eps)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, eps=cfg.norm_eps)
         self.wq_b = nn.Linear(cfg.q_lora_rank, cfg.n_heads * cfg.kv_dim, bias=False)
         self.wkv = nn.Linear(cfg.dim, cfg.kv_dim, bias=False)  # window KV
-        self.kv_norm = nn.RMSNorm(cfg.kv_dim, eps=cfg.norm_eps)
+        self.kv_norm = RMSNorm(cfg.kv_dim, eps=cfg.norm_eps)
         self.sink = nn.Parameter(torch.zeros(cfg.n_heads, dtype=torch.float32))
         group_in = cfg.n_heads // cfg.o_groups * cfg.kv_dim
         self.wo_a = nn.Parameter(torch.empty(cfg.o_groups, cfg.o_lora_rank, group_in))
@@ -167,8 +167,7 @@ class CSA2Attention(nn.Module):
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)  # [B, T, H, C]
         out = self.rotary(out, angles.unsqueeze(-2), inverse=True)  # values carried RoPE
         grouped = out.flatten(2).unflatten(-1, (self.wo_a.shape[0], -1))  # [B, T, G, H/G*C]
-        low = torch.einsum("btgi,goi->btgo", grouped, self.wo_a)  # [B, T, G, Ro]
-        return self.wo_b(low.flatten(2))
+        return self.wo_b(grouped_projection(grouped, self.wo_a).flatten(2))
 
     def _attend_rows(self, q, win, halo, iq, iw, glob, idx, rt: AttentionRuntime, rows: slice):
         """Attention of the queries in `rows` and their indexer loss (None when not wanted)."""
@@ -268,6 +267,44 @@ class CSA2Attention(nn.Module):
         if self.pool_is_every_entry(rt.index_k[self.spec.kv_source].shape[1]):
             return rt.all_visible(self.spec.compress_ratio, rows)
         return rt.pool[self.spec.kv_source][:, rows]
+
+
+class _GroupedProjection(torch.autograd.Function):
+    """y[..., g, :] = x[..., g, :] @ w[g]^T as strided batched matmuls: x [N, G, I] is read in place
+    (batch stride I, row stride G*I) and dx is written in x's layout. einsum's version is the same
+    bmm, but its dx comes out [G, N, I] and the caller (the inverse rotary's kernel) copied it into
+    [N, G, I]: 537 MB a layer at `small`'s micro-batch 8."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        y = x.new_empty(x.shape[0], w.shape[0], w.shape[1])  # [N, G, O]
+        torch.bmm(x.transpose(0, 1), w.transpose(1, 2), out=y.transpose(0, 1))
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        dy_g = dy.transpose(0, 1)  # [G, N, O]
+        dx = torch.empty_like(x)
+        torch.bmm(dy_g, w, out=dx.transpose(0, 1))
+        dw = torch.bmm(dy_g.transpose(1, 2), x.transpose(0, 1))  # [G, O, I]
+        return dx, dw
+
+
+def grouped_projection(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [..., G, I], w [G, O, I] -> [..., G, O] = einsum("...gi,goi->...go") in x's dtype (the
+    grouped low-rank output projection; under autocast w is cast as a matmul's weight would be)."""
+    if torch.compiler.is_compiling():  # inductor picks its own layouts
+        return torch.einsum("...gi,goi->...go", x, w)
+    if torch.is_autocast_enabled(x.device.type):
+        dtype = torch.get_autocast_dtype(x.device.type)
+        x, w = x.to(dtype), w.to(dtype)
+    elif w.dtype != x.dtype:
+        raise TypeError(f"grouped_projection: x is {x.dtype}, w is {w.dtype}")
+    lead = x.shape[:-2]
+    y = _GroupedProjection.apply(x.reshape(-1, *x.shape[-2:]).contiguous(), w.contiguous())
+    return y.view(*lead, *y.shape[-2:])
 
 
 def _head_summed(impl):

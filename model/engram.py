@@ -34,7 +34,7 @@ from tokenizers import Tokenizer
 from torch import nn
 
 from conf.model import ModelConfig
-from model.numerics import wide
+from model.numerics import RMSNorm, wide
 
 GATE_EPS = 1e-6  # floor of |d| under the signed square root of the gate
 REPLACEMENT_CHAR = "\ufffd"
@@ -154,8 +154,8 @@ class Engram(nn.Module):
         n_lookups = len(primes)  # orders * heads
         self.table = EngramTable(sum(primes), cfg.engram_dim, sparse_grad)
         self.proj = nn.Linear(n_lookups * cfg.engram_dim, (self.n_streams + 1) * cfg.dim, bias=False)
-        self.hidden_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.key_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.hidden_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.key_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         # Hashing state. Filled by _init_buffers (also after a meta build + to_empty).
         self.register_buffer("multipliers", torch.empty(len(self.orders), self.heads, max(self.orders),
                                                         dtype=torch.long))

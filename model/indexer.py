@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from model.numerics import gather_rows, wide
+from model.numerics import RMSNorm, gather_rows, wide
 from model.quant import fake_quant_mxfp4
 from model.rope import Rotary
 
@@ -22,7 +22,7 @@ class IndexKey(nn.Module):
     def __init__(self, kv_dim: int, index_dim: int, eps: float):
         super().__init__()
         self.wk = nn.Linear(kv_dim, index_dim, bias=False)
-        self.k_norm = nn.RMSNorm(index_dim, eps=eps)
+        self.k_norm = RMSNorm(index_dim, eps=eps)
 
     def forward(self, latent: torch.Tensor, angles: torch.Tensor, rotary: Rotary, qat: bool) -> torch.Tensor:
         # latent [B, S, C], angles [B, S, R/2] -> [B, S, Di]

@@ -1,5 +1,7 @@
 """Working precision of numerically sensitive math (softmax, norms, routing, scores)."""
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 
 def wide(t: torch.Tensor) -> torch.Tensor:
@@ -17,3 +19,18 @@ def gather_rows(x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return x.new_zeros(*ids.shape, C)
     flat = (ids + torch.arange(B, device=ids.device).view(B, *([1] * (ids.dim() - 1))) * S).reshape(-1)
     return x.reshape(B * S, C).index_select(0, flat).view(*ids.shape, C)
+
+
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm with its weight cast to the input's dtype. Under bf16 autocast a norm that follows
+    a matmul (q_norm, kv_norm, the compressor's and the index key's) gets a bf16 input and an fp32
+    weight, and torch's rms_norm then cannot use its fused kernel: it runs the composite (upcast,
+    pow, mean, rsqrt, two products, a cast), each op a kernel forward and more backward. With the
+    weight in the input's dtype it is one fused kernel each way; its statistics are still fp32 and
+    the output is rounded once (the composite rounds the normalised value, then the product)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        if weight is not None and weight.dtype != x.dtype:
+            weight = weight.to(x.dtype)
+        return F.rms_norm(x, self.normalized_shape, weight, self.eps)

@@ -22,7 +22,7 @@ from model.engram import Engram
 from model.indexer import IndexQuery
 from model.mhc import HyperConnection, initial_pre, mix_streams, update_streams
 from model.moe import MoE, RoutedExperts
-from model.numerics import wide
+from model.numerics import RMSNorm, wide
 from model.plan import LayerSpec, build_layer_plan
 from model.runtime import AttentionRuntime, SequenceShard
 
@@ -47,10 +47,10 @@ class Block(nn.Module):
         self.spec = spec
         hc = dict(dim=cfg.dim, n_streams=cfg.hc_mult, sinkhorn_iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps)
         self.attn_hc = HyperConnection(**hc)
-        self.attn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.attn_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.attn = CSA2Attention(cfg, spec)
         self.ffn_hc = HyperConnection(**hc)
-        self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.ffn_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.moe = MoE(cfg.dim, cfg.n_routed_experts, cfg.n_shared_experts, cfg.n_activated_experts,
                        cfg.moe_inter_dim, cfg.route_scale, cfg.swiglu_limit, cfg.seq_aux_alpha, kernels=cfg.kernels)
         self.fused_mhc = None
@@ -109,7 +109,7 @@ class Transformer(nn.Module):
         self.engrams = nn.ModuleDict({str(s.layer_id): Engram(cfg, s.layer_id, pad_id=lookup_pad_id)
                                       for s in self.plan.layers if s.engram})
         self.layers = nn.ModuleList(Block(cfg, spec) for spec in self.plan.layers)
-        self.norm = nn.RMSNorm(D, eps=cfg.norm_eps)
+        self.norm = RMSNorm(D, eps=cfg.norm_eps)
         self.head = nn.Linear(D, V, bias=False)
         if lookup_map is None:
             lookup_map = torch.arange(V)
@@ -127,7 +127,7 @@ class Transformer(nn.Module):
         for name, module in self.named_modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, std=out_std if name.endswith(("wo_b", "w2")) else std)
-            elif isinstance(module, nn.RMSNorm):
+            elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
             elif isinstance(module, HyperConnection):
                 module.reset_parameters()

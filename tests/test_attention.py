@@ -447,3 +447,48 @@ def test_topk_ties_go_to_the_lowest_ids_whatever_the_width():
     few = narrow[..., :10].clone()
     few[..., 3:] = float("-inf")  # fewer visible entries than k: the rest is -1
     assert (select_topk(few, 8)[..., 3:] == -1).all() and (select_topk(few, 8)[..., :3] == torch.arange(3)).all()
+
+
+# ---------------------------------------------------------------- grouped output projection
+def _projection_case(device, dtype):
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 4, 48, device=device, dtype=dtype, requires_grad=True)  # [B, T, G, I]
+    w = torch.randn(4, 24, 48, device=device, dtype=dtype, requires_grad=True)  # [G, O, I]
+    dy = torch.randn(2, 5, 4, 24, device=device, dtype=dtype)
+    return x, w, dy
+
+
+def _projection_and_grads(fn, x, w, dy):
+    x.grad = w.grad = None
+    y = fn(x, w)
+    y.backward(dy)
+    return y.detach(), x.grad, w.grad
+
+
+def test_grouped_projection_equals_einsum_with_gradients_in_place():
+    from model.attention import grouped_projection
+
+    x, w, dy = _projection_case("cpu", torch.float64)
+    assert torch.autograd.gradcheck(grouped_projection, (x[:1, :2], w))
+    got = _projection_and_grads(grouped_projection, x, w, dy)
+    want = _projection_and_grads(lambda a, b: torch.einsum("btgi,goi->btgo", a, b), x, w, dy)
+    for g, e in zip(got, want):
+        assert torch.allclose(g, e, rtol=1e-12, atol=1e-12)
+    assert got[1].is_contiguous()  # dx in x's layout: what the caller's kernel reads without a copy
+    with pytest.raises(TypeError, match="grouped_projection"):
+        grouped_projection(x.detach(), w.detach().float())
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # cast like a matmul under autocast
+        assert grouped_projection(x.detach().float(), w.detach().float()).dtype == torch.bfloat16
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_grouped_projection_on_gpu_under_autocast():
+    from model.attention import grouped_projection
+
+    x, w, dy = _projection_case("cuda", torch.float32)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        got = _projection_and_grads(grouped_projection, x, w, dy.bfloat16())
+        want = _projection_and_grads(lambda a, b: torch.einsum("btgi,goi->btgo", a, b), x, w, dy.bfloat16())
+    for g, e in zip(got, want):
+        assert g.dtype == e.dtype and torch.allclose(g.float(), e.float(), rtol=2e-2, atol=2e-2)

@@ -1,0 +1,49 @@
+"""model.numerics.RMSNorm: the fused rms_norm under bf16 autocast (a bf16 input, an fp32 weight)."""
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from model.numerics import RMSNorm
+
+
+def _ops(fn) -> set[str]:
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return {e.key for e in prof.key_averages()}
+
+
+def test_rmsnorm_with_bf16_input_and_fp32_weight_runs_fused_and_matches_fp32():
+    torch.manual_seed(0)
+    norm = RMSNorm(512, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(512))
+    x = torch.randn(4, 7, 512, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(4, 7, 512, dtype=torch.bfloat16)
+
+    with torch.no_grad():  # on CPU only the forward has a fused kernel (CUDA has both)
+        ops = _ops(lambda: norm(x))
+    # the fused op, not torch's composite fallback (upcast, pow, mean, rsqrt, products, cast)
+    assert "aten::_fused_rms_norm" in ops, sorted(ops)
+
+    x.grad = norm.weight.grad = None
+    y = norm(x)
+    y.backward(grad)
+    assert y.dtype == torch.bfloat16 and norm.weight.grad.dtype == torch.float32
+
+    # the same math in fp32 (the weight's bf16 rounding is the only other difference)
+    x32 = x.detach().float().requires_grad_()
+    w32 = norm.weight.detach().clone().requires_grad_()
+    y32 = torch.nn.functional.rms_norm(x32, (512,), w32, 1e-6)
+    y32.backward(grad.float())
+    assert torch.allclose(y.float(), y32, rtol=1e-2, atol=1e-2)
+    assert torch.allclose(x.grad.float(), x32.grad, rtol=2e-2, atol=2e-2)
+    assert torch.allclose(norm.weight.grad, w32.grad, rtol=2e-2, atol=5e-2)
+
+
+def test_rmsnorm_in_one_dtype_is_torchs():
+    torch.manual_seed(1)
+    norm, ref = RMSNorm(64, eps=1e-5), torch.nn.RMSNorm(64, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(64))
+        ref.weight.copy_(norm.weight)
+    x = torch.randn(3, 64, dtype=torch.float64)
+    assert torch.equal(norm.double()(x), ref.double()(x))
