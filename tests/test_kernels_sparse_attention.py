@@ -149,3 +149,78 @@ def test_gpu_bf16_full_scale(H, halo):
     assert _rel(p_k, p_r.detach().sum(2)) < 1e-2
     for n in names:  # d sink sums p_sink * rowsum(dout * out) over bf16-rounded out: looser
         assert _rel(g_k[n], g_r[n]) < (5e-2 if n == "sink" else 2e-2), (n, _rel(g_k[n], g_r[n]))
+
+
+def _rotated_reference(rotary):
+    """model.rope's rotation of q, the reference attention, and the inverse rotation of out: what
+    sparse_attention_triton(q_angles=...) stands for."""
+    def attend(q_angles, **args):
+        out, p = sparse_attention(**{**args, "q": rotary(args["q"], q_angles.unsqueeze(-2))})
+        return rotary(out, q_angles.unsqueeze(-2), inverse=True), p
+    return attend
+
+
+def _rope_inputs(R, **kw):
+    from model.rope import Rotary
+
+    args = _inputs(**kw)
+    B, T = args["q"].shape[:2]
+    rotary = Rotary(R, 10000.0)
+    pos = args["positions"] if args["positions"] is not None else torch.arange(T).expand(B, T)
+    args["q_angles"] = rotary.angles(pos.to(args["q"].device)).to(args["q"].device) + 0.3  # [B, T, R/2]
+    return args, rotary
+
+
+@pytest.mark.parametrize("C,R,glob", [(32, 16, True), (48, 16, True), (32, 32, False)],
+                         ids=["C32", "C48-masked-tail", "all-dims-window-only"])
+def test_rotary_inside_the_kernels(C, R, glob):
+    """q_angles: the kernels rotate q's trailing R dims as they load it, rotate out back before the
+    store, and in the backward rotate dout forward and dq back; p_sum sees the rotated q. Compared
+    with rotary -> reference -> inverse rotary, gradients included."""
+    args, rotary = _rope_inputs(R, C=C, k=20, W=24, offset=40, halo=True, glob=glob)
+    names = [n for n in ("q", "win_kv", "glob_kv", "sink", "halo") if args[n] is not None]
+    gout = torch.randn(args["q"].shape, generator=torch.Generator().manual_seed(1))
+    out_r, p_r, g_r = _grads(_rotated_reference(rotary), args, names, gout)
+    out_k, p_k, g_k = _grads(sparse_attention_triton, args, names, gout)
+    torch.testing.assert_close(out_k, out_r, atol=1e-4, rtol=1e-4)
+    if glob:
+        torch.testing.assert_close(p_k, p_r.detach().sum(2), atol=1e-4, rtol=1e-4)
+    for n in names:
+        torch.testing.assert_close(g_k[n], g_r[n], atol=1e-4, rtol=1e-4, msg=lambda m, n=n: f"grad {n}: {m}")
+    # the rotation matters: without it the result is not the reference's
+    out_plain, _ = sparse_attention_triton(**{k: v for k, v in args.items() if k != "q_angles"})
+    assert (out_plain - out_r).abs().max() > 1e-2
+
+
+def test_rotary_outside_the_kernels_where_it_does_not_fit(monkeypatch):
+    """Shapes the ROPE configs do not cover (e.g. 64 heads) rotate with model.kernels.rope before
+    and after: the same result."""
+    import model.kernels.sparse_attention as sa
+
+    args, rotary = _rope_inputs(16, B=1, T=12, C=32, k=16)
+    out_in, p_in = sparse_attention_triton(**args)
+    monkeypatch.setattr(sa, "_rope_fits", lambda H, C: False)
+    out_out, p_out = sparse_attention_triton(**args)
+    torch.testing.assert_close(out_out, out_in, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(p_out, p_in, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="q_angles"):
+        sparse_attention_triton(**{**args, "q_angles": args["q_angles"].repeat(1, 1, 3)})  # 48 dims > C
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_rotary_inside_the_kernels():
+    """`small`'s shape (16 heads, C = 512, 64 rotary dims) in bf16 against the fp32 reference
+    with the rotations around it."""
+    args, rotary = _rope_inputs(64, B=1, T=256, H=16, C=512, k=512, W=128, S=1024, offset=512, halo=True,
+                                dtype=torch.bfloat16, device="cuda")
+    rotary = rotary.cuda()
+    names = [n for n in ("q", "win_kv", "glob_kv", "sink", "halo") if args[n] is not None]
+    gout = torch.randn(args["q"].shape, device="cuda")
+    wide = {n: v.float() if torch.is_tensor(v) and v.is_floating_point() else v for n, v in args.items()}
+    out_r, p_r, g_r = _grads(_rotated_reference(rotary), wide, names, gout)
+    out_k, p_k, g_k = _grads(sparse_attention_triton, args, names, gout)
+    assert out_k.dtype == torch.bfloat16
+    assert _rel(out_k, out_r) < 1e-2
+    assert _rel(p_k, p_r.detach().sum(2)) < 1e-2
+    for n in names:
+        assert _rel(g_k[n], g_r[n]) < (5e-2 if n == "sink" else 2e-2), (n, _rel(g_k[n], g_r[n]))
