@@ -108,11 +108,7 @@ class CSA2Attention(nn.Module):
         angles = self.rotary.angles(rt.positions)  # [B, T, R/2]
         qr = self.q_norm(self.wq_a(x))  # [B, T, Rq]
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.kv_dim))  # [B, T, H, C]
-        # the attention kernel rotates q as it loads it and rotates its output back (q_angles): two
-        # fewer passes over [B, T, H, C] each way; the reference path rotates around the call
-        q_angles = angles if self.kernels else None
-        if q_angles is None:
-            q = self.rotary(q, angles.unsqueeze(-2))
+        q = self.rotary(q, angles.unsqueeze(-2))
         win = self.rotary(self.kv_norm(self.wkv(x)), angles)  # [B, T, C]
         if self.qat:
             win = fake_quant_fp8(win)
@@ -144,8 +140,7 @@ class CSA2Attention(nn.Module):
                     pool.append(pool_rows)
             chunk_halo = halo if lo == 0 else win[:, lo - self.window + 1:lo]
             args = (q[:, rows], win[:, rows], chunk_halo, None if iq is None else iq[:, rows],
-                    None if iw is None else iw[:, rows], glob, idx, rt, rows,
-                    None if q_angles is None else q_angles[:, rows])
+                    None if iw is None else iw[:, rows], glob, idx, rt, rows)
             if chunk < T and torch.is_grad_enabled():
                 out, kl = checkpoint(self._attend_rows, *args, use_reentrant=False)
             else:
@@ -157,8 +152,7 @@ class CSA2Attention(nn.Module):
                 held = None
                 if self.spec.builds_pool or self.spec.mode == "reindex":
                     held = pool_rows if pool_rows is not None else self._source_pool(rt, rows)
-                q_rows = q[:, rows] if q_angles is None else self.rotary(q[:, rows], q_angles[:, rows].unsqueeze(-2))
-                recall.append(self._recall_sums(q_rows, win[:, rows], chunk_halo, glob, idx, held, rt, rows))
+                recall.append(self._recall_sums(q[:, rows], win[:, rows], chunk_halo, glob, idx, held, rt, rows))
         if topk:
             rt.topk[self.spec.layer_id] = topk[0] if len(topk) == 1 else torch.cat(topk, dim=1)
         if pool and pool[0] is not None:
@@ -171,23 +165,20 @@ class CSA2Attention(nn.Module):
             if self.spec.builds_pool or self.spec.mode == "reindex":
                 rt.recall["pool"].append(got[1] / got[2])
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)  # [B, T, H, C]
-        if q_angles is None:
-            out = self.rotary(out, angles.unsqueeze(-2), inverse=True)  # values carried RoPE
+        out = self.rotary(out, angles.unsqueeze(-2), inverse=True)  # values carried RoPE
         grouped = out.flatten(2).unflatten(-1, (self.wo_a.shape[0], -1))  # [B, T, G, H/G*C]
         return self.wo_b(grouped_projection(grouped, self.wo_a).flatten(2))
 
-    def _attend_rows(self, q, win, halo, iq, iw, glob, idx, rt: AttentionRuntime, rows: slice, q_angles=None):
-        """Attention of the queries in `rows` and their indexer loss (None when not wanted).
-        q_angles [B, Tc, R/2] (kernels): q is not rotated yet; the kernel rotates q and its output."""
+    def _attend_rows(self, q, win, halo, iq, iw, glob, idx, rt: AttentionRuntime, rows: slice):
+        """Attention of the queries in `rows` and their indexer loss (None when not wanted)."""
         attend_idx = idx
         if glob is not None and rt.indexer_mode == "dense":
             attend_idx = rt.all_visible(self.spec.compress_ratio, rows)  # [B, Tc, S]: column j is entry j
         with_kl = iq is not None and rt.with_indexer_loss  # Reuse layers have no indexer of their own
         # p_sel [B, Tc, k] head-summed, only for the indexer loss: the kernel's p_sum pass costs as
         # much as a third of its forward
-        rope = {} if q_angles is None else {"q_angles": q_angles}
         out, p_sel = self.attend(q, win, glob, attend_idx, rt.doc_start[:, rows], self.sink, self.scale,
-                                 self.window, rt.positions[:, rows], halo, want_probs=with_kl, **rope)
+                                 self.window, rt.positions[:, rows], halo, want_probs=with_kl)
         kl = None
         if with_kl:
             keys = rt.index_k[self.spec.kv_source]

@@ -175,20 +175,6 @@ def _selected_end(IDXrow, K, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _rope(x, c0, COSrow, SINrow, C, HALF, sign, BLOCK_H: tl.constexpr, BLOCK_CV: tl.constexpr):
-    """x [BLOCK_H, BLOCK_CV] (columns c0 .., c0 even) with its pairs (2j, 2j+1), j >= C/2 - HALF,
-    rotated by angle j - (C/2 - HALF) of the query's COS / SIN rows [HALF] (sign -1: the inverse
-    rotation), as model.kernels.rope does -> fp32. Other pairs come back unchanged."""
-    j = c0 // 2 + tl.arange(0, BLOCK_CV // 2)
-    lead = C // 2 - HALF
-    rot = (j >= lead) & (j < C // 2)
-    cos = tl.load(COSrow + (j - lead), mask=rot, other=1.0)[None, :]
-    sin = (tl.load(SINrow + (j - lead), mask=rot, other=0.0) * sign)[None, :]
-    even, odd = tl.split(tl.reshape(x.to(tl.float32), (BLOCK_H, BLOCK_CV // 2, 2)))
-    return tl.reshape(tl.join(even * cos - odd * sin, odd * cos + even * sin), (BLOCK_H, BLOCK_CV))
-
-
-@triton.jit
 def _program(T, H, C, BLOCK_H: tl.constexpr, BLOCK_CV: tl.constexpr, SPLIT: tl.constexpr = 1):
     """Grid index -> (query, batch, query-in-batch, head offsets, offsets of the program's first
     value chunk); a program covers SPLIT consecutive chunks of BLOCK_CV. The C-chunk varies
@@ -203,23 +189,18 @@ def _program(T, H, C, BLOCK_H: tl.constexpr, BLOCK_CV: tl.constexpr, SPLIT: tl.c
 
 
 @triton.jit
-def _fwd_kernel(Q, KV, G, IDX, DOC, POS, SINK, OUT, LSE, COS, SIN, T, H, C, W, K, S, HALF, qk_scale,
+def _fwd_kernel(Q, KV, G, IDX, DOC, POS, SINK, OUT, LSE, T, H, C, W, K, S, qk_scale,
                 HAS_GLOB: tl.constexpr, PREC: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_C: tl.constexpr, BLOCK_CV: tl.constexpr, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr,
-                ROPE: tl.constexpr = False):
+                BLOCK_C: tl.constexpr, BLOCK_CV: tl.constexpr, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr):
     # Q/OUT [B, T, H, C]; KV [B, W-1+T, C] (halo rows first); G [B, S, C]; IDX [B, T, K];
-    # DOC/POS [B, T]; SINK [H]; LSE [B, T, H] (log2 units); COS/SIN [B, T, HALF] (ROPE only: q
-    # rotated on load, out rotated back before the store; needs ONE_PASS)
+    # DOC/POS [B, T]; SINK [H]; LSE [B, T, H] (log2 units)
     pid_q, b, t, offs_h, offs_v, first = _program(T, H, C, BLOCK_H, BLOCK_CV)
     h_ok = offs_h < H
     v_ok = offs_v < C
     Qrow = Q + pid_q * H * C
     if ONE_PASS:  # the program's chunk is all of C: q is loaded once for every key block's logits
         q = tl.load(Qrow + offs_h[:, None] * C + offs_v[None, :], mask=h_ok[:, None] & v_ok[None, :], other=0.0)
-        if ROPE:
-            q = _rope(q, 0, COS + pid_q * HALF, SIN + pid_q * HALF, C, HALF, 1.0, BLOCK_H, BLOCK_CV).to(q.dtype)
-    else:
-        tl.static_assert(not ROPE, "ROPE needs a value chunk that covers C")  # unused: the logits stream q from memory in BLOCK_C pieces
+    else:  # unused: the logits stream q from memory in BLOCK_C pieces
         q = tl.zeros([BLOCK_H, BLOCK_CV], dtype=Q.dtype.element_ty)
     m = tl.load(SINK + offs_h, mask=h_ok, other=0.0).to(tl.float32) * 1.4426950408889634
     den = tl.full([BLOCK_H], 1.0, tl.float32)
@@ -241,8 +222,6 @@ def _fwd_kernel(Q, KV, G, IDX, DOC, POS, SINK, OUT, LSE, COS, SIN, T, H, C, W, K
             m, den, acc = _fwd_block(Qrow, G, rows, n_ok, q, m, den, acc, offs_h, h_ok, offs_v, v_ok, C,
                                      qk_scale, BLOCK_H, BLOCK_N, BLOCK_C, PREC, ONE_PASS)
     out = acc / den[:, None]
-    if ROPE:
-        out = _rope(out, 0, COS + pid_q * HALF, SIN + pid_q * HALF, C, HALF, -1.0, BLOCK_H, BLOCK_CV)
     tl.store(OUT + pid_q * H * C + offs_h[:, None] * C + offs_v[None, :], out.to(OUT.dtype.element_ty),
              mask=h_ok[:, None] & v_ok[None, :])
     if first:  # every C-chunk program has the same m, den
@@ -250,58 +229,34 @@ def _fwd_kernel(Q, KV, G, IDX, DOC, POS, SINK, OUT, LSE, COS, SIN, T, H, C, W, K
 
 
 @triton.jit
-def _psum_kernel(Q, G, IDX, LSE, PSUM, COS, SIN, H, C, K, S, T, HALF, qk_scale, PREC: tl.constexpr,
-                 BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
-                 ROPE: tl.constexpr = False, BLOCK_CV: tl.constexpr = 16):
-    # PSUM [B, T, K] fp32, zeroed: sum over heads of exp2(logit - LSE) on each selected slot.
-    # ROPE (one head block covers H, BLOCK_CV covers C): q [BLOCK_H, BLOCK_CV] is loaded and rotated
-    # once, and each key block's rows are loaded once.
+def _psum_kernel(Q, G, IDX, LSE, PSUM, H, C, K, S, T, qk_scale, PREC: tl.constexpr, BLOCK_H: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):
+    # PSUM [B, T, K] fp32, zeroed: sum over heads of exp2(logit - LSE) on each selected slot
     pid_q = tl.program_id(0).to(tl.int64)
     b = pid_q // T
-    if ROPE:
-        offs_h = tl.arange(0, BLOCK_H)
-        offs_c = tl.arange(0, BLOCK_CV)
-        h_ok, c_ok = offs_h < H, offs_c < C
-        q = tl.load(Q + pid_q * H * C + offs_h[:, None] * C + offs_c[None, :], mask=h_ok[:, None] & c_ok[None, :],
-                    other=0.0)
-        q = _rope(q, 0, COS + pid_q * HALF, SIN + pid_q * HALF, C, HALF, 1.0, BLOCK_H, BLOCK_CV).to(q.dtype)
-        lse = tl.load(LSE + pid_q * H + offs_h, mask=h_ok, other=0.0)
-        for n0 in range(0, _selected_end(IDX + pid_q * K, K, BLOCK_K), BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            ids = tl.load(IDX + pid_q * K + offs_n, mask=offs_n < K, other=-1).to(tl.int64)
-            n_ok = ids >= 0
-            rows = b * S + tl.where(n_ok, ids, 0)
-            kv = tl.load(G + rows[:, None] * C + offs_c[None, :], mask=n_ok[:, None] & c_ok[None, :], other=0.0)
-            s = tl.dot(q, tl.trans(kv.to(q.dtype)), input_precision=PREC)
+    for n0 in range(0, _selected_end(IDX + pid_q * K, K, BLOCK_K), BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        ids = tl.load(IDX + pid_q * K + offs_n, mask=offs_n < K, other=-1).to(tl.int64)
+        n_ok = ids >= 0
+        rows = b * S + tl.where(n_ok, ids, 0)
+        tot = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            offs_h = h0 + tl.arange(0, BLOCK_H)
+            h_ok = offs_h < H
+            s = _scores(Q + pid_q * H * C, G, rows, n_ok, offs_h, h_ok, C, BLOCK_H, BLOCK_N, BLOCK_C, PREC)
+            lse = tl.load(LSE + pid_q * H + offs_h, mask=h_ok, other=0.0)
             p = tl.where(h_ok[:, None] & n_ok[None, :], tl.exp2(s * qk_scale - lse[:, None]), 0.0)
-            tl.store(PSUM + pid_q * K + offs_n, tl.sum(p, 0), mask=offs_n < K)
-    else:
-        for n0 in range(0, _selected_end(IDX + pid_q * K, K, BLOCK_K), BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            ids = tl.load(IDX + pid_q * K + offs_n, mask=offs_n < K, other=-1).to(tl.int64)
-            n_ok = ids >= 0
-            rows = b * S + tl.where(n_ok, ids, 0)
-            tot = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for h0 in range(0, H, BLOCK_H):
-                offs_h = h0 + tl.arange(0, BLOCK_H)
-                h_ok = offs_h < H
-                s = _scores(Q + pid_q * H * C, G, rows, n_ok, offs_h, h_ok, C, BLOCK_H, BLOCK_N, BLOCK_C, PREC)
-                lse = tl.load(LSE + pid_q * H + offs_h, mask=h_ok, other=0.0)
-                p = tl.where(h_ok[:, None] & n_ok[None, :], tl.exp2(s * qk_scale - lse[:, None]), 0.0)
-                tot += tl.sum(p, 0)
-            tl.store(PSUM + pid_q * K + offs_n, tot, mask=offs_n < K)
+            tot += tl.sum(p, 0)
+        tl.store(PSUM + pid_q * K + offs_n, tot, mask=offs_n < K)
 
 
 @triton.jit
-def _bwd_kernel(Q, KV, G, IDX, DOC, POS, OUT, DO, LSE, DQ, DKV, DG, DELTA, COS, SIN, T, H, C, W, K, S, HALF,
-                scale, qk_scale, HAS_GLOB: tl.constexpr, PREC: tl.constexpr, BLOCK_H: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_CV: tl.constexpr, SPLIT: tl.constexpr,
-                BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr, ROPE: tl.constexpr = False):
+def _bwd_kernel(Q, KV, G, IDX, DOC, POS, OUT, DO, LSE, DQ, DKV, DG, DELTA, T, H, C, W, K, S, scale, qk_scale,
+                HAS_GLOB: tl.constexpr, PREC: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_C: tl.constexpr, BLOCK_CV: tl.constexpr, SPLIT: tl.constexpr, BLOCK_K: tl.constexpr,
+                ONE_PASS: tl.constexpr):
     # DQ like Q; DKV [B, W-1+T, C] and DG [B, S, C] fp32 (atomic adds); DELTA [B, T, H] fp32.
     # SPLIT = 2: the program takes two value chunks (offs_v, offs_w) from one recomputation of p, ds.
-    # ROPE (ONE_PASS): q and dout are rotated on load (out was rotated back: its gradient turns
-    # forward), dq is rotated back before the store; delta = rowsum(dout * out) is the same in
-    # either frame (the rotation is orthogonal), so it reads OUT and DO as stored.
     pid_q, b, t, offs_h, offs_v, first = _program(T, H, C, BLOCK_H, BLOCK_CV, SPLIT)
     offs_w = offs_v + BLOCK_CV
     h_ok = offs_h < H
@@ -323,14 +278,6 @@ def _bwd_kernel(Q, KV, G, IDX, DOC, POS, OUT, DO, LSE, DQ, DKV, DG, DELTA, COS, 
     do_v = tl.load(DOrow + offs_h[:, None] * C + offs_v[None, :], mask=hv, other=0.0)
     q_w = tl.load(Qrow + offs_h[:, None] * C + offs_w[None, :], mask=hw, other=0.0)
     do_w = tl.load(DOrow + offs_h[:, None] * C + offs_w[None, :], mask=hw, other=0.0)
-    if ROPE:
-        tl.static_assert(ONE_PASS, "ROPE needs value chunks that cover C")
-        cos_row, sin_row = COS + pid_q * HALF, SIN + pid_q * HALF
-        q_v = _rope(q_v, 0, cos_row, sin_row, C, HALF, 1.0, BLOCK_H, BLOCK_CV).to(q_v.dtype)
-        do_v = _rope(do_v, 0, cos_row, sin_row, C, HALF, 1.0, BLOCK_H, BLOCK_CV).to(do_v.dtype)
-        if SPLIT == 2:
-            q_w = _rope(q_w, BLOCK_CV, cos_row, sin_row, C, HALF, 1.0, BLOCK_H, BLOCK_CV).to(q_w.dtype)
-            do_w = _rope(do_w, BLOCK_CV, cos_row, sin_row, C, HALF, 1.0, BLOCK_H, BLOCK_CV).to(do_w.dtype)
     dq = tl.zeros([BLOCK_H, BLOCK_CV], dtype=tl.float32)
     dq_w = tl.zeros([BLOCK_H, BLOCK_CV], dtype=tl.float32)
     w_lo = tl.maximum(tl.load(DOC + pid_q) - tl.load(POS + pid_q) + W - 1, 0)
@@ -350,10 +297,6 @@ def _bwd_kernel(Q, KV, G, IDX, DOC, POS, OUT, DO, LSE, DQ, DKV, DG, DELTA, COS, 
             dq, dq_w = _bwd_block(Qrow, DOrow, G, DG, rows, n_ok, q_v, do_v, q_w, do_w, lse, delta, dq, dq_w,
                                   offs_h, h_ok, offs_v, v_ok, offs_w, w_ok, C, scale, qk_scale,
                                   BLOCK_H, BLOCK_N, BLOCK_C, PREC, SPLIT, ONE_PASS)
-    if ROPE:
-        dq = _rope(dq, 0, COS + pid_q * HALF, SIN + pid_q * HALF, C, HALF, -1.0, BLOCK_H, BLOCK_CV)
-        if SPLIT == 2:
-            dq_w = _rope(dq_w, BLOCK_CV, COS + pid_q * HALF, SIN + pid_q * HALF, C, HALF, -1.0, BLOCK_H, BLOCK_CV)
     tl.store(DQ + pid_q * H * C + offs_h[:, None] * C + offs_v[None, :], (dq * scale).to(DQ.dtype.element_ty),
              mask=hv)
     if SPLIT == 2:
@@ -383,7 +326,6 @@ _FIXED = dict(BLOCK_N=16, BLOCK_C=16, BLOCK_CV=16, SPLIT=1)
 _one_pass = triton.heuristics({"ONE_PASS": lambda a: a["BLOCK_CV"] * a.get("SPLIT", 1) >= a["C"]})
 if INTERPRET:
     _fwd, _bwd, _psum = _one_pass(_fwd_kernel), _one_pass(_bwd_kernel), _psum_kernel
-    _fwd_rope, _bwd_rope = _fwd, _bwd
 else:
     def _cfg(cv, w, st, n=64, split=None):
         meta = dict(BLOCK_N=n, BLOCK_C=64, BLOCK_CV=cv, **({} if split is None else {"SPLIT": split}))
@@ -400,34 +342,15 @@ else:
                               _cfg(256, 4, 2, 16, 2), _cfg(512, 8, 2, 32, 1)],
                            key=["H", "C", "HAS_GLOB"], reset_to_zero=["DKV", "DG"])(_one_pass(_bwd_kernel))
     _psum = triton.autotune([triton.Config(dict(BLOCK_N=n, BLOCK_C=64), num_warps=w, num_stages=2)
-                             for n, w in ((64, 4), (32, 4), (64, 8))], key=["H", "C", "ROPE"])(_psum_kernel)
-    # ROPE (q rotated in the kernels): the ONE_PASS configs above, for shapes whose value chunk(s)
-    # cover C (`_rope_fits`); one autotuner each, so a shape without rotation keeps its own choice.
-    _fwd_rope = triton.autotune([_cfg(512, 4, 3), _cfg(512, 4, 2), _cfg(512, 4, 3, 32), _cfg(512, 4, 2, 32),
-                                 _cfg(512, 8, 2, 32), _cfg(512, 4, 3, 16)],
-                                key=["H", "C", "HAS_GLOB"])(_one_pass(_fwd_kernel))
-    _bwd_rope = triton.autotune([_cfg(256, 8, 2, 64, 2), _cfg(256, 8, 2, 32, 2), _cfg(256, 4, 2, 32, 2),
-                                 _cfg(256, 4, 2, 64, 2), _cfg(256, 4, 3, 32, 2), _cfg(256, 4, 2, 16, 2),
-                                 _cfg(512, 4, 2, 32, 1), _cfg(512, 8, 2, 32, 1)],
-                                key=["H", "C", "HAS_GLOB"], reset_to_zero=["DKV", "DG"])(_one_pass(_bwd_kernel))
+                             for n, w in ((64, 4), (32, 4), (64, 8))], key=["H", "C"])(_psum_kernel)
 
 
-def _meta(kernel: str, rope_c: int = 0) -> dict:
-    """Block sizes to pass explicitly (interpreter only; autotuned configs supply them on a GPU).
-    rope_c > 0: q is rotated in the kernels, whose value chunk then covers all rope_c columns."""
+def _meta(kernel: str) -> dict:
+    """Block sizes to pass explicitly (interpreter only; autotuned configs supply them on a GPU)."""
     if not INTERPRET:
-        return {"BLOCK_CV": triton.next_power_of_2(rope_c)} if kernel == "psum" and rope_c else {}
-    drop = {"fwd": ("SPLIT",), "bwd": (), "psum": ("SPLIT",) if rope_c else ("BLOCK_CV", "SPLIT")}[kernel]
-    meta = {k: v for k, v in _FIXED.items() if k not in drop}
-    if rope_c:
-        meta["BLOCK_CV"] = max(16, triton.next_power_of_2(rope_c))
-    return meta
-
-
-def _rope_fits(H: int, C: int) -> bool:
-    """Whether the kernels can rotate q themselves: every head in one block and C in the value
-    chunk(s) of the ROPE configs (512 forward, 2 x 256 backward; a [16, 512] q tile, `small`)."""
-    return _block_h(H) <= 16 and C <= 512
+        return {}
+    drop = {"fwd": ("SPLIT",), "bwd": (), "psum": ("BLOCK_CV", "SPLIT")}[kernel]
+    return {k: v for k, v in _FIXED.items() if k not in drop}
 
 
 def _grid(n_query: int, H: int, C: int, block_h: int):
@@ -449,12 +372,8 @@ def _prec(q: torch.Tensor) -> str:
 
 class _SparseAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, kv, glob, idx, doc_start, positions, sink, scale, window, cos, sin):
-        # cos / sin [B, T, R/2] fp32 or None: q rotated in the kernels, out rotated back
+    def forward(ctx, q, kv, glob, idx, doc_start, positions, sink, scale, window):
         B, T, H, C = q.shape
-        rope = cos is not None
-        if not rope:  # dummies the kernels never read
-            cos = sin = sink
         has_glob = glob is not None
         if not has_glob:  # window-only layer: dummies the kernel never reads (not empty: no null pointer)
             glob, idx = kv, torch.full((1,), -1, dtype=torch.int64, device=q.device)
@@ -462,20 +381,17 @@ class _SparseAttention(torch.autograd.Function):
         out = torch.empty_like(q)
         lse = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
         bh = _block_h(H)
-        half = cos.shape[-1] if rope else 0
-        fwd = _fwd_rope if rope else _fwd
-        fwd[_grid(B * T, H, C, bh)](q, kv, glob, idx, doc_start, positions, sink, out, lse, cos, sin, T, H, C,
-                                    window, n_sel, glob.shape[1], half, scale * LOG2E, HAS_GLOB=has_glob,
-                                    PREC=_prec(q), BLOCK_H=bh, BLOCK_K=_block_k(n_sel), ROPE=rope,
-                                    **_meta("fwd", C if rope else 0))
-        ctx.save_for_backward(q, kv, glob, idx, doc_start, positions, sink, out, lse, cos, sin)
-        ctx.has_glob, ctx.scale, ctx.window, ctx.n_sel, ctx.rope = has_glob, scale, window, n_sel, rope
+        _fwd[_grid(B * T, H, C, bh)](q, kv, glob, idx, doc_start, positions, sink, out, lse, T, H, C, window,
+                                     n_sel, glob.shape[1], scale * LOG2E, HAS_GLOB=has_glob,
+                                     PREC=_prec(q), BLOCK_H=bh, BLOCK_K=_block_k(n_sel), **_meta("fwd"))
+        ctx.save_for_backward(q, kv, glob, idx, doc_start, positions, sink, out, lse)
+        ctx.has_glob, ctx.scale, ctx.window, ctx.n_sel = has_glob, scale, window, n_sel
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, kv, glob, idx, doc_start, positions, sink, out, lse, cos, sin = ctx.saved_tensors
+        q, kv, glob, idx, doc_start, positions, sink, out, lse = ctx.saved_tensors
         B, T, H, C = q.shape
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()
         dq = torch.empty_like(q)
@@ -483,51 +399,30 @@ class _SparseAttention(torch.autograd.Function):
         dg = torch.zeros(glob.shape, dtype=torch.float32, device=q.device) if ctx.has_glob else dkv
         delta = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
         bh = _block_h(H)
-        bwd = _bwd_rope if ctx.rope else _bwd
-        bwd[_grid(B * T, H, C, bh)](q, kv, glob, idx, doc_start, positions, out, dout, lse, dq, dkv, dg, delta,
-                                    cos, sin, T, H, C, ctx.window, ctx.n_sel, glob.shape[1],
-                                    cos.shape[-1] if ctx.rope else 0, ctx.scale, ctx.scale * LOG2E,
-                                    HAS_GLOB=ctx.has_glob, PREC=_prec(q), BLOCK_H=bh, BLOCK_K=_block_k(ctx.n_sel),
-                                    ROPE=ctx.rope, **_meta("bwd", C if ctx.rope else 0))
+        _bwd[_grid(B * T, H, C, bh)](q, kv, glob, idx, doc_start, positions, out, dout, lse, dq, dkv, dg, delta,
+                                     T, H, C, ctx.window, ctx.n_sel, glob.shape[1], ctx.scale,
+                                     ctx.scale * LOG2E, HAS_GLOB=ctx.has_glob, PREC=_prec(q), BLOCK_H=bh,
+                                     BLOCK_K=_block_k(ctx.n_sel), **_meta("bwd"))
         # the sink column's ds is p_sink * (0 - delta): it has no value row
         p_sink = torch.exp2(sink.float() * LOG2E - lse)  # [B, T, H]
         dsink = -(p_sink * delta).sum((0, 1)).to(sink.dtype)
         dglob = dg.to(glob.dtype) if ctx.has_glob else None
-        return dq, dkv.to(kv.dtype), dglob, None, None, None, dsink, None, None, None, None
+        return dq, dkv.to(kv.dtype), dglob, None, None, None, dsink, None, None
 
 
 @torch.compiler.disable  # trainer.compile: a graph break, launched as is (model/kernels/__init__.py)
 def sparse_attention_triton(q: torch.Tensor, win_kv: torch.Tensor, glob_kv: Optional[torch.Tensor],
                             idx: Optional[torch.Tensor], doc_start: torch.Tensor, sink: torch.Tensor,
                             scale: float, window: int, positions: Optional[torch.Tensor] = None,
-                            halo: Optional[torch.Tensor] = None, want_probs: bool = True,
-                            q_angles: Optional[torch.Tensor] = None):
+                            halo: Optional[torch.Tensor] = None, want_probs: bool = True):
     """Arguments as `model.csa.sparse_attention` (q [B, T, H, C]; win_kv [B, T, C]; glob_kv [B, S, C]
     or None; idx [B, T, k] (-1 = empty); doc_start / positions [B, T]; sink [H]; halo [B, W-1, C])
     -> (out [B, T, H, C] in q's dtype, p_sum [B, T, k] fp32 head-summed probabilities on idx
     (0 at -1), or None without glob_kv or with want_probs=False). p_sum carries no gradient.
-    fp32 / bf16 / fp16 inputs (no fp64: use the reference for float64 checks).
-
-    q_angles [B, T, R/2] (optional): q's trailing R dims are not rotated yet. The call then equals
-    rotary(q) -> attention -> inverse rotary(out) with `model.rope.Rotary`'s rotation (the queries'
-    and the values' RoPE in model.attention). Where `_rope_fits` (`small`: 16 heads, C = 512) the
-    kernels rotate q as they load it and rotate out back before they store it, which saves two
-    passes over [B, T, H, C] each way; elsewhere model.kernels.rope runs before and after."""
+    fp32 / bf16 / fp16 inputs (no fp64: use the reference for float64 checks)."""
     if q.dtype == torch.float64:
         raise TypeError("sparse_attention_triton: float64 is not supported; use model.csa.sparse_attention")
     B, T, H, C = q.shape
-    cos = sin = None
-    if q_angles is not None:
-        if q_angles.shape != (B, T, q_angles.shape[-1]) or not 0 < 2 * q_angles.shape[-1] <= C:
-            raise ValueError(f"sparse_attention_triton: q_angles {tuple(q_angles.shape)} do not fit q {tuple(q.shape)}")
-        if not _rope_fits(H, C):
-            from model.kernels.rope import rotary_triton
-
-            out, p_sum = sparse_attention_triton(rotary_triton(q, q_angles.unsqueeze(-2)), win_kv, glob_kv, idx,
-                                                 doc_start, sink, scale, window, positions, halo, want_probs)
-            return rotary_triton(out, q_angles.unsqueeze(-2), inverse=True), p_sum
-        angles = q_angles.float()
-        cos, sin = angles.cos().contiguous(), angles.sin().contiguous()
     if positions is None:
         positions = torch.arange(T, device=q.device).expand(B, T)
     # [halo | win_kv] as one [B, W-1+T, C] tensor: window key w of query t is row t+w; autograd
@@ -539,15 +434,13 @@ def sparse_attention_triton(q: torch.Tensor, win_kv: torch.Tensor, glob_kv: Opti
     if glob_kv is not None:
         glob_kv, idx = glob_kv.to(q.dtype).contiguous(), idx.contiguous()
     out, lse = _SparseAttention.apply(q, kv, glob_kv, idx, doc_start, positions, sink.contiguous(),
-                                      float(scale), int(window), cos, sin)
+                                      float(scale), int(window))
     if glob_kv is None or not want_probs:
         return out, None
     p_sum = torch.zeros(idx.shape, dtype=torch.float32, device=q.device)  # slots past the last selected one stay 0
     with torch.no_grad():
-        rope = cos is not None
-        _psum[(B * T,)](q.detach(), glob_kv.detach(), idx, lse, p_sum, cos if rope else lse, sin if rope else lse,
-                        H, C, idx.shape[-1], glob_kv.shape[1], T, cos.shape[-1] if rope else 0,
+        _psum[(B * T,)](q.detach(), glob_kv.detach(), idx, lse, p_sum, H, C, idx.shape[-1], glob_kv.shape[1], T,
                         float(scale) * LOG2E, PREC=_prec(q), BLOCK_H=_block_h(H), BLOCK_K=_block_k(idx.shape[-1]),
-                        ROPE=rope, **_meta("psum", C if rope else 0))
+                        **_meta("psum"))
     return out, p_sum
 
