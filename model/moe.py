@@ -120,6 +120,14 @@ class _Gather(torch.autograd.Function):
         return g.to(ctx.in_dtype), None, None, None, None
 
 
+def routing_order(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """flat [N*k] expert id of each choice slot s = n*k + j -> (order, inv): row i of the
+    expert-sorted rows is slot order[i] (stable: by expert, then token), and slot s is row inv[s]."""
+    order = flat.argsort(stable=True)
+    inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    return order, inv
+
+
 def combine_reference(y: torch.Tensor, inv: torch.Tensor, order: torch.Tensor, weights: torch.Tensor,
                       out_dtype: torch.dtype) -> torch.Tensor:
     """The routed outputs y [N*k, D] (expert order; choice slot s is row inv[s], order = inv's
@@ -179,16 +187,27 @@ class MoE(nn.Module):
         rows. Both reorderings are permutations, so each gradient is a gather too: no
         scatter-add (fp32 atomics) in the forward's combine or the backward's dispatch."""
         flat = chosen.flatten()
-        order = flat.argsort(stable=True)  # row i of the sorted rows is choice slot order[i]
-        inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        order, inv = routing_order(flat)
         counts = torch.bincount(flat, minlength=self.n_routed)  # [E], on the device
-        # under autocast the experts compute in its dtype: cast the N rows, not their N*k copies
+        y = self.experts(self.gather_routed(x, order, inv), counts)  # [N*k, D] by expert
+        return self.combine_routed(y, order, inv, weights, x.dtype)
+
+    def gather_routed(self, x: torch.Tensor, order: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+        """x [N, D] -> [N*k, D]: row i is token order[i] // k's (`routing_order`). Under autocast
+        the experts compute in its dtype, so the N rows are cast before they are copied k times
+        (and an expert-parallel exchange moves them in it); the copies' gradient is summed in x's
+        dtype."""
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else None
-        y = self.experts(_Gather.apply(x, order // self.topk, inv, self.topk, dtype), counts)  # [N*k, D] by expert
-        if self.combine is not None and x.dtype != torch.float64 and not torch.compiler.is_compiling():
+        return _Gather.apply(x, order // self.topk, inv, self.topk, dtype)
+
+    def combine_routed(self, y: torch.Tensor, order: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor,
+                       out_dtype: torch.dtype) -> torch.Tensor:
+        """The experts' rows y [N*k, D] in `order` -> [N, D]: weighted sum over each token's k
+        experts, with the fused kernel when the kernels are on."""
+        if self.combine is not None and y.dtype != torch.float64 and not torch.compiler.is_compiling():
             # (inductor fuses the reference itself; float64 precision checks take the reference)
-            return self.combine(y, inv, weights, x.dtype)
-        return combine_reference(y, inv, order, weights, x.dtype)
+            return self.combine(y, inv, weights, out_dtype)
+        return combine_reference(y, inv, order, weights, out_dtype)
 
     def forward(self, x: torch.Tensor, shard=None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, D] -> (y [B, T, D], sequence-wise balance loss scalar). `shard`: where the T

@@ -138,3 +138,73 @@ def test_multinode_deepspeed_backend_dry_run(flashtrain, tmp_path):
     p = flashtrain("pretrain", "launcher=multinode", "launcher.backend=deepspeed", "launcher.dry_run=true",
                    f"hydra.run.dir={tmp_path}")
     assert p.returncode == 2 and "launcher.hostfile" in p.stderr
+
+
+def _ep_dispatch_worker(rank: int, port: int, out_dir: str) -> None:
+    """EP = 2 over gloo against the local dispatch of the same MoE with all experts, under bf16
+    autocast: same output and gradients; every row exchange carries bf16."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from model.moe import MoE
+    from trainer.parallelize import CommTimer, build_layout, parallelize
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    moe = MoE(dim=32, n_routed=4, n_shared=0, topk=2, inter_dim=16, route_scale=1.0, limit=0.0, seq_aux_alpha=0.0)
+    for p in moe.parameters():
+        nn.init.normal_(p, std=0.2)
+    torch.manual_seed(1 + rank)  # each rank routes its own tokens
+    x = torch.randn(24, 32, requires_grad=True)
+
+    def run(module):
+        x.grad = None
+        module.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, chosen, weights = module.router(x)
+            y = module.dispatch(x, chosen, weights)
+        y.float().square().sum().backward()
+        return y.detach().float(), x.grad.clone(), {n: p.grad.clone() for n, p in module.named_parameters()}
+
+    y_ref, gx_ref, g_ref = run(moe)
+    for name, grad in g_ref.items():  # an expert's gradient sums both ranks' tokens
+        if name.startswith("experts."):
+            dist.all_reduce(grad)
+    holder = nn.Module()
+    holder.moe = moe
+    parallelize(holder, build_layout(rank, 2, ep=2, n_experts=4))
+    sent = []
+    exchange = CommTimer.exchange.__func__
+
+    def record(cls, out, x_, out_splits, in_splits, group):
+        sent.append(x_.dtype)
+        return exchange(cls, out, x_, out_splits, in_splits, group)
+
+    CommTimer.exchange = classmethod(record)
+    y, gx, g = run(moe)
+    assert sent == [torch.bfloat16] * 4, sent  # dispatch and return, forward and backward
+
+    def rel(a, b):  # bf16 rounding, summed in other orders and groupings
+        return ((a - b).norm() / b.norm()).item()
+
+    assert rel(y, y_ref) < 1e-2 and rel(gx, gx_ref) < 1e-2, (rel(y, y_ref), rel(gx, gx_ref))
+    lo = rank * 2  # this rank's experts: rows [lo, lo + 2) of the full stacks, which both ranks' tokens reach
+    for name, grad in g.items():
+        want = g_ref[name][lo:lo + 2] if name.startswith("experts.") else g_ref[name]
+        assert grad.dtype == torch.float32 and rel(grad, want) < 1e-2, (name, rel(grad, want))
+    Path(out_dir, f"ok{rank}").touch()
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def test_expert_parallel_dispatch_sends_autocast_rows_and_matches_local(tmp_path, port_base):
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_ep_dispatch_worker, args=(port_base(), str(tmp_path)), nprocs=2, join=True,
+                       start_method="spawn")
+    assert (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists()

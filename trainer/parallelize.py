@@ -24,7 +24,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from conf.errors import ConfigError
-from model.moe import MoE, RoutedExperts
+from model.moe import MoE, RoutedExperts, routing_order
 from trainer.distributed import all_reduce_sum_
 
 
@@ -145,15 +145,16 @@ class ExpertParallelDispatch:
 
     def __call__(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [N, D], chosen / weights [N, k] (global expert ids) -> [N, D]."""
-        ep, k, n_local, group = self.layout.ep, self.moe.topk, self.n_local, self.layout.ep_group
+        ep, n_local, group = self.layout.ep, self.n_local, self.layout.ep_group
         flat = chosen.flatten()
-        order = flat.argsort(stable=True)  # assignments grouped by global expert = by owner rank
-        token = order // k
+        order, inv = routing_order(flat)  # assignments grouped by global expert = by owner rank
         send_counts = torch.bincount(flat, minlength=self.moe.n_routed).view(ep, n_local)  # [ep, E/ep]
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=group)  # [source rank, local expert]
         send_splits, recv_splits = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
-        received = _AllToAll.apply(x[token], recv_splits, send_splits, group)  # [R, D] by source, then expert
+        # under autocast the rows travel in its dtype (half an fp32 row's bytes), as the experts read them
+        received = _AllToAll.apply(self.moe.gather_routed(x, order, inv), recv_splits, send_splits,
+                                   group)  # [R, D] by source, then expert
         # regroup the received rows by local expert for the grouped expert compute
         local_expert = torch.repeat_interleave(torch.arange(n_local, device=x.device).repeat(ep),
                                                recv_counts.flatten())  # [R]
@@ -161,8 +162,7 @@ class ExpertParallelDispatch:
         out = self.moe.experts(received[perm], recv_counts.sum(0).tolist())  # [R, D]
         out = out[perm.argsort()]  # back to (source, expert) order
         returned = _AllToAll.apply(out, send_splits, recv_splits, group)  # [N*k, D] in `order`
-        returned = returned * weights.flatten()[order].unsqueeze(-1).to(returned.dtype)
-        return torch.zeros_like(x).index_add_(0, token, returned.to(x.dtype))
+        return self.moe.combine_routed(returned, order, inv, weights, x.dtype)
 
 
 def checkpoint_blocks(model: nn.Module) -> int:
