@@ -106,7 +106,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     import conf
     from conf.errors import UserError
-    from launch.launchers import launch, needs_launch
+    from launch.launchers import launch, launched_world_size, needs_launch
 
     conf.register({name: s.config for name, s in stages.items()})
     try:
@@ -130,6 +130,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     launcher = getattr(typed, "launcher", None)  # stages that run processes have one
     if launcher is not None and needs_launch(launcher):
         try:
+            if stages[stage_name].preflight is not None:
+                stages[stage_name].preflight(typed, launched_world_size(launcher))
             return launch(launcher, argv, run_dir)
         except UserError as e:
             return _fail(str(e))

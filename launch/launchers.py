@@ -164,6 +164,11 @@ def launch(cfg: LauncherConfig, argv: list[str], run_dir: Path) -> int:
             "ray": launch_ray}[cfg.name](cfg, argv, run_dir)
 
 
+def launched_world_size(cfg: LauncherConfig) -> int:
+    """The processes a launch starts in all: one per worker under Ray, nproc per node otherwise."""
+    return cfg.num_workers if cfg.name == "ray" else cfg.nproc * cfg.nnodes
+
+
 def needs_launch(cfg: LauncherConfig) -> bool:
     """False inside a worker (the environment already names its rank) and for a plain local run."""
     if "WORLD_SIZE" in os.environ:

@@ -65,3 +65,4 @@ def test_bad_context_parallel_layouts(flashtrain, tmp_path, overrides, needle):
     p = flashtrain("pretrain", *FAST, "launcher.nproc=2", "trainer.context_parallel=2", *overrides,
                    f"hydra.run.dir={tmp_path / 'run'}")
     assert p.returncode == 2 and needle in p.stderr, p.stderr[-2000:]
+    assert "local processes" not in p.stderr, "the layout is checked before any worker starts"

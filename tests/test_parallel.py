@@ -125,6 +125,7 @@ def test_bad_layouts(flashtrain, tmp_path, overrides, needle):
                    f"hydra.run.dir={tmp_path / 'run'}")
     assert p.returncode == 2
     assert needle in p.stderr, p.stderr[-2000:]
+    assert "local processes" not in p.stderr, "the layout is checked before any worker starts"
 
 
 def test_multinode_deepspeed_backend_dry_run(flashtrain, tmp_path):

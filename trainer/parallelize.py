@@ -71,10 +71,8 @@ def _groups(rank: int, world_size: int, blocks: list[list[int]]):
     return mine
 
 
-def build_layout(rank: int, world_size: int, ep: int, n_experts: int, cp: int = 1) -> ParallelLayout:
-    """Validate the layout and create its process groups (collective: every rank calls it).
-    Ranks [g*EP, (g+1)*EP) form an expert-parallel group; ranks [c*CP, (c+1)*CP) share a
-    sequence (context parallelism), so data parallelism runs over world / CP samples."""
+def check_degrees(world_size: int, ep: int, n_experts: int, cp: int = 1) -> None:
+    """ConfigError unless EP and CP are >= 1 and divide the world size (and EP the experts)."""
     for name, degree in (("expert_parallel", ep), ("context_parallel", cp)):
         if degree < 1:
             raise ConfigError(f"trainer.{name}={degree}: must be >= 1")
@@ -82,6 +80,26 @@ def build_layout(rank: int, world_size: int, ep: int, n_experts: int, cp: int = 
             raise ConfigError(f"trainer.{name}={degree} does not divide the world size {world_size}")
     if n_experts % ep:
         raise ConfigError(f"trainer.expert_parallel={ep} does not divide model.n_routed_experts={n_experts}")
+
+
+def check_training_layout(model_cfg, seq_len: int, world_size: int, ep: int, cp: int) -> None:
+    """Every config error of a training run's parallel layout, from the config alone: the CLI runs
+    it before a launcher starts any worker (a typo costs no process start-up), and each worker
+    again before it builds its groups."""
+    from model.plan import build_layer_plan
+    from trainer.context_parallel import check_slices
+
+    check_degrees(world_size, ep, model_cfg.n_routed_experts, cp)
+    plan = build_layer_plan(model_cfg)
+    check_slices(seq_len, cp, model_cfg.window, max([s.compress_ratio for s in plan.layers] + [1]),
+                 max(model_cfg.engram_orders) if any(s.engram for s in plan.layers) else 1)
+
+
+def build_layout(rank: int, world_size: int, ep: int, n_experts: int, cp: int = 1) -> ParallelLayout:
+    """Validate the layout and create its process groups (collective: every rank calls it).
+    Ranks [g*EP, (g+1)*EP) form an expert-parallel group; ranks [c*CP, (c+1)*CP) share a
+    sequence (context parallelism), so data parallelism runs over world / CP samples."""
+    check_degrees(world_size, ep, n_experts, cp)
     if world_size == 1:
         return ParallelLayout(rank, 1, ep, None, [rank], None, [rank], cp, None)
     ep_pg, ep_ranks = _groups(rank, world_size, [list(range(g * ep, (g + 1) * ep)) for g in range(world_size // ep)])

@@ -21,13 +21,14 @@ from model.engram import build_compression_map
 from model.transformer import Transformer
 from optim import CompositeOptimizer, Replicas, build_optimizer, lr_multiplier
 from trainer.checkpoint import CheckpointManager, load_init_weights
-from trainer.context_parallel import check_slices, slice_batch
+from trainer.context_parallel import slice_batch
 from trainer.distributed import DistInfo, all_reduce_sum_, init_distributed
 from trainer.engine import build_engine
 from trainer.metrics import MetricsLog, device_peak_flops, moe_balance
 from trainer.parallelize import (
     CommTimer,
     build_layout,
+    check_training_layout,
     checkpoint_blocks,
     clip_grad_norm,
     compile_blocks,
@@ -109,11 +110,9 @@ class Trainer:
         d = self.dist
         self.total_params = sum(p.numel() for p in self.model.parameters())
         self.flops_per_token = train_flops_per_token(self.model, cfg.data.seq_len)  # before sharding
+        check_training_layout(self.model.cfg, cfg.data.seq_len, d.world_size, tc.expert_parallel, tc.context_parallel)
         self.layout = build_layout(d.rank, d.world_size, tc.expert_parallel, self.model.cfg.n_routed_experts,
                                    tc.context_parallel)
-        check_slices(cfg.data.seq_len, tc.context_parallel, self.model.cfg.window,
-                     max([s.compress_ratio for s in self.model.plan.layers] + [1]),
-                     max(cfg.model.engram_orders) if self.model.engrams else 1)
         self.expert_params = parallelize(self.model, self.layout)
         if tc.compile:
             compile_blocks(self.model)

@@ -7,10 +7,12 @@ import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 # run(cfg, run_dir, resolved config as YAML) -> summary dict
 StageFn = Callable[[Any, Path, str], Any]
+# preflight(cfg, world size) raises a UserError for a config its workers would reject
+PreflightFn = Callable[[Any, int], None]
 
 
 @dataclass(frozen=True)
@@ -19,16 +21,19 @@ class Stage:
     config: type  # the top-level structured config (a dataclass with a Hydra defaults list)
     run: StageFn
     help: str
+    # run by the CLI before a launcher starts the stage's workers (None: nothing to check)
+    preflight: Optional[PreflightFn] = None
 
 
 _STAGES: dict[str, Stage] = {}
 
 
-def register_stage(name: str, config: type, help: str) -> Callable[[StageFn], StageFn]:
+def register_stage(name: str, config: type, help: str,
+                   preflight: Optional[PreflightFn] = None) -> Callable[[StageFn], StageFn]:
     def wrap(fn: StageFn) -> StageFn:
         if name in _STAGES:
             raise RuntimeError(f"stage {name!r} registered twice")
-        _STAGES[name] = Stage(name, config, fn, help)
+        _STAGES[name] = Stage(name, config, fn, help, preflight)
         return fn
 
     return wrap
