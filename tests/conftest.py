@@ -13,6 +13,13 @@ os.environ.update(WANDB_MODE="offline", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE=
 
 REPO = Path(__file__).resolve().parents[1]
 
+# Under pytest-xdist (pyproject's addopts) each worker, and every CLI process it starts, gets one
+# intra-op thread: two workers on two cores with torch's default of one thread per core ran the
+# suite only ~10% faster than one process, with one thread each about 2x (docs/DESIGN.md). Set
+# before torch is imported, as torch reads it when its thread pool starts.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # Without a GPU, Triton kernels run in Triton's interpreter (read when a kernel is defined, so
 # before any kernel module is imported).
 if not __import__("torch").cuda.is_available():
@@ -44,7 +51,11 @@ def data_cache(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def port_base():
     """Distinct MASTER_PORTs per CLI run, so runs never collide."""
-    counter = iter(range(29600 + (os.getpid() % 200) * 10, 65000))
+    # each xdist worker (gw0, gw1, ...) draws from its own block of 2500 ports, so concurrent
+    # workers never collide; the pid offset keeps two concurrent sessions apart as well
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    start = 20000 + (worker % 16) * 2500 + (os.getpid() % 100) * 10
+    counter = iter(range(start, start + 1500))
     return lambda: next(counter)
 
 
