@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from model.mhc import HyperConnection, initial_pre, mix_streams, sinkhorn_comb, update_streams
+from model.mhc import HyperConnection, initial_pre, mix_streams, sinkhorn_comb, sinkhorn_comb_explicit, update_streams
 from model.moe import MoE, RoutedExperts, Router, clamped_swiglu
 
 
@@ -167,6 +167,24 @@ def test_comb_is_doubly_stochastic():
     sharp = torch.randn(1000, 4, 4) * 3
     err = [(sinkhorn_comb(sharp, n, 1e-6).sum(-1) - 1).abs().max() for n in (1, 5, 20)]
     assert err[0] > err[1] > err[2]
+
+
+@pytest.mark.parametrize("shape, iters", [((8, 64, 4, 4), 20), ((3, 5, 4, 4), 1), ((2, 4, 4), 0), ((7, 3, 3), 2)])
+def test_explicit_backward_sinkhorn_equals_autograd_through_the_reference(shape, iters):
+    """The default path's hand-written backward against autograd through `sinkhorn_comb`, fp64;
+    the logits arrive non-contiguous, as HyperConnection's slice of the mixing logits does."""
+    torch.manual_seed(0)
+    logits = (torch.randn(*shape[:-1], 2 * shape[-1], dtype=torch.float64) * 3)[..., 1::2].requires_grad_()
+    cot = torch.randn(shape, dtype=torch.float64)
+    ref = sinkhorn_comb(logits, iters, 1e-6)
+    out = sinkhorn_comb_explicit(logits, iters, 1e-6)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-15)
+    g_ref, = torch.autograd.grad(ref, logits, cot)
+    g, = torch.autograd.grad(out, logits, cot)
+    torch.testing.assert_close(g, g_ref, rtol=1e-12, atol=1e-14)
+    assert out.is_contiguous() and HyperConnection(4, 4, 20, 1e-6).sinkhorn is sinkhorn_comb_explicit
+    small = torch.randn(2, 3, 3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: sinkhorn_comb_explicit(t, 3, 1e-6), (small,))
 
 
 def test_hyper_connection_coefficients_and_update():
