@@ -2,7 +2,14 @@
 import pytest
 import torch
 
-from model.mhc import HyperConnection, initial_pre, mix_streams, sinkhorn_comb, sinkhorn_comb_explicit, update_streams
+from model.mhc import (
+    HyperConnection,
+    initial_pre,
+    mix_streams,
+    sinkhorn_comb,
+    sinkhorn_comb_explicit,
+    update_streams,
+)
 from model.moe import MoE, RoutedExperts, Router, clamped_swiglu
 
 
