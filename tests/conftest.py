@@ -1,5 +1,6 @@
 """Test session setup: offline tracking and hub access, GPU tests skipped without a GPU, and
 helpers that run the CLI as a user would (a subprocess per run)."""
+import collections
 import os
 import subprocess
 import sys
@@ -32,6 +33,11 @@ FAST = ["model=tiny", "data.seq_len=128", "trainer.micro_batch_size=4", "trainer
 
 
 def pytest_collection_modifyitems(config, items):
+    # Files with the most `slow` tests first (stable: a file's tests stay together and in order).
+    # With `--no-loadscope-reorder` xdist hands out files in this order, so the long ones start
+    # early instead of leaving one worker busy at the end.
+    slow = collections.Counter(item.path for item in items if "slow" in item.keywords)
+    items.sort(key=lambda item: -slow[item.path])
     import torch
 
     if torch.cuda.is_available():

@@ -35,6 +35,7 @@ def _compare(one: Path, many: Path) -> None:
     assert len(va) == len(vb) > 0 and all(_close(x, y, 1e-4) for x, y in zip(va, vb))
 
 
+@pytest.mark.slow
 def test_cp2_equals_one_process(flashtrain, tmp_path):
     args = [*EXACT, "trainer.max_steps=4", "trainer.eval_every=2", "trainer.micro_batch_size=2"]
     p = flashtrain("pretrain", *args, f"hydra.run.dir={tmp_path / 'one'}")
@@ -45,6 +46,7 @@ def test_cp2_equals_one_process(flashtrain, tmp_path):
     _compare(tmp_path / "one", tmp_path / "cp")
 
 
+@pytest.mark.slow
 def test_cp_composes_with_dp_and_ep(flashtrain, tmp_path):
     args = [*EXACT, "trainer.max_steps=2", "trainer.eval_every=2"]
     p = flashtrain("pretrain", *args, "trainer.micro_batch_size=2", f"hydra.run.dir={tmp_path / 'one'}")

@@ -81,6 +81,7 @@ def test_sampling_is_seeded_and_stops(model):
         generate(model, [[]], max_new_tokens=1)
 
 
+@pytest.mark.slow
 def test_generate_cli_from_a_checkpoint(flashtrain, tmp_path):
     from tests.conftest import FAST
     run = tmp_path / "train"

@@ -27,6 +27,7 @@ def _run(model, x, y, doc):
     return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.slow
 def test_kernels_match_the_reference_model(monkeypatch):
     """Query chunks of 16 (two per sequence) so the window crosses a chunk boundary too; loss
     chunks of 24 tokens (the fused head + loss, and the reference's checkpointed chunks).

@@ -56,6 +56,7 @@ def test_activation_checkpointing_keeps_loss_and_gradients():
         torch.testing.assert_close(ga[name], gb[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
+@pytest.mark.slow
 def test_compiled_blocks_keep_loss_and_gradients():
     """trainer.compile. aot_eager traces with dynamo and AOT autograd as inductor does, minus the
     code generation (minutes on 2 cores): what this checks is that capture changes nothing."""

@@ -48,12 +48,14 @@ def assert_same_trajectory(a: dict[int, float], b: dict[int, float], steps, tigh
         assert abs(a[step] - b[step]) < tol, (step, a[step], b[step])
 
 
+@pytest.mark.slow
 def test_ep2_matches_one_process(base_runs):
     a, b = losses(base_runs["ep1"]), losses(base_runs["ep2"])
     assert sorted(a) == sorted(b) == list(STEPS)
     assert_same_trajectory(a, b, STEPS, tight=5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("saved, resumed", [("ep2", "ep1"), ("ep1", "ep2")])
 def test_resume_at_another_ep_degree(base_runs, flashtrain, tmp_path, saved, resumed):
     """Checkpoint at step 6 under one EP degree, continue under the other: the next six
@@ -70,6 +72,7 @@ def test_resume_at_another_ep_degree(base_runs, flashtrain, tmp_path, saved, res
     assert_same_trajectory(a, b, range(7, 13), tight=3)
 
 
+@pytest.mark.slow
 def test_two_node_run_on_one_machine(tmp_path, data_cache, port_base):
     run = tmp_path / "run"
     port = port_base()
@@ -104,6 +107,7 @@ def test_slurm_dry_run_prints_a_valid_sbatch_script(flashtrain, tmp_path):
     assert not (tmp_path / "run").exists()  # a dry run writes nothing
 
 
+@pytest.mark.slow
 def test_ray_launcher_runs_two_workers(flashtrain, tmp_path):
     pytest.importorskip("ray")
     run = tmp_path / "run"

@@ -18,6 +18,7 @@ def train_losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows(run_dir) if "loss" in r}
 
 
+@pytest.mark.slow
 def test_tiny_pretraining_learns_and_writes_a_run(flashtrain, tmp_path):
     run = tmp_path / "run"
     p = flashtrain("pretrain", *FAST, f"hydra.run.dir={run}", "trainer.max_steps=30", "trainer.eval_every=10",
@@ -54,6 +55,7 @@ def _kill_after_checkpoint(proc, ckpt_root: Path, tag: str, timeout: float = 300
     pytest.fail("checkpoint never appeared")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optim", ["adamw", "muon"])
 def test_exact_resume_after_sigkill(flashtrain, flashtrain_popen, tmp_path, optim):
     """2N steps straight == N steps, SIGKILL, resume to 2N: bitwise-identical losses after N.
@@ -82,6 +84,7 @@ def test_exact_resume_after_sigkill(flashtrain, flashtrain_popen, tmp_path, opti
     assert val_a == val_b
 
 
+@pytest.mark.slow
 def test_resume_keeps_wandb_run_id(flashtrain, tmp_path):
     run = tmp_path / "run"
     args = [*FAST, "logger=wandb", "trainer.save_every=2", f"hydra.run.dir={run}"]
@@ -140,6 +143,7 @@ def test_empty_corpus(flashtrain, tmp_path):
     _one_line_error(p, str(corpus))
 
 
+@pytest.mark.slow
 def test_corrupt_latest_checkpoint_falls_back(flashtrain, tmp_path):
     run = tmp_path / "run"
     args = [*FAST, f"hydra.run.dir={run}", "trainer.save_every=2", "trainer.keep_last=5"]
@@ -156,6 +160,7 @@ def test_corrupt_latest_checkpoint_falls_back(flashtrain, tmp_path):
     assert (run / "checkpoints" / "latest").read_text() == "step_00000006"
 
 
+@pytest.mark.slow
 def test_two_process_data_parallel_matches_one_process(flashtrain, tmp_path):
     """launcher.nproc=2 with half the micro-batch each == one process with the whole batch:
     gradient all-reduce (Engram tables' sparse row gradients included), sharded Muon/Sinkhorn

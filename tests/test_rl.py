@@ -21,6 +21,7 @@ def _rows(run):
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
+@pytest.mark.slow
 def test_rl_runs_logs_per_effort_and_resumes_in_sync_mode(flashtrain, tmp_path):
     """An async run of 2 versions from the built-in SFT, then a resume to 3 with rl.async=false:
     in sync mode every sample comes from the weights being trained (lag 0, nothing stale)."""
@@ -72,6 +73,7 @@ def rl_setup(tmp_path_factory, data_cache):
     return cfg, run
 
 
+@pytest.mark.slow
 def test_killed_actors_restart_and_no_prompt_is_lost_or_trained_twice(rl_setup):
     import ray
 
@@ -112,6 +114,7 @@ def test_killed_actors_restart_and_no_prompt_is_lost_or_trained_twice(rl_setup):
         ray.shutdown()
 
 
+@pytest.mark.slow
 def test_two_trainer_ranks_stay_in_sync(rl_setup):
     """rl.trainer_workers=2: two DeepSpeed ranks (Ray actors, gloo) split each batch and reduce
     gradients, so after updates with non-zero advantages both hold the same, changed weights; with

@@ -291,6 +291,7 @@ def test_bad_settings_exit_2_before_any_work(flashtrain, tmp_path, bad, needle):
     assert p.returncode == 2 and needle in p.stderr, p.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_sft_end_to_end_from_a_pretraining_checkpoint_then_resume(flashtrain, corpus, tmp_path):
     common = [*FAST, *corpus, "trainer.torch_threads=1"]
     pre = tmp_path / "pre"
