@@ -45,13 +45,13 @@ class _SinkhornExplicit(torch.autograd.Function):
     def forward(ctx, logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
         p = logits.softmax(dim=-1)  # [..., n, n]
         x = (p + eps).movedim((-2, -1), (0, 1)).contiguous()  # [n(row), n(col), ...]
+        ctx.axes = [0] + [1, 0] * (iters - 1)  # column normalisation, then (row, column) rounds
         outs, sums = [], []
-        for axis in [0] + [1, 0] * (iters - 1):  # column normalisation, then (row, column) rounds
+        for axis in ctx.axes:
             s = x.sum(dim=axis, keepdim=True)
             x = x / s
             outs.append(x)
             sums.append(s)
-        ctx.axes = [0] + [1, 0] * (iters - 1)
         ctx.save_for_backward(p, *outs, *sums)
         return x.movedim((0, 1), (-2, -1)).contiguous()
 
