@@ -124,6 +124,28 @@ def test_bad_schedules(flashtrain, tmp_path, bad, needle):
     assert p.returncode == 2 and needle in p.stderr, p.stderr[-2000:]
 
 
+# CP=2 cuts stage "long"'s 256 tokens into slices of 128 but stage "short"'s 200 into 100, fewer
+# than the window halo of 127; the default tiny schedule's stage 1 gets an unknown indexer regime
+LATER_STAGE_ERRORS = [
+    (["launcher.nproc=2", "trainer.context_parallel=2",
+      "schedule.stages=[{name:long,seq_len:256,tokens:5120,micro_batch_size:4,indexer:dense_warmup},"
+      "{name:short,seq_len:200,tokens:5120,micro_batch_size:4}]"], "schedule stage short: a context-parallel slice"),
+    (["schedule.stages.1.indexer=fancy"], "schedule stage sparse_512: indexer='fancy'"),
+]
+
+
+@pytest.mark.parametrize("overrides, needle", LATER_STAGE_ERRORS)
+def test_a_later_stage_error_comes_before_any_training(flashtrain, tmp_path, overrides, needle):
+    """The whole schedule is checked first: an error in a later sub-stage exits 2 before the first
+    trains, and with a launcher before any worker starts."""
+    run = tmp_path / "run"
+    p = flashtrain("long_context", *FAST, *overrides, f"hydra.run.dir={run}")
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert needle in p.stderr, p.stderr[-2000:]
+    assert not list(run.glob("stage_*")), "no sub-stage started"
+    assert "local processes" not in p.stderr, "the schedule is checked before any worker starts"
+
+
 def test_eval_long_cli_writes_the_table(flashtrain, tmp_path):
     run = tmp_path / "eval"
     p = flashtrain("eval_long", "eval.lengths=[256,512]", "eval.depths=[0.5]", "eval.samples=2", "eval.kv_pairs=3",

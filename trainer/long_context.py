@@ -15,7 +15,6 @@ from omegaconf import OmegaConf
 from conf.errors import ConfigError
 from conf.long_context import ContextStage, LongContextConfig
 from conf.pretrain import PretrainConfig
-from trainer.pretrain import Trainer
 
 INDEXER_REGIMES = ("dense_warmup", "sparse")
 
@@ -41,10 +40,29 @@ def stage_config(cfg: LongContextConfig, stage: ContextStage, world_size: int) -
                           logger=cfg.logger, launcher=cfg.launcher)
 
 
-def run_long_context(cfg: LongContextConfig, run_dir: Path, config_yaml: str) -> list[dict[str, Any]]:
+def check_schedule(cfg: LongContextConfig, world_size: int) -> None:
+    """Every sub-stage's config errors (indexer regime, parallel layout at its sequence length),
+    before the first one trains: a layout the 64K stage cannot take fails now, not after hours
+    of the stages before it. The CLI runs it before a launcher starts workers, and
+    `run_long_context` again in each worker."""
+    from trainer.parallelize import check_training_layout  # torch, not the whole trainer
+
     if not cfg.schedule.stages:
         raise ConfigError("schedule.stages is empty: nothing to train")
+    for stage in cfg.schedule.stages:
+        scfg = stage_config(cfg, stage, world_size)
+        tc = scfg.trainer
+        try:
+            check_training_layout(scfg.model, stage.seq_len, world_size, tc.expert_parallel, tc.context_parallel)
+        except ConfigError as e:
+            raise ConfigError(f"schedule stage {stage.name}: {e}") from e
+
+
+def run_long_context(cfg: LongContextConfig, run_dir: Path, config_yaml: str) -> list[dict[str, Any]]:
+    from trainer.pretrain import Trainer  # heavy: not needed by the CLI's check_schedule
+
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    check_schedule(cfg, world_size)
     previous = Path(cfg.init_from).expanduser() if cfg.init_from else None
     summaries = []
     for i, stage in enumerate(cfg.schedule.stages):
