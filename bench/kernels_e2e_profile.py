@@ -54,6 +54,18 @@ def _top_kernels(prof, n: int = 30) -> list[dict]:
     return [{"name": e.key[:90], "ms": round(e.self_device_time_total / 1e3, 2), "calls": e.count} for e in events]
 
 
+def _top_ops(prof, n: int = 40) -> list[dict]:
+    """The n (operator, input shapes) pairs whose own kernels take the most GPU time: which
+    tensor op, forward or backward, a category's milliseconds come from."""
+    from torch.autograd import DeviceType
+
+    events = sorted((e for e in prof.key_averages(group_by_input_shape=True)
+                     if e.device_type == DeviceType.CPU and e.self_device_time_total > 0),  # operators, not kernels
+                    key=lambda e: -e.self_device_time_total)[:n]
+    return [{"op": e.key[:60], "shapes": str(e.input_shapes)[:120], "ms": round(e.self_device_time_total / 1e3, 2),
+             "calls": e.count} for e in events]
+
+
 def bench(device, seq_len: int = 4096, micro_batch: int = 8, vocab: int = 129_280) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
@@ -88,6 +100,11 @@ def bench(device, seq_len: int = 4096, micro_batch: int = 8, vocab: int = 129_28
         opt.step()
         torch.cuda.synchronize()
     opt.zero_grad(set_to_none=True)
+    # a third pass records operators and shapes (host-side overhead: kept out of the passes above)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof_ops:
+        fwd_bwd()
+        torch.cuda.synchronize()
+    opt.zero_grad(set_to_none=True)
 
     cats, opt_cats = _by_category(prof), _by_category(prof_opt)
     gpu_ms, opt_gpu_ms = sum(cats.values()), sum(opt_cats.values())
@@ -105,4 +122,4 @@ def bench(device, seq_len: int = 4096, micro_batch: int = 8, vocab: int = 129_28
             "mfu_bound_gemm_attention": mfu * wall_ms / bound_ms,
             "copy_gbs": copy_gbs, "heads": cfg.n_heads,
             "attention_hbm_bound_frac_peak": 2 * cfg.n_heads * copy_gbs * 1e9 / peak,
-            "top_kernels_fwd_bwd": _top_kernels(prof)}
+            "top_kernels_fwd_bwd": _top_kernels(prof), "top_ops_fwd_bwd": _top_ops(prof_ops)}

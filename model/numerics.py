@@ -27,10 +27,20 @@ class RMSNorm(nn.RMSNorm):
     weight, and torch's rms_norm then cannot use its fused kernel: it runs the composite (upcast,
     pow, mean, rsqrt, two products, a cast), each op a kernel forward and more backward. With the
     weight in the input's dtype it is one fused kernel each way; its statistics are still fp32 and
-    the output is rounded once (the composite rounds the normalised value, then the product)."""
+    the output is rounded once (the composite rounds the normalised value, then the product).
+
+    Under autocast the output is in the autocast dtype. A norm's output only feeds matmuls, which
+    autocast would cast one by one: the block's attention norm feeds four to six projections, its
+    FFN norm the router, the shared expert and the routed experts' gather. With the kernels' fp32
+    streams that was a cast per consumer forward and, backward, a widening cast per consumer and
+    fp32 adds of their gradients ([B, T, D] each). The router, which widens its input, now sees
+    the rounded values, as it does without the kernels (the einsum stream mix casts under autocast)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
         if weight is not None and weight.dtype != x.dtype:
             weight = weight.to(x.dtype)
-        return F.rms_norm(x, self.normalized_shape, weight, self.eps)
+        out = F.rms_norm(x, self.normalized_shape, weight, self.eps)
+        if torch.is_autocast_enabled(x.device.type) and out.dtype == torch.float32:
+            out = out.to(torch.get_autocast_dtype(x.device.type))
+        return out

@@ -47,3 +47,24 @@ def test_rmsnorm_in_one_dtype_is_torchs():
         ref.weight.copy_(norm.weight)
     x = torch.randn(3, 64, dtype=torch.float64)
     assert torch.equal(norm.double()(x), ref.double()(x))
+
+
+def test_an_fp32_input_under_autocast_comes_out_once_in_the_autocast_dtype():
+    """fp32 streams (the kernels' mHC) into the block's norm: the output is the fp32 norm rounded
+    to bf16 once, so the projections after it take it without a cast each; the gradient still
+    reaches the fp32 input and the weight in fp32. Outside autocast an fp32 input stays fp32."""
+    torch.manual_seed(2)
+    norm = RMSNorm(64, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(64))
+    x = torch.randn(2, 5, 64, requires_grad=True)
+    lin = torch.nn.Linear(64, 32, bias=False, dtype=torch.bfloat16)  # so only y could need a cast
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = norm(x)
+        ops = _ops(lambda: (lin(y), lin(y)))
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y, torch.nn.functional.rms_norm(x, (64,), norm.weight, 1e-6).to(torch.bfloat16))
+    assert "aten::_to_copy" not in ops, sorted(ops)  # two consumers, no cast before either
+    y.float().sum().backward()
+    assert x.grad.dtype == torch.float32 and norm.weight.grad.dtype == torch.float32
+    assert norm(x).dtype == torch.float32
