@@ -8,9 +8,6 @@
   and mix_streams with fp32 streams [8, 4096, 4, 1024], a bf16 sub-layer output and fp32
   coefficients, under bf16 autocast as in training (where the reference's einsums run as bf16
   batched matmuls): forward and forward+backward vs the reference.
-* the sparse attention's backward (model/kernels/sparse_attention.py) at a `small` layer's shape
-  (k = 512 of 4096 entries, W = 128, bf16): the window keys taken by groups of 64 // H queries a
-  program vs the one-query kernel (`WINDOW_ROWS` = H), and the window-only backward alone.
 
     python -m bench.kernels_small_ops
 """
@@ -81,40 +78,7 @@ def bench(device) -> dict:
     mix = _pair(mix_streams, mix_streams_triton, [pre, h], 2)
     mix["kernel_fwd_frac_copy"] = (h.numel() * 4 + B * T * D * 4) / (mix["kernel_fwd_ms"] * 1e6) / copy_gbs
     result["mix_streams"] = mix
-    result["attention_bwd_window_groups"] = _attention_window_groups(g)
     return result
-
-
-def _attention_window_groups(g: torch.Generator, S: int = 4096, k: int = 512, W: int = 128) -> dict:
-    """Forward+backward ms of one `small` attention layer (micro-batch 8), the window's backward by
-    query groups vs in the one-query kernel, with and without selected entries."""
-    import model.kernels.sparse_attention as sa
-
-    r = lambda *shape: torch.randn(*shape, device="cuda", generator=g).to(torch.bfloat16)  # noqa: E731
-    # each query picks k distinct visible entries at random (early queries fewer, -1 padded)
-    scores = torch.rand(B, T, S, device="cuda", generator=g).masked_fill(
-        torch.arange(S, device="cuda") > torch.arange(T, device="cuda")[:, None], -1.0)
-    top = scores.topk(k, dim=-1)
-    idx = torch.where(top.values >= 0, top.indices, -1).sort(-1, descending=True).values
-    base = dict(q=r(B, T, H, C), win_kv=r(B, T, C), doc_start=torch.zeros(B, T, dtype=torch.long, device="cuda"),
-                sink=torch.zeros(H, device="cuda"), scale=C ** -0.5, window=W)
-    out = {"selected": k, "entries": S, "window": W}
-    groups = sa.WINDOW_ROWS
-    try:
-        for name, glob in (("with_selected", dict(glob_kv=r(B, S, C), idx=idx)), ("window_only", {})):
-            args = {**base, **glob}
-            leaves = [args[n].requires_grad_() for n in ("q", "win_kv", "glob_kv") if n in args]
-            cot = torch.randn(B, T, H, C, device="cuda", generator=g).to(torch.bfloat16)
-            for mode, rows in (("one_query", H), ("groups", groups)):
-                sa.WINDOW_ROWS = rows
-                out[f"{name}_{mode}_fwd_bwd_ms"] = timed_ms(
-                    lambda a=args, x=leaves, c=cot: torch.autograd.grad(
-                        sa.sparse_attention_triton(**a, want_probs=False)[0], x, c))
-            out[f"{name}_speedup"] = out[f"{name}_one_query_fwd_bwd_ms"] / out[f"{name}_groups_fwd_bwd_ms"]
-    finally:
-        sa.WINDOW_ROWS = groups
-    out["queries_a_program"] = groups // H
-    return out
 
 
 if __name__ == "__main__":

@@ -129,18 +129,6 @@ def test_one_pass_when_a_program_covers_the_latent(monkeypatch, C, block_cv):
     _check(_inputs(C=C, k=20, W=24, offset=40, halo=True))
 
 
-@pytest.mark.parametrize("H,T,rows", [(8, 23, 32), (16, 24, 16)], ids=["G4-partial-last-group", "G1-one-kernel"])
-def test_window_backward_by_query_groups(monkeypatch, H, T, rows):
-    """The window keys' backward takes G = rows / H queries a program (`_bwd_window_kernel`):
-    G = 4 over 23 queries leaves a last group of 3, with documents and a halo cutting windows
-    inside groups. rows = 16 at H = 16 is G = 1: the window stays in the one-query kernel."""
-    import model.kernels.sparse_attention as sa
-
-    monkeypatch.setattr(sa, "WINDOW_ROWS", rows)
-    assert sa._window_group(H) == rows // H
-    _check(_inputs(T=T, H=H, k=20, W=24, offset=40, halo=True))
-
-
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 

@@ -126,14 +126,13 @@ def _value_chunks(KV, rows, n_ok, offs_v, v_ok, offs_w, w_ok, C, dt, SPLIT: tl.c
 
 
 @triton.jit
-def _bwd_block(Qrow, DOrow, KV, DKV, rows, n_ok, keep, q_v, do_v, q_w, do_w, lse, delta, dq, dq_w, offs_h, h_ok,
+def _bwd_block(Qrow, DOrow, KV, DKV, rows, n_ok, q_v, do_v, q_w, do_w, lse, delta, dq, dq_w, offs_h, h_ok,
                offs_v, v_ok, offs_w, w_ok, C, scale, qk_scale, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_C: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr, ONE_PASS: tl.constexpr):
     """Recompute p and dp = dout . v over full C, then this program's value chunk(s) of dq and
     dK=dV: the chunk at offs_v, and with SPLIT = 2 also the one at offs_w (same p and ds).
     ONE_PASS (the program's chunks cover C): the rows of each chunk are loaded once and feed the
-    logits, dp and dq, against the q / dout chunks the program holds. keep [BLOCK_H, BLOCK_N]:
-    which (row, key) pairs attend (n_ok: which key rows exist, for the loads and adds)."""
+    logits, dp and dq, against the q / dout chunks the program holds."""
     dt = Qrow.dtype.element_ty
     if ONE_PASS:
         v, v_w = _value_chunks(KV, rows, n_ok, offs_v, v_ok, offs_w, w_ok, C, dt, SPLIT)
@@ -156,7 +155,8 @@ def _bwd_block(Qrow, DOrow, KV, DKV, rows, n_ok, keep, q_v, do_v, q_w, do_w, lse
             dp += tl.dot(tl.load(DOrow + offs_h[:, None] * C + offs_c[None, :], mask=hc, other=0.0), kt,
                          input_precision=PREC)
         v, v_w = _value_chunks(KV, rows, n_ok, offs_v, v_ok, offs_w, w_ok, C, dt, SPLIT)
-    p = tl.where(keep, tl.exp2(s * qk_scale - lse[:, None]), 0.0)
+    ok = h_ok[:, None] & n_ok[None, :]
+    p = tl.where(ok, tl.exp2(s * qk_scale - lse[:, None]), 0.0)
     ds = p * (dp - delta[:, None])  # d loss / d logit (natural units)
     dq = _dkv_chunk(DKV, rows, n_ok, v, p, ds, q_v, do_v, dq, offs_v, v_ok, C, scale, PREC)
     if SPLIT == 2:
@@ -254,10 +254,9 @@ def _psum_kernel(Q, G, IDX, LSE, PSUM, H, C, K, S, T, qk_scale, PREC: tl.constex
 def _bwd_kernel(Q, KV, G, IDX, DOC, POS, OUT, DO, LSE, DQ, DKV, DG, DELTA, T, H, C, W, K, S, scale, qk_scale,
                 HAS_GLOB: tl.constexpr, PREC: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_C: tl.constexpr, BLOCK_CV: tl.constexpr, SPLIT: tl.constexpr, BLOCK_K: tl.constexpr,
-                ONE_PASS: tl.constexpr, WITH_WINDOW: tl.constexpr):
+                ONE_PASS: tl.constexpr):
     # DQ like Q; DKV [B, W-1+T, C] and DG [B, S, C] fp32 (atomic adds); DELTA [B, T, H] fp32.
     # SPLIT = 2: the program takes two value chunks (offs_v, offs_w) from one recomputation of p, ds.
-    # WITH_WINDOW = False: the window keys are left to `_bwd_window_kernel`, which runs after.
     pid_q, b, t, offs_h, offs_v, first = _program(T, H, C, BLOCK_H, BLOCK_CV, SPLIT)
     offs_w = offs_v + BLOCK_CV
     h_ok = offs_h < H
@@ -282,22 +281,22 @@ def _bwd_kernel(Q, KV, G, IDX, DOC, POS, OUT, DO, LSE, DQ, DKV, DG, DELTA, T, H,
     dq = tl.zeros([BLOCK_H, BLOCK_CV], dtype=tl.float32)
     dq_w = tl.zeros([BLOCK_H, BLOCK_CV], dtype=tl.float32)
     w_lo = tl.maximum(tl.load(DOC + pid_q) - tl.load(POS + pid_q) + W - 1, 0)
-    for n0 in range((w_lo // BLOCK_N) * BLOCK_N, W if WITH_WINDOW else 0, BLOCK_N):
+    for n0 in range((w_lo // BLOCK_N) * BLOCK_N, W, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = (offs_n >= w_lo) & (offs_n < W)
         rows = b * (T + W - 1) + t + offs_n
-        dq, dq_w = _bwd_block(Qrow, DOrow, KV, DKV, rows, n_ok, h_ok[:, None] & n_ok[None, :], q_v, do_v, q_w,
-                              do_w, lse, delta, dq, dq_w, offs_h, h_ok, offs_v, v_ok, offs_w, w_ok, C, scale,
-                              qk_scale, BLOCK_H, BLOCK_N, BLOCK_C, PREC, SPLIT, ONE_PASS)
+        dq, dq_w = _bwd_block(Qrow, DOrow, KV, DKV, rows, n_ok, q_v, do_v, q_w, do_w, lse, delta, dq, dq_w,
+                              offs_h, h_ok, offs_v, v_ok, offs_w, w_ok, C, scale, qk_scale,
+                              BLOCK_H, BLOCK_N, BLOCK_C, PREC, SPLIT, ONE_PASS)
     if HAS_GLOB:
         for n0 in range(0, _selected_end(IDX + pid_q * K, K, BLOCK_K), BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             ids = tl.load(IDX + pid_q * K + offs_n, mask=offs_n < K, other=-1).to(tl.int64)
             n_ok = ids >= 0
             rows = b * S + tl.where(n_ok, ids, 0)
-            dq, dq_w = _bwd_block(Qrow, DOrow, G, DG, rows, n_ok, h_ok[:, None] & n_ok[None, :], q_v, do_v, q_w,
-                                  do_w, lse, delta, dq, dq_w, offs_h, h_ok, offs_v, v_ok, offs_w, w_ok, C, scale,
-                                  qk_scale, BLOCK_H, BLOCK_N, BLOCK_C, PREC, SPLIT, ONE_PASS)
+            dq, dq_w = _bwd_block(Qrow, DOrow, G, DG, rows, n_ok, q_v, do_v, q_w, do_w, lse, delta, dq, dq_w,
+                                  offs_h, h_ok, offs_v, v_ok, offs_w, w_ok, C, scale, qk_scale,
+                                  BLOCK_H, BLOCK_N, BLOCK_C, PREC, SPLIT, ONE_PASS)
     tl.store(DQ + pid_q * H * C + offs_h[:, None] * C + offs_v[None, :], (dq * scale).to(DQ.dtype.element_ty),
              mask=hv)
     if SPLIT == 2:
@@ -305,61 +304,6 @@ def _bwd_kernel(Q, KV, G, IDX, DOC, POS, OUT, DO, LSE, DQ, DKV, DG, DELTA, T, H,
                  (dq_w * scale).to(DQ.dtype.element_ty), mask=hw)
     if first:
         tl.store(DELTA + pid_q * H + offs_h, delta, mask=h_ok)
-
-
-@triton.jit
-def _bwd_window_kernel(Q, KV, DOC, POS, DO, LSE, DELTA, DQ, DKV, T, H, C, W, G, scale, qk_scale,
-                       PREC: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
-                       BLOCK_CV: tl.constexpr, SPLIT: tl.constexpr, ONE_PASS: tl.constexpr):
-    # The window keys' part of the backward for G consecutive queries at once (after `_bwd_kernel`
-    # with WITH_WINDOW = False, which stored DELTA and the global keys' DQ; this adds to DQ).
-    # Program = (batch, query group from t0, value chunk(s)); its row r is query t0 + r // H, head
-    # r % H, so its [G*H, C] rows of Q / DO are contiguous. The group's windows are KV rows t0 ..
-    # t0 + G-1 + W-1 (halo first), key n of the loop being row t0 + n and window slot n - r // H
-    # of row r: one key load and one dK = dV add serve all G queries.
-    NC = tl.cdiv(C, BLOCK_CV * SPLIT)
-    NG = tl.cdiv(T, G)
-    pid = tl.program_id(0)
-    b = (pid // (NC * NG)).to(tl.int64)
-    t0 = ((pid // NC) % NG) * G
-    offs_v = (pid % NC) * (BLOCK_CV * SPLIT) + tl.arange(0, BLOCK_CV)
-    offs_w = offs_v + BLOCK_CV
-    r = tl.arange(0, BLOCK_H)
-    qi = r // H
-    r_ok = (r < G * H) & (t0 + qi < T)
-    v_ok = offs_v < C
-    w_ok = (offs_w < C) & (SPLIT == 2)
-    hv = r_ok[:, None] & v_ok[None, :]
-    hw = r_ok[:, None] & w_ok[None, :]
-    q0 = b * T + t0  # the group's first query, flat
-    Qrow = Q + q0 * H * C
-    DOrow = DO + q0 * H * C
-    lse = tl.load(LSE + q0 * H + r, mask=r_ok, other=0.0)
-    delta = tl.load(DELTA + q0 * H + r, mask=r_ok, other=0.0)
-    lo = qi + tl.maximum(tl.load(DOC + q0 + qi, mask=r_ok, other=0) - tl.load(POS + q0 + qi, mask=r_ok, other=0)
-                         + W - 1, 0)  # the row's first key in the document
-    n_lo = tl.min(tl.where(r_ok, lo, W + G), 0)
-    n_end = tl.minimum(W + G - 1, T - t0 + W - 1)
-    q_v = tl.load(Qrow + r[:, None] * C + offs_v[None, :], mask=hv, other=0.0)
-    do_v = tl.load(DOrow + r[:, None] * C + offs_v[None, :], mask=hv, other=0.0)
-    q_w = tl.load(Qrow + r[:, None] * C + offs_w[None, :], mask=hw, other=0.0)
-    do_w = tl.load(DOrow + r[:, None] * C + offs_w[None, :], mask=hw, other=0.0)
-    dq = tl.zeros([BLOCK_H, BLOCK_CV], dtype=tl.float32)
-    dq_w = tl.zeros([BLOCK_H, BLOCK_CV], dtype=tl.float32)
-    for n0 in range((n_lo // BLOCK_N) * BLOCK_N, n_end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = (offs_n >= 0) & (offs_n < n_end)
-        keep = r_ok[:, None] & (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < qi[:, None] + W)
-        rows = b * (T + W - 1) + t0 + offs_n
-        dq, dq_w = _bwd_block(Qrow, DOrow, KV, DKV, rows, n_ok, keep, q_v, do_v, q_w, do_w, lse, delta, dq, dq_w,
-                              r, r_ok, offs_v, v_ok, offs_w, w_ok, C, scale, qk_scale,
-                              BLOCK_H, BLOCK_N, BLOCK_C, PREC, SPLIT, ONE_PASS)
-    at = DQ + q0 * H * C + r[:, None] * C
-    prev = tl.load(at + offs_v[None, :], mask=hv, other=0.0).to(tl.float32)
-    tl.store(at + offs_v[None, :], (prev + dq * scale).to(DQ.dtype.element_ty), mask=hv)
-    if SPLIT == 2:
-        prev = tl.load(at + offs_w[None, :], mask=hw, other=0.0).to(tl.float32)
-        tl.store(at + offs_w[None, :], (prev + dq_w * scale).to(DQ.dtype.element_ty), mask=hw)
 
 
 # Block sizes. The interpreter runs fixed small blocks (tl.dot needs dims >= 16, no autotune);
@@ -377,16 +321,11 @@ def _bwd_window_kernel(Q, KV, DOC, POS, DO, LSE, DELTA, DQ, DKV, T, H, C, W, G, 
 # still 256 / 32 / 4 / 2 / SPLIT = 2.
 # The backward's atomics need DKV / DG zeroed between tuning runs.
 _FIXED = dict(BLOCK_N=16, BLOCK_C=16, BLOCK_CV=16, SPLIT=1)
-# Rows (queries x heads) a window-backward program takes: the group G = WINDOW_ROWS // H queries
-# (heads rounded up to a power of two); G = 1 leaves the window in `_bwd_kernel`. 64 on a GPU, the
-# tile Hopper's wgmma wants (`small`: 4 queries x 16 heads); 32 in the interpreter (G = 2 at H = 16).
-WINDOW_ROWS = 32 if INTERPRET else 64
 # ONE_PASS: the program's value chunk(s) cover C, so each key block's rows are loaded once for the
 # logits and the value dots (forward), and for the logits, dp, dq and dK = dV (backward).
 _one_pass = triton.heuristics({"ONE_PASS": lambda a: a["BLOCK_CV"] * a.get("SPLIT", 1) >= a["C"]})
 if INTERPRET:
     _fwd, _bwd, _psum = _one_pass(_fwd_kernel), _one_pass(_bwd_kernel), _psum_kernel
-    _bwd_window = _one_pass(_bwd_window_kernel)
 else:
     def _cfg(cv, w, st, n=64, split=None):
         meta = dict(BLOCK_N=n, BLOCK_C=64, BLOCK_CV=cv, **({} if split is None else {"SPLIT": split}))
@@ -401,14 +340,7 @@ else:
                            + [_cfg(256, 8, 2, 64, 2), _cfg(256, 8, 2, 32, 2), _cfg(256, 4, 2, 32, 2),
                               _cfg(256, 4, 2, 64, 2), _cfg(128, 4, 2, 64, 2), _cfg(256, 4, 3, 32, 2),
                               _cfg(256, 4, 2, 16, 2), _cfg(512, 8, 2, 32, 1)],
-                           key=["H", "C", "HAS_GLOB", "WITH_WINDOW"], reset_to_zero=["DKV", "DG"])(_one_pass(_bwd_kernel))
-    # [64 rows, C] per program, as the H = 64 backward: C in chunks, the logits recomputed per chunk.
-    # DQ is read and added to: restored between tuning runs.
-    _bwd_window = triton.autotune([_cfg(128, 8, 2, 64, 1), _cfg(128, 8, 2, 32, 1), _cfg(64, 8, 2, 64, 1),
-                                   _cfg(128, 4, 2, 64, 1), _cfg(256, 8, 2, 32, 1), _cfg(128, 8, 2, 32, 2),
-                                   _cfg(128, 4, 2, 32, 2), _cfg(64, 4, 2, 64, 2)],
-                                  key=["H", "C", "G"], reset_to_zero=["DKV"], restore_value=["DQ"],
-                                  )(_one_pass(_bwd_window_kernel))
+                           key=["H", "C", "HAS_GLOB"], reset_to_zero=["DKV", "DG"])(_one_pass(_bwd_kernel))
     _psum = triton.autotune([triton.Config(dict(BLOCK_N=n, BLOCK_C=64), num_warps=w, num_stages=2)
                              for n, w in ((64, 4), (32, 4), (64, 8))], key=["H", "C"])(_psum_kernel)
 
@@ -419,11 +351,6 @@ def _meta(kernel: str) -> dict:
         return {}
     drop = {"fwd": ("SPLIT",), "bwd": (), "psum": ("BLOCK_CV", "SPLIT")}[kernel]
     return {k: v for k, v in _FIXED.items() if k not in drop}
-
-
-def _window_group(H: int) -> int:
-    """Queries a window-backward program takes (1: the window stays in `_bwd_kernel`)."""
-    return max(1, WINDOW_ROWS // triton.next_power_of_2(H))
 
 
 def _grid(n_query: int, H: int, C: int, block_h: int):
@@ -471,16 +398,11 @@ class _SparseAttention(torch.autograd.Function):
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # fp32: atomic accumulation
         dg = torch.zeros(glob.shape, dtype=torch.float32, device=q.device) if ctx.has_glob else dkv
         delta = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
-        bh, group = _block_h(H), _window_group(H)
+        bh = _block_h(H)
         _bwd[_grid(B * T, H, C, bh)](q, kv, glob, idx, doc_start, positions, out, dout, lse, dq, dkv, dg, delta,
                                      T, H, C, ctx.window, ctx.n_sel, glob.shape[1], ctx.scale,
                                      ctx.scale * LOG2E, HAS_GLOB=ctx.has_glob, PREC=_prec(q), BLOCK_H=bh,
-                                     BLOCK_K=_block_k(ctx.n_sel), WITH_WINDOW=group == 1, **_meta("bwd"))
-        if group > 1:  # the window keys: G queries a program (one key load and add for all of them)
-            grid = _grid(B * triton.cdiv(T, group), 1, C, 1)
-            _bwd_window[grid](q, kv, doc_start, positions, dout, lse, delta, dq, dkv, T, H, C, ctx.window, group,
-                              ctx.scale, ctx.scale * LOG2E, PREC=_prec(q),
-                              BLOCK_H=triton.next_power_of_2(group * H), **_meta("bwd"))
+                                     BLOCK_K=_block_k(ctx.n_sel), **_meta("bwd"))
         # the sink column's ds is p_sink * (0 - delta): it has no value row
         p_sink = torch.exp2(sink.float() * LOG2E - lse)  # [B, T, H]
         dsink = -(p_sink * delta).sum((0, 1)).to(sink.dtype)
