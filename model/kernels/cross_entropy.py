@@ -11,7 +11,7 @@ head matmuls per chunk.
 Here, per chunk: logits = x @ W^T in the compute dtype; one kernel takes each row's
 log-sum-exp in fp32 (online, one pass) and overwrites the logits in place with
 d loss / d logits = softmax - onehot (rounded once to the compute dtype); then dx = g @ W and
-dW += g^T @ x (fp32 accumulator) right away, so the logits die with the chunk. The backward
+dW += g^T @ x (fp32 accumulator, on CUDA inside the GEMM) right away, so the logits die with the chunk. The backward
 only scales the saved dx and dW by the incoming gradient: three head matmuls per chunk, no
 recomputation. The loss is a summed (not mean) scalar, so the caller's division by the token
 count is an ordinary autograd op. Rows labelled `ignore_index` add 0 and get zero gradients.
@@ -71,6 +71,17 @@ def _rows_ce(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, writ
     return loss
 
 
+def _add_mm_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b with acc fp32 and a, b in the compute dtype. On CUDA one GEMM that accumulates
+    into acc in fp32 (torch's out_dtype matmul; the 16-bit product is never rounded or stored):
+    at `small`'s vocabulary that saves a [V, D] bf16 product and an fp32 add pass per chunk.
+    Elsewhere (no out_dtype kernel) the product, then the add."""
+    if acc.is_cuda and a.dtype != acc.dtype:
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    else:
+        acc += a @ b
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, labels, chunk, ignore_index, dtype):
@@ -84,9 +95,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             logits = xc @ w.t()  # [n, V]
             total += _rows_ce(logits, labels[lo:lo + chunk], ignore_index, want_dx or want_dw).sum()
             if want_dx:
-                dx[lo:lo + chunk] = logits @ w
+                torch.mm(logits, w, out=dx[lo:lo + chunk])  # rows of dx: written in place
             if want_dw:
-                dw += logits.t() @ xc
+                _add_mm_(dw, logits.t(), xc)
         ctx.save_for_backward(dx, dw)
         ctx.weight_dtype = weight.dtype
         return total
