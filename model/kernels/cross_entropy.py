@@ -71,15 +71,14 @@ def _rows_ce(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, writ
     return loss
 
 
-def _add_mm_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc += a @ b with acc fp32 and a, b in the compute dtype. On CUDA one GEMM that accumulates
-    into acc in fp32 (torch's out_dtype matmul; the 16-bit product is never rounded or stored):
+def _plus_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """acc + a @ b with acc fp32 and a, b in the compute dtype. On CUDA one GEMM that adds acc in
+    its fp32 epilogue (torch's out_dtype matmul; the 16-bit product is never rounded or stored):
     at `small`'s vocabulary that saves a [V, D] bf16 product and an fp32 add pass per chunk.
-    Elsewhere (no out_dtype kernel) the product, then the add."""
+    Elsewhere (no out_dtype kernel) the product, then the add in place."""
     if acc.is_cuda and a.dtype != acc.dtype:
-        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
-    else:
-        acc += a @ b
+        return torch.addmm(acc, a, b, out_dtype=acc.dtype)
+    return acc.add_(a @ b)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -95,9 +94,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             logits = xc @ w.t()  # [n, V]
             total += _rows_ce(logits, labels[lo:lo + chunk], ignore_index, want_dx or want_dw).sum()
             if want_dx:
-                torch.mm(logits, w, out=dx[lo:lo + chunk])  # rows of dx: written in place
+                dx[lo:lo + chunk] = logits @ w
             if want_dw:
-                _add_mm_(dw, logits.t(), xc)
+                dw = _plus_mm(dw, logits.t(), xc)
         ctx.save_for_backward(dx, dw)
         ctx.weight_dtype = weight.dtype
         return total
