@@ -58,6 +58,9 @@ def load_documents(cfg: DataConfig) -> datasets.Dataset:
     if cfg.max_documents is not None and cfg.max_documents < 1:
         raise DataError(f"data.max_documents must be at least 1 or None, got {cfg.max_documents}")
     if cfg.name == "stdlib":
+        if cfg.path:  # a path with the default corpus kind: reading stdlib would silently ignore it
+            raise DataError(f"data.path={cfg.path!r} is set but data.name is 'stdlib', which reads no path: "
+                            "choose the corpus kind with data=files (local files) or data=hub")
         root = Path(sysconfig.get_paths()["stdlib"])
         return _load_files(_files_under(root, (".py",), _STDLIB_EXCLUDED_DIRS), cfg, source=str(root))
     if cfg.name == "files":

@@ -400,6 +400,8 @@ def test_incompatible_loader_state_is_refused(numbered: PackedDataset) -> None:
 def test_missing_path(tmp_path: Path) -> None:
     with pytest.raises(DataError, match="nowhere.*does not exist"):
         load_documents(config(tmp_path, name="files", path=str(tmp_path / "nowhere")))
+    with pytest.raises(DataError, match="data.path=.*corpus.jsonl.* is set but data.name is 'stdlib'"):
+        load_documents(config(tmp_path, name="stdlib", path=str(tmp_path / "corpus.jsonl")))
     with pytest.raises(DataError, match="tokenizer file .*absent.json does not exist"):
         load_or_train_tokenizer(config(tmp_path, tokenizer_path=str(tmp_path / "absent.json")), None)
 
