@@ -106,7 +106,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     import conf
     from conf.errors import UserError
-    from launch.launchers import launch, launched_world_size, needs_launch
+    from launch.launchers import check_launcher, launch, launched_world_size, needs_launch
 
     conf.register({name: s.config for name, s in stages.items()})
     try:
@@ -128,6 +128,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         return _fail(describe_config_error(e))
 
     launcher = getattr(typed, "launcher", None)  # stages that run processes have one
+    if launcher is not None:
+        try:
+            check_launcher(launcher)
+        except UserError as e:
+            return _fail(str(e))
     if launcher is not None and needs_launch(launcher):
         try:
             if stages[stage_name].preflight is not None:

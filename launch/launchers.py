@@ -164,6 +164,15 @@ def launch(cfg: LauncherConfig, argv: list[str], run_dir: Path) -> int:
             "ray": launch_ray}[cfg.name](cfg, argv, run_dir)
 
 
+def check_launcher(cfg: LauncherConfig) -> None:
+    """ConfigError for process counts a launch cannot start."""
+    for name in ("nproc", "nnodes", "num_workers"):
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"launcher.{name}={getattr(cfg, name)}: must be at least 1")
+    if not 0 <= cfg.node_rank < cfg.nnodes:
+        raise ConfigError(f"launcher.node_rank={cfg.node_rank}: expected 0 .. launcher.nnodes-1 ({cfg.nnodes - 1})")
+
+
 def launched_world_size(cfg: LauncherConfig) -> int:
     """The processes a launch starts in all: one per worker under Ray, nproc per node otherwise."""
     return cfg.num_workers if cfg.name == "ray" else cfg.nproc * cfg.nnodes

@@ -24,6 +24,15 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, zero_stage: int = 0, ran
     CompositeOptimizer, which needs whole parameters, so DeepSpeed must not partition it:
     zero_stage 0 replicates its state, 1 shards it by parameter (flashtrain's own ZeRO-1);
     ZeRO-2/3 are refused."""
+    try:
+        return _build(model, cfg, zero_stage, rank, world_size, verbose, replicas, row_offsets)
+    except ValueError as e:  # the optimisers' own checks of their hyperparameters (lr, momentum, ...)
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"optim: {e}") from e
+
+
+def _build(model, cfg, zero_stage, rank, world_size, verbose, replicas, row_offsets) -> torch.optim.Optimizer:
     routes = route_parameters(model, cfg)
     if verbose:
         print(f"flashtrain: optimizer routing (optim={cfg.name})\n{routing_table(routes)}", flush=True)

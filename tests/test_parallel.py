@@ -1,5 +1,6 @@
 """Expert parallelism, resharding across EP degrees, and the launchers (CPU, gloo)."""
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -213,3 +214,19 @@ def test_expert_parallel_dispatch_sends_autocast_rows_and_matches_local(tmp_path
     mp.start_processes(_ep_dispatch_worker, args=(port_base(), str(tmp_path)), nprocs=2, join=True,
                        start_method="spawn")
     assert (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists()
+
+
+@pytest.mark.parametrize("fields, needle", [
+    (dict(nproc=0), "launcher.nproc=0"), (dict(nnodes=0), "launcher.nnodes=0"),
+    (dict(name="ray", num_workers=0), "launcher.num_workers=0"),
+    (dict(name="multinode", nnodes=2, node_rank=2), "launcher.node_rank=2: expected 0 .. launcher.nnodes-1 (1)"),
+    (dict(name="multinode", nnodes=2, node_rank=-1), "launcher.node_rank=-1"),
+])
+def test_launcher_counts_a_launch_cannot_start_are_refused(fields, needle):
+    from conf.errors import ConfigError
+    from conf.launcher import LauncherConfig
+    from launch.launchers import check_launcher
+
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        check_launcher(LauncherConfig(**fields))
+    check_launcher(LauncherConfig(name="multinode", nnodes=2, node_rank=1))  # the last node is fine

@@ -123,6 +123,10 @@ def _checkpoint_files(run: Path) -> dict[str, int]:
     ("data=files", ["data.path"]),
     ("data=files data.path=/nonexistent/corpus", ["/nonexistent/corpus"]),
     ("trainer.compile=true trainer.activation_checkpointing=true", ["trainer.compile", "activation_checkpointing"]),
+    ("data.path=/elsewhere/corpus.jsonl", ["data.path", "stdlib", "data=files"]),  # was ignored
+    ("trainer.micro_batch_size=0", ["trainer.micro_batch_size=0"]),  # was DeepSpeed's assertion
+    ("optim.lr=-1", ["optim", "lr"]),  # was the optimiser's traceback
+    ("launcher.nproc=0", ["launcher.nproc=0"]),  # was one process
 ])
 def test_bad_input_one_line_and_nothing_lost(flashtrain, tmp_path, override, needles):
     run = tmp_path / "run"

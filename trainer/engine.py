@@ -19,7 +19,15 @@ def resolve_precision(cfg: TrainerConfig, device: torch.device) -> str:
     return cfg.precision
 
 
+def check_batch_sizes(cfg: TrainerConfig) -> None:
+    """ConfigError for a micro-batch or accumulation count below 1 (DeepSpeed would assert)."""
+    for name in ("micro_batch_size", "grad_accum_steps"):
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"trainer.{name}={getattr(cfg, name)}: must be at least 1")
+
+
 def deepspeed_config(cfg: TrainerConfig, zero_stage: int, bf16_master: bool, clip: bool = True) -> dict[str, Any]:
+    check_batch_sizes(cfg)
     if zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"trainer.zero_stage={zero_stage}: expected 0-3")
     return {
