@@ -147,3 +147,12 @@ def test_two_trainer_ranks_stay_in_sync(rl_setup):
         coord.shutdown()
     finally:
         ray.shutdown()
+
+
+def test_a_bad_trainer_batch_fails_before_the_built_in_sft(flashtrain, tmp_path):
+    """trainer.micro_batch_size=0 is refused before the built-in SFT trains (it used to surface
+    only when the trainer actors built their engine, minutes later)."""
+    run = tmp_path / "run"
+    p = flashtrain("rl", *RL_FAST, "trainer.micro_batch_size=0", f"hydra.run.dir={run}")
+    assert p.returncode == 2 and "trainer.micro_batch_size=0: must be at least 1" in p.stderr, p.stderr[-2000:]
+    assert not (run / "sft").exists()
