@@ -20,7 +20,9 @@ SCHEDULES = ("cosine", "linear", "constant", "wsd")
 def lr_multiplier(cfg: OptimConfig, max_steps: int) -> Callable[[int], float]:
     if cfg.schedule not in SCHEDULES:
         raise ConfigError(f"optim.schedule={cfg.schedule!r}: expected one of {SCHEDULES}")
-    warmup, floor = max(cfg.warmup_steps, 0), cfg.min_lr_ratio
+    if cfg.warmup_steps < 0:
+        raise ConfigError(f"optim.warmup_steps={cfg.warmup_steps}: must be >= 0")
+    warmup, floor = cfg.warmup_steps, cfg.min_lr_ratio
     decay_start = warmup
     if cfg.schedule == "wsd":
         decay_start = max(warmup, int(round(max_steps * (1 - cfg.decay_fraction))))

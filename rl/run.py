@@ -57,11 +57,11 @@ def run_rl(cfg, run_dir: Path, config_yaml: str, make_coordinator=None, console=
 
     from data import build_datasets
     from rl.coordinator import Coordinator
-    from trainer.engine import check_batch_sizes
+    from trainer.engine import check_trainer_counts
     from trainer.metrics import MetricsLog
     from trainer.tracking import build_tracker
 
-    check_batch_sizes(cfg.trainer)  # before the built-in SFT, not when the trainer actors start after it
+    check_trainer_counts(cfg.trainer)  # before the built-in SFT, not when the trainer actors start after it
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(config_yaml)

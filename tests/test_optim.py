@@ -128,3 +128,6 @@ def test_schedules():
     assert wsd(90) == pytest.approx(0.5) and wsd(100) == pytest.approx(0.0)
     with pytest.raises(ConfigError):
         lr_multiplier(MuonConfig(schedule="exp"), 10)
+    with pytest.raises(ConfigError, match="optim.warmup_steps=-5: must be >= 0"):  # was read as 0
+        lr_multiplier(MuonConfig(warmup_steps=-5), 10)
+    assert lr_multiplier(MuonConfig(schedule="constant", warmup_steps=0), 10)(0) == 1.0

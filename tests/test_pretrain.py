@@ -1,6 +1,7 @@
 """End-to-end pretraining through the CLI: training, exact resume after SIGKILL, bad input."""
 import json
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -127,6 +128,7 @@ def _checkpoint_files(run: Path) -> dict[str, int]:
     ("trainer.micro_batch_size=0", ["trainer.micro_batch_size=0"]),  # was DeepSpeed's assertion
     ("optim.lr=-1", ["optim", "lr"]),  # was the optimiser's traceback
     ("launcher.nproc=0", ["launcher.nproc=0"]),  # was one process
+    ("trainer.log_every=0", ["trainer.log_every=0"]),  # was a crash at the first step
 ])
 def test_bad_input_one_line_and_nothing_lost(flashtrain, tmp_path, override, needles):
     run = tmp_path / "run"
@@ -182,3 +184,19 @@ def test_two_process_data_parallel_matches_one_process(flashtrain, tmp_path):
         assert abs(a[step] - b[step]) < 2e-3, (step, a[step], b[step])
     shards = sorted(p.name for p in (two / "checkpoints" / "step_00000003").glob("rank_*_state.pt"))
     assert shards == ["rank_00000_state.pt", "rank_00001_state.pt"]
+
+
+@pytest.mark.parametrize("field, value, needle", [
+    ("micro_batch_size", 0, "at least 1"), ("grad_accum_steps", 0, "at least 1"), ("log_every", 0, "at least 1"),
+    ("keep_last", 0, "at least 1"), ("save_every", -1, ">= 0"), ("eval_every", -1, ">= 0"),
+    ("grad_clip", -0.5, ">= 0"),
+])
+def test_trainer_counts_a_run_cannot_use_are_refused(field, value, needle):
+    """keep_last=0 was read as 1 and a negative save / eval interval as 0; the others crashed."""
+    from conf.errors import ConfigError
+    from conf.trainer import TrainerConfig
+    from trainer.engine import check_trainer_counts
+
+    with pytest.raises(ConfigError, match=f"trainer.{field}={value}: must be {re.escape(needle)}"):
+        check_trainer_counts(TrainerConfig(**{field: value}))
+    check_trainer_counts(TrainerConfig(save_every=0, eval_every=0, grad_clip=0.0))  # 0: off / only at the end

@@ -19,15 +19,21 @@ def resolve_precision(cfg: TrainerConfig, device: torch.device) -> str:
     return cfg.precision
 
 
-def check_batch_sizes(cfg: TrainerConfig) -> None:
-    """ConfigError for a micro-batch or accumulation count below 1 (DeepSpeed would assert)."""
-    for name in ("micro_batch_size", "grad_accum_steps"):
+def check_trainer_counts(cfg: TrainerConfig) -> None:
+    """ConfigError for a count or interval a run cannot use: a micro-batch or accumulation count
+    below 1 (DeepSpeed would assert), log_every below 1, keep_last below 1 (no checkpoint would
+    survive to resume from), a negative save / eval interval or grad_clip (0 means off / only at
+    the end there)."""
+    for name in ("micro_batch_size", "grad_accum_steps", "log_every", "keep_last"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"trainer.{name}={getattr(cfg, name)}: must be at least 1")
+    for name in ("save_every", "eval_every", "grad_clip"):
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"trainer.{name}={getattr(cfg, name)}: must be >= 0 (0: off / only at the end)")
 
 
 def deepspeed_config(cfg: TrainerConfig, zero_stage: int, bf16_master: bool, clip: bool = True) -> dict[str, Any]:
-    check_batch_sizes(cfg)
+    check_trainer_counts(cfg)
     if zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"trainer.zero_stage={zero_stage}: expected 0-3")
     return {

@@ -23,7 +23,7 @@ from optim import CompositeOptimizer, Replicas, build_optimizer, lr_multiplier
 from trainer.checkpoint import CheckpointManager, load_init_weights
 from trainer.context_parallel import slice_batch
 from trainer.distributed import DistInfo, all_reduce_sum_, init_distributed
-from trainer.engine import build_engine, check_batch_sizes
+from trainer.engine import build_engine, check_trainer_counts
 from trainer.metrics import MetricsLog, device_peak_flops, moe_balance
 from trainer.parallelize import (
     CommTimer,
@@ -90,7 +90,7 @@ class Trainer:
         tc = cfg.trainer
         if tc.max_steps <= 0:
             raise ConfigError(f"trainer.max_steps={tc.max_steps}: must be positive")
-        check_batch_sizes(tc)  # before the data and the model are built
+        check_trainer_counts(tc)  # before the data and the model are built
         if tc.compile and tc.activation_checkpointing:  # the recompute saves other tensors than the forward
             raise ConfigError("trainer.compile=true with trainer.activation_checkpointing=true is not supported: "
                               "checkpoint recomputation through the compiled blocks fails; turn one off")
