@@ -130,14 +130,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     launcher = getattr(typed, "launcher", None)  # stages that run processes have one
     if launcher is not None:
         try:
-            check_launcher(launcher)
-        except UserError as e:
-            return _fail(str(e))
-    if launcher is not None and needs_launch(launcher):
-        try:
-            if stages[stage_name].preflight is not None:
-                stages[stage_name].preflight(typed, launched_world_size(launcher))
-            return launch(launcher, argv, run_dir)
+            check_launcher(launcher)  # also when it runs in-process (nproc=0 is not one process)
+            if needs_launch(launcher):
+                if stages[stage_name].preflight is not None:
+                    stages[stage_name].preflight(typed, launched_world_size(launcher))
+                return launch(launcher, argv, run_dir)
         except UserError as e:
             return _fail(str(e))
 

@@ -26,9 +26,9 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, zero_stage: int = 0, ran
     ZeRO-2/3 are refused."""
     try:
         return _build(model, cfg, zero_stage, rank, world_size, verbose, replicas, row_offsets)
+    except ConfigError:
+        raise
     except ValueError as e:  # the optimisers' own checks of their hyperparameters (lr, momentum, ...)
-        if isinstance(e, ConfigError):
-            raise
         raise ConfigError(f"optim: {e}") from e
 
 
