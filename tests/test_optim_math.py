@@ -298,6 +298,16 @@ def test_sinkhorn_balance_zeroes_weak_rows():
 
 def test_sinkhorn_balance_degenerate_and_dtype():
     assert torch.equal(sinkhorn_balance(torch.zeros(5, 7)), torch.zeros(5, 7))
+    # an all-zero column, and one whose only entries sit on a zeroed weak row: both stay zero
+    # (no NaN) through 101 passes, and the rest matches the pass-by-pass reference
+    U = skewed(30, 8, 5)
+    U[:, 2] = 0
+    U[:, 5] = 0
+    U[7, 5] = 1e-9
+    U[7] *= 1e-6
+    N = sinkhorn_balance(U, iters=101)
+    assert torch.isfinite(N).all() and torch.equal(N[:, [2, 5]], torch.zeros(30, 2))
+    torch.testing.assert_close(N.double(), ref_sinkhorn(U, iters=101), atol=1e-5, rtol=1e-5)
     out = sinkhorn_balance(skewed(6, 4, 4).bfloat16())
     assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
     with pytest.raises(ValueError):
