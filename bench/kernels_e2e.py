@@ -5,7 +5,8 @@ Off is every reference path (the per-expert MoE loop included); on is every fast
 kernels and grouped-GEMM experts). Each path runs at the settings it needs: the reference attention keeps an O(T x k x C) gather
 per query chunk, so it runs in query chunks of 2048 (model.attn_chunk_tokens, as `small`
 defaults); the kernel needs no chunking. Both: bf16 autocast, fp32 master weights, the Muon +
-Sinkhorn + AdamW composite, no activation checkpointing, random tokens.
+Sinkhorn + AdamW composite with sparse Engram table gradients (as the trainer sets it up), no
+activation checkpointing, random tokens.
 
 Two more rows, kernels on: `compiled` adds trainer.compile (torch.compile per block,
 trainer/parallelize.py compile_blocks) and `compiled_accum` also takes one optimizer step per
@@ -43,7 +44,9 @@ def small_model(kernels: bool, vocab: int, compiled: bool = False):
         from trainer.parallelize import compile_blocks
 
         compile_blocks(model)
-    return model, build_optimizer(model, MuonConfig(), zero_stage=0)
+    opt = build_optimizer(model, MuonConfig(), zero_stage=0)
+    opt.enable_sparse_table_grads(model)  # as the trainer does (trainer/pretrain.py): Engram rows a batch touched
+    return model, opt
 
 
 def _tokens_per_s(kernels: bool, seq_len: int, micro_batch: int, steps: int, vocab: int, compiled: bool = False,
