@@ -122,4 +122,5 @@ def bench(device, seq_len: int = 4096, micro_batch: int = 8, vocab: int = 129_28
             "mfu_bound_gemm_attention": mfu * wall_ms / bound_ms,
             "copy_gbs": copy_gbs, "heads": cfg.n_heads,
             "attention_hbm_bound_frac_peak": 2 * cfg.n_heads * copy_gbs * 1e9 / peak,
-            "top_kernels_fwd_bwd": _top_kernels(prof), "top_ops_fwd_bwd": _top_ops(prof_ops)}
+            "top_kernels_fwd_bwd": _top_kernels(prof), "top_ops_fwd_bwd": _top_ops(prof_ops),
+            "top_kernels_optimizer": _top_kernels(prof_opt, 15)}
