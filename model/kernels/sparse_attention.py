@@ -140,7 +140,7 @@ def _red_add(ptrs, vals, row_ok, col_ok):
         .reg .pred m, bad;
         .reg .b32 c0, c1, t;
         and.b32 t, $8, 1;
-        setp.ne.and.b32 m, $6, 0, 1;
+        setp.ne.b32 m, $6, 0;
         setp.ne.and.b32 m, t, 0, m;
         shr.u32 c0, $8, 1;
         shr.u32 c1, $9, 1;
