@@ -50,7 +50,7 @@ def sinkhorn_balance(U: torch.Tensor, iters: int = 11, tau: float = 1e-3, eps: f
     r = (norms > tau * mean).float()  # [rows]: rows at or below the threshold are zeroed
     c = torch.ones(X.size(1), dtype=torch.float32, device=X.device)  # [cols]
     for i in range(iters):
-        # even passes: each row to unit norm; odd passes: each column (mv: fp32 gemv, never TF32).
+        # even passes: each row to unit norm; odd passes: each column (fp32 matrix-vector products).
         # A row or column that is all zero stays so whatever its scale, which is then left as it
         # is (dividing it by eps pass after pass would overflow to inf and give 0 * inf = NaN).
         if i % 2 == 0:
