@@ -55,12 +55,11 @@ import triton
 import triton.language as tl
 
 from model.csa import _with_halo, window_doc_start
+from model.kernels import paired_adds
+from model.kernels.paired_adds import red_add_pairs
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 LOG2E = 1.4426950408889634
-# Experimental, off unless FLASHTRAIN_ATTN_PAIRED_ADDS=1: the backward's dK = dV adds as paired
-# `red.v2.f32` from the MMA layout (`_red_add`). Read at each backward launch.
-PAIRED_ADDS = os.environ.get("FLASHTRAIN_ATTN_PAIRED_ADDS") == "1"
 
 
 @triton.jit
@@ -114,47 +113,10 @@ def _dkv_chunk(DKV, rows, n_ok, v, p, ds, q_v, do_v, dq, offs_v, v_ok, C, scale,
     # are fire-and-forget reductions (red.global.gpu.relaxed.add.v4.f32), as in the indexer and Engram.
     ptrs = DKV + rows[:, None] * C + offs_v[None, :]
     if PAIRED:
-        _red_add(ptrs, dkv, n_ok, v_ok)
+        red_add_pairs(ptrs, dkv, n_ok, v_ok)
     else:
         tl.atomic_add(ptrs, dkv, mask=n_ok[:, None] & v_ok[None, :], sem="relaxed")
     return dq
-
-
-@triton.jit
-def _red_add(ptrs, vals, row_ok, col_ok):
-    """Relaxed fp32 adds of vals [R, V] (V even) at ptrs where row_ok [R] and col_ok [V], in the
-    layout vals has (the MMA accumulator's), where tl.atomic_add would first move the tile to a
-    blocked layout through shared memory (2 x 32 KiB a key block at `small`'s config): one
-    `red.global.add.v2.f32` per pair of a thread's registers. That needs each pair to be two
-    adjacent columns (2j, 2j + 1) of a row, as register bit 0 of the MMA layouts is: every element
-    carries its column, and a pair that is not such a pair traps (a launch error, never a wrong
-    sum). The masks go in as a row part and a column part, so a thread holds one register per row
-    and per column it touches instead of one per element. GPU only (inline PTX)."""
-    V: tl.constexpr = vals.shape[1]
-    rows = tl.broadcast_to(row_ok.to(tl.int32)[:, None], vals.shape)
-    cols = tl.broadcast_to((tl.arange(0, V) * 2 + col_ok.to(tl.int32))[None, :], vals.shape)  # column, mask bit
-    # pack=2: $0 $1 are the dummy outputs, then each argument's two elements in turn: addresses
-    # $2 $3 (the second is not needed), values $4 $5, row masks $6 $7, column codes $8 $9
-    tl.inline_asm_elementwise(
-        asm="""{
-        .reg .pred m, bad;
-        .reg .b32 c0, c1, t;
-        and.b32 t, $8, 1;
-        setp.ne.b32 m, $6, 0;
-        setp.ne.and.b32 m, t, 0, m;
-        shr.u32 c0, $8, 1;
-        shr.u32 c1, $9, 1;
-        add.u32 t, c0, 1;
-        setp.ne.u32 bad, c1, t;
-        and.b32 t, c0, 1;
-        setp.ne.or.u32 bad, t, 0, bad;
-        @bad trap;
-        @m red.global.gpu.relaxed.add.v2.f32 [$2], {$4, $5};
-        mov.u32 $0, 0;
-        mov.u32 $1, 0;
-        }""",
-        constraints="=r,=r,l,l,r,r,r,r,r,r",
-        args=[ptrs.to(tl.int64), vals, rows, cols], dtype=tl.int32, is_pure=False, pack=2)
 
 
 @triton.jit
@@ -447,7 +409,7 @@ class _SparseAttention(torch.autograd.Function):
         _bwd[_grid(B * T, H, C, bh)](q, kv, glob, idx, doc_start, positions, out, dout, lse, dq, dkv, dg, delta,
                                      T, H, C, ctx.window, ctx.n_sel, glob.shape[1], ctx.scale,
                                      ctx.scale * LOG2E, HAS_GLOB=ctx.has_glob, PREC=_prec(q), BLOCK_H=bh,
-                                     BLOCK_K=_block_k(ctx.n_sel), PAIRED=PAIRED_ADDS and not INTERPRET and C % 2 == 0,
+                                     BLOCK_K=_block_k(ctx.n_sel), PAIRED=paired_adds.enabled(C),
                                      **_meta("bwd"))
         # the sink column's ds is p_sink * (0 - delta): it has no value row
         p_sink = torch.exp2(sink.float() * LOG2E - lse)  # [B, T, H]
