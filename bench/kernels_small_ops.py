@@ -8,11 +8,6 @@
   and mix_streams with fp32 streams [8, 4096, 4, 1024], a bf16 sub-layer output and fp32
   coefficients, under bf16 autocast as in training (where the reference's einsums run as bf16
   batched matmuls): forward and forward+backward vs the reference.
-* the backward adds as paired reductions from the MMA layout (FLASHTRAIN_PAIRED_ADDS,
-  model/kernels/paired_adds.py) against the atomic adds, forward+backward medians of both and the
-  gradients' largest relative difference: sparse attention's dK = dV at q [8, 4096, 16, 512] bf16
-  with k = 512 causal random selections over 4096 entries and the 128-token window; the indexer's
-  dk (`index_scores_at`) at q [8, 4096, 16, 128] with the same selections as candidates.
 
     python -m bench.kernels_small_ops
 """
@@ -22,10 +17,7 @@ import json
 
 import torch
 
-import model.kernels.paired_adds as paired_adds
-import model.kernels.sparse_attention as sparse_kernels
 from bench.kernel_timing import copy_bandwidth_gbs, timed_ms
-from model.kernels.indexer import index_scores_at_triton
 from model.kernels.stream_mix import mix_streams_triton, update_streams_triton
 from model.mhc import mix_streams, update_streams
 from model.rope import Rotary
@@ -86,61 +78,7 @@ def bench(device) -> dict:
     mix = _pair(mix_streams, mix_streams_triton, [pre, h], 2)
     mix["kernel_fwd_frac_copy"] = (h.numel() * 4 + B * T * D * 4) / (mix["kernel_fwd_ms"] * 1e6) / copy_gbs
     result["mix_streams"] = mix
-    idx = _causal_selections(g)
-    result["attention_paired_adds"] = _attention_paired_adds(g, idx)
-    result["indexer_paired_adds"] = _indexer_paired_adds(g, idx)
     return result
-
-
-def _causal_selections(g: torch.Generator, k: int = 512) -> torch.Tensor:
-    """[B, T, k] random distinct entries s <= t per query, -1 padding last (early queries)."""
-    causal = torch.ones(T, T, device="cuda", dtype=torch.bool).tril()  # entry s visible to query t >= s
-    keys = torch.rand(B, T, T, device="cuda", generator=g).masked_fill(~causal, -1.0)
-    top = keys.topk(k, dim=-1)
-    return torch.where(top.values >= 0, top.indices, -1).sort(dim=-1, descending=True).values
-
-
-def _paired_vs_atomic(fwd_bwd) -> dict:
-    """fwd_bwd() -> gradients, timed with the atomic and with the paired adds in one process."""
-    out, grads = {}, {}
-    before = paired_adds.PAIRED_ADDS
-    try:
-        for paired in (False, True):
-            paired_adds.PAIRED_ADDS = paired
-            grads[paired] = fwd_bwd()
-            out[f"{'paired' if paired else 'atomic'}_fwd_bwd_ms"] = timed_ms(fwd_bwd)
-    finally:
-        paired_adds.PAIRED_ADDS = before
-    out["speedup"] = out["atomic_fwd_bwd_ms"] / out["paired_fwd_bwd_ms"]
-    out["grad_rel_diff"] = max(((a.float() - b.float()).norm() / b.float().norm()).item()
-                               for a, b in zip(grads[True], grads[False]))
-    return out
-
-
-def _attention_paired_adds(g: torch.Generator, idx: torch.Tensor, W: int = 128) -> dict:
-    q = torch.randn(B, T, H, C, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
-    kv = torch.randn(B, T, C, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
-    glob = torch.randn(B, T, C, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
-    doc = torch.zeros(B, T, dtype=torch.long, device="cuda")
-    sink = torch.zeros(H, device="cuda")
-    cot = torch.randn(B, T, H, C, device="cuda", generator=g).to(torch.bfloat16)
-
-    def fwd_bwd():
-        o, _ = sparse_kernels.sparse_attention_triton(q, kv, glob, idx, doc, sink, C ** -0.5, W, want_probs=False)
-        return torch.autograd.grad(o, (q, kv, glob), cot)
-    return _paired_vs_atomic(fwd_bwd)
-
-
-def _indexer_paired_adds(g: torch.Generator, cand: torch.Tensor, Di: int = 128) -> dict:
-    q = torch.randn(B, T, H, Di, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
-    w = (torch.randn(B, T, H, device="cuda", generator=g) * (Di * H) ** -0.5).requires_grad_()
-    k = torch.randn(B, T, Di, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
-    cot = torch.randn(cand.shape, device="cuda", generator=g).masked_fill(cand < 0, 0.0)
-
-    def fwd_bwd():
-        s = index_scores_at_triton(q, w, k, cand)
-        return torch.autograd.grad(s.masked_fill(cand < 0, 0.0), (q, w, k), cot)
-    return _paired_vs_atomic(fwd_bwd)
 
 
 if __name__ == "__main__":

@@ -182,26 +182,3 @@ def test_gpu_index_scores_at_bf16_with_gradients():
     for a, b in zip(got[1:], ref[1:]):  # dx is rounded to bf16 for the backward MMAs: relative L2
         err = (a.float() - b.float()).norm() / b.float().norm()
         assert err <= 2e-2, err.item()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("H", [16, 64])
-def test_gpu_index_scores_at_paired_adds_match_atomic_adds(monkeypatch, H):
-    """FLASHTRAIN_PAIRED_ADDS: dk added as paired reductions from the MMA layout equals dk from the
-    atomic adds up to the order of the fp32 adds (a register pair that were not adjacent columns
-    would trap), and q's and w's gradients, which take no adds, are bit-identical."""
-    import model.kernels.paired_adds as pa
-
-    T, S, P, Di = 512, 4096, 512, 128
-    q, w, k = _bf16_case(T, S, H, Di, seed=3)
-    g = torch.Generator(device="cuda").manual_seed(4)
-    cand = torch.argsort(torch.rand(1, T, S, device="cuda", generator=g), dim=-1)[..., :P]
-    cand[..., -50:] = -1
-    up = torch.randn(1, T, P, device="cuda", generator=g)
-    got = {}
-    for paired in (False, True):
-        monkeypatch.setattr(pa, "PAIRED_ADDS", paired)
-        got[paired] = _grads(index_scores_at_triton, q, w, k, cand, up)
-    assert torch.equal(got[True][1], got[False][1]) and torch.equal(got[True][2], got[False][2])
-    a, b = got[True][3].float(), got[False][3].float()
-    assert (a - b).norm() / b.norm() < 1e-4, ((a - b).norm() / b.norm()).item()

@@ -149,26 +149,3 @@ def test_gpu_bf16_full_scale(H, halo):
     assert _rel(p_k, p_r.detach().sum(2)) < 1e-2
     for n in names:  # d sink sums p_sink * rowsum(dout * out) over bf16-rounded out: looser
         assert _rel(g_k[n], g_r[n]) < (5e-2 if n == "sink" else 2e-2), (n, _rel(g_k[n], g_r[n]))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("H,T,k", [(64, 256, 512), (16, 1024, 512)], ids=["H64", "H16"])
-def test_gpu_paired_adds_match_atomic_adds(monkeypatch, H, T, k):
-    """FLASHTRAIN_PAIRED_ADDS: the dK = dV adds as paired reductions from the MMA layout give
-    the gradients the atomic adds give (up to the order of fp32 adds), against the fp32 reference
-    too; a pair of registers that were not adjacent columns would trap instead."""
-    import model.kernels.paired_adds as pa
-
-    args = _inputs(B=2, T=T, H=H, C=512, k=k, W=128, S=1024, offset=512, halo=True, dtype=torch.bfloat16,
-                   device="cuda")
-    names = [n for n in ("q", "win_kv", "glob_kv", "sink", "halo") if args[n] is not None]
-    gout = torch.randn(args["q"].shape, device="cuda")
-    grads = {}
-    for paired in (False, True):
-        monkeypatch.setattr(pa, "PAIRED_ADDS", paired)
-        grads[paired] = _grads(sparse_attention_triton, args, names, gout)[2]
-    wide = {n: v.float() if torch.is_tensor(v) and v.is_floating_point() else v for n, v in args.items()}
-    g_r = _grads(sparse_attention, wide, names, gout)[2]
-    for n in names:
-        assert _rel(grads[True][n], grads[False][n]) < 1e-2, (n, _rel(grads[True][n], grads[False][n]))
-        assert _rel(grads[True][n], g_r[n]) < (5e-2 if n == "sink" else 2e-2), (n, _rel(grads[True][n], g_r[n]))

@@ -55,8 +55,6 @@ import triton
 import triton.language as tl
 
 from model.csa import _with_halo, window_doc_start
-from model.kernels import paired_adds
-from model.kernels.paired_adds import red_add_pairs
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 LOG2E = 1.4426950408889634
@@ -100,8 +98,7 @@ def _fwd_block(Qrow, KV, rows, n_ok, q, m, den, acc, offs_h, h_ok, offs_v, v_ok,
 
 
 @triton.jit
-def _dkv_chunk(DKV, rows, n_ok, v, p, ds, q_v, do_v, dq, offs_v, v_ok, C, scale, PREC: tl.constexpr,
-               PAIRED: tl.constexpr = False):
+def _dkv_chunk(DKV, rows, n_ok, v, p, ds, q_v, do_v, dq, offs_v, v_ok, C, scale, PREC: tl.constexpr):
     """One value chunk v = kv[rows] [BLOCK_N, BLOCK_CV]: dq += ds . v, and dK = dV rows
     (p^T . dout + ds^T . q) added into DKV."""
     dt = q_v.dtype
@@ -111,11 +108,8 @@ def _dkv_chunk(DKV, rows, n_ok, v, p, ds, q_v, do_v, dq, offs_v, v_ok, C, scale,
     # relaxed: nothing in the kernel reads DKV back, and the kernel's end orders the adds for the reader.
     # The default acq_rel orders every add (sm_90 PTX: atom.global.gpu.acq_rel.add.v4.f32); relaxed ones
     # are fire-and-forget reductions (red.global.gpu.relaxed.add.v4.f32), as in the indexer and Engram.
-    ptrs = DKV + rows[:, None] * C + offs_v[None, :]
-    if PAIRED:
-        red_add_pairs(ptrs, dkv, n_ok, v_ok)
-    else:
-        tl.atomic_add(ptrs, dkv, mask=n_ok[:, None] & v_ok[None, :], sem="relaxed")
+    tl.atomic_add(DKV + rows[:, None] * C + offs_v[None, :], dkv, mask=n_ok[:, None] & v_ok[None, :],
+                  sem="relaxed")
     return dq
 
 
@@ -134,8 +128,7 @@ def _value_chunks(KV, rows, n_ok, offs_v, v_ok, offs_w, w_ok, C, dt, SPLIT: tl.c
 @triton.jit
 def _bwd_block(Qrow, DOrow, KV, DKV, rows, n_ok, q_v, do_v, q_w, do_w, lse, delta, dq, dq_w, offs_h, h_ok,
                offs_v, v_ok, offs_w, w_ok, C, scale, qk_scale, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_C: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr, ONE_PASS: tl.constexpr,
-               PAIRED: tl.constexpr = False):
+               BLOCK_C: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr, ONE_PASS: tl.constexpr):
     """Recompute p and dp = dout . v over full C, then this program's value chunk(s) of dq and
     dK=dV: the chunk at offs_v, and with SPLIT = 2 also the one at offs_w (same p and ds).
     ONE_PASS (the program's chunks cover C): the rows of each chunk are loaded once and feed the
@@ -165,9 +158,9 @@ def _bwd_block(Qrow, DOrow, KV, DKV, rows, n_ok, q_v, do_v, q_w, do_w, lse, delt
     ok = h_ok[:, None] & n_ok[None, :]
     p = tl.where(ok, tl.exp2(s * qk_scale - lse[:, None]), 0.0)
     ds = p * (dp - delta[:, None])  # d loss / d logit (natural units)
-    dq = _dkv_chunk(DKV, rows, n_ok, v, p, ds, q_v, do_v, dq, offs_v, v_ok, C, scale, PREC, PAIRED)
+    dq = _dkv_chunk(DKV, rows, n_ok, v, p, ds, q_v, do_v, dq, offs_v, v_ok, C, scale, PREC)
     if SPLIT == 2:
-        dq_w = _dkv_chunk(DKV, rows, n_ok, v_w, p, ds, q_w, do_w, dq_w, offs_w, w_ok, C, scale, PREC, PAIRED)
+        dq_w = _dkv_chunk(DKV, rows, n_ok, v_w, p, ds, q_w, do_w, dq_w, offs_w, w_ok, C, scale, PREC)
     return dq, dq_w
 
 
@@ -261,7 +254,7 @@ def _psum_kernel(Q, G, IDX, LSE, PSUM, H, C, K, S, T, qk_scale, PREC: tl.constex
 def _bwd_kernel(Q, KV, G, IDX, DOC, POS, OUT, DO, LSE, DQ, DKV, DG, DELTA, T, H, C, W, K, S, scale, qk_scale,
                 HAS_GLOB: tl.constexpr, PREC: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_C: tl.constexpr, BLOCK_CV: tl.constexpr, SPLIT: tl.constexpr, BLOCK_K: tl.constexpr,
-                ONE_PASS: tl.constexpr, PAIRED: tl.constexpr = False):
+                ONE_PASS: tl.constexpr):
     # DQ like Q; DKV [B, W-1+T, C] and DG [B, S, C] fp32 (atomic adds); DELTA [B, T, H] fp32.
     # SPLIT = 2: the program takes two value chunks (offs_v, offs_w) from one recomputation of p, ds.
     pid_q, b, t, offs_h, offs_v, first = _program(T, H, C, BLOCK_H, BLOCK_CV, SPLIT)
@@ -294,7 +287,7 @@ def _bwd_kernel(Q, KV, G, IDX, DOC, POS, OUT, DO, LSE, DQ, DKV, DG, DELTA, T, H,
         rows = b * (T + W - 1) + t + offs_n
         dq, dq_w = _bwd_block(Qrow, DOrow, KV, DKV, rows, n_ok, q_v, do_v, q_w, do_w, lse, delta, dq, dq_w,
                               offs_h, h_ok, offs_v, v_ok, offs_w, w_ok, C, scale, qk_scale,
-                              BLOCK_H, BLOCK_N, BLOCK_C, PREC, SPLIT, ONE_PASS, PAIRED)
+                              BLOCK_H, BLOCK_N, BLOCK_C, PREC, SPLIT, ONE_PASS)
     if HAS_GLOB:
         for n0 in range(0, _selected_end(IDX + pid_q * K, K, BLOCK_K), BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -303,7 +296,7 @@ def _bwd_kernel(Q, KV, G, IDX, DOC, POS, OUT, DO, LSE, DQ, DKV, DG, DELTA, T, H,
             rows = b * S + tl.where(n_ok, ids, 0)
             dq, dq_w = _bwd_block(Qrow, DOrow, G, DG, rows, n_ok, q_v, do_v, q_w, do_w, lse, delta, dq, dq_w,
                                   offs_h, h_ok, offs_v, v_ok, offs_w, w_ok, C, scale, qk_scale,
-                                  BLOCK_H, BLOCK_N, BLOCK_C, PREC, SPLIT, ONE_PASS, PAIRED)
+                                  BLOCK_H, BLOCK_N, BLOCK_C, PREC, SPLIT, ONE_PASS)
     tl.store(DQ + pid_q * H * C + offs_h[:, None] * C + offs_v[None, :], (dq * scale).to(DQ.dtype.element_ty),
              mask=hv)
     if SPLIT == 2:
@@ -347,7 +340,7 @@ else:
                            + [_cfg(256, 8, 2, 64, 2), _cfg(256, 8, 2, 32, 2), _cfg(256, 4, 2, 32, 2),
                               _cfg(256, 4, 2, 64, 2), _cfg(128, 4, 2, 64, 2), _cfg(256, 4, 3, 32, 2),
                               _cfg(256, 4, 2, 16, 2), _cfg(512, 8, 2, 32, 1)],
-                           key=["H", "C", "HAS_GLOB", "PAIRED"], reset_to_zero=["DKV", "DG"])(_one_pass(_bwd_kernel))
+                           key=["H", "C", "HAS_GLOB"], reset_to_zero=["DKV", "DG"])(_one_pass(_bwd_kernel))
     _psum = triton.autotune([triton.Config(dict(BLOCK_N=n, BLOCK_C=64), num_warps=w, num_stages=2)
                              for n, w in ((64, 4), (32, 4), (64, 8))], key=["H", "C"])(_psum_kernel)
 
@@ -409,8 +402,7 @@ class _SparseAttention(torch.autograd.Function):
         _bwd[_grid(B * T, H, C, bh)](q, kv, glob, idx, doc_start, positions, out, dout, lse, dq, dkv, dg, delta,
                                      T, H, C, ctx.window, ctx.n_sel, glob.shape[1], ctx.scale,
                                      ctx.scale * LOG2E, HAS_GLOB=ctx.has_glob, PREC=_prec(q), BLOCK_H=bh,
-                                     BLOCK_K=_block_k(ctx.n_sel), PAIRED=paired_adds.enabled(C),
-                                     **_meta("bwd"))
+                                     BLOCK_K=_block_k(ctx.n_sel), **_meta("bwd"))
         # the sink column's ds is p_sink * (0 - delta): it has no value row
         p_sink = torch.exp2(sink.float() * LOG2E - lse)  # [B, T, H]
         dsink = -(p_sink * delta).sum((0, 1)).to(sink.dtype)
