@@ -101,6 +101,19 @@ def test_window_only_layer():
     _check(_inputs(glob=False, halo=True, offset=16))
 
 
+def test_fp32_inputs_tune_over_one_config():
+    """fp32 launches (tests, numerics checks) compile one config, the smallest value chunk and key
+    block of each list, instead of tuning over all of them; bf16 launches keep the whole list."""
+    import model.kernels.sparse_attention as sa
+
+    for configs in (sa._FWD_CONFIGS, sa._BWD_CONFIGS, sa._PSUM_CONFIGS):
+        assert sa._fp32_one_config(configs, {}, PREC="tf32") == configs
+        (one,) = sa._fp32_one_config(configs, {}, PREC="ieee")
+        width = lambda c: c.kwargs.get("BLOCK_CV", 0) * c.kwargs.get("SPLIT", 1)
+        assert all((width(one), one.kwargs["BLOCK_N"]) <= (width(c), c.kwargs["BLOCK_N"]) for c in configs)
+    assert sa._fp32_one_config(sa._BWD_CONFIGS, {}, PREC="ieee")[0].kwargs["BLOCK_CV"] == 64
+
+
 def test_head_blocks_and_no_probs():
     args = _inputs(B=1, T=12, H=20, k=16)  # 20 heads: a masked partial head block
     _check(args)

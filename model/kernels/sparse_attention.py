@@ -324,25 +324,45 @@ _FIXED = dict(BLOCK_N=16, BLOCK_C=16, BLOCK_CV=16, SPLIT=1)
 # ONE_PASS: the program's value chunk(s) cover C, so each key block's rows are loaded once for the
 # logits and the value dots (forward), and for the logits, dp, dq and dK = dV (backward).
 _one_pass = triton.heuristics({"ONE_PASS": lambda a: a["BLOCK_CV"] * a.get("SPLIT", 1) >= a["C"]})
+
+
+def _cfg(cv, w, st, n=64, split=None):
+    meta = dict(BLOCK_N=n, BLOCK_C=64, BLOCK_CV=cv, **({} if split is None else {"SPLIT": split}))
+    return triton.Config(meta, num_warps=w, num_stages=st)
+
+
+_FWD_CONFIGS = [_cfg(128, 4, 2), _cfg(128, 8, 2), _cfg(256, 8, 2), _cfg(64, 4, 3),
+                _cfg(512, 4, 3), _cfg(512, 4, 2), _cfg(256, 4, 3),
+                _cfg(512, 4, 3, 32), _cfg(512, 4, 2, 32), _cfg(512, 8, 2, 32), _cfg(512, 4, 3, 16)]
+_BWD_CONFIGS = ([_cfg(128, 8, 2, 64, 1), _cfg(64, 8, 2, 64, 1), _cfg(128, 8, 2, 32, 1), _cfg(128, 8, 3, 64, 1),
+                 _cfg(256, 4, 3, 32, 1), _cfg(256, 4, 2, 64, 1), _cfg(256, 2, 2, 32, 1), _cfg(512, 4, 2, 32, 1)]
+                + [_cfg(256, 8, 2, 64, 2), _cfg(256, 8, 2, 32, 2), _cfg(256, 4, 2, 32, 2),
+                   _cfg(256, 4, 2, 64, 2), _cfg(128, 4, 2, 64, 2), _cfg(256, 4, 3, 32, 2),
+                   _cfg(256, 4, 2, 16, 2), _cfg(512, 8, 2, 32, 1)])
+_PSUM_CONFIGS = [triton.Config(dict(BLOCK_N=n, BLOCK_C=64), num_warps=w, num_stages=2)
+                 for n, w in ((64, 4), (32, 4), (64, 8))]
+
+
+def _fp32_one_config(configs, named_args, **kwargs):
+    """The autotuner's prune: fp32 inputs (tests and numerics checks; training runs bf16) get one
+    config, the one with the smallest tiles, where tuning would compile the whole list first. The
+    fp32 one-pass builds spill heavily and take 5-25 s each (offline sm_90 build, one CPU core), so
+    a first fp32 forward+backward spent minutes compiling (`test_compiled_kernel_model_matches_eager_on_gpu`
+    ran past 570 s)."""
+    if kwargs.get("PREC") != "ieee":
+        return configs
+    return [min(configs, key=lambda c: (c.kwargs.get("BLOCK_CV", 0) * c.kwargs.get("SPLIT", 1),
+                                        c.kwargs["BLOCK_N"], c.num_stages, c.num_warps))]
+
+
 if INTERPRET:
     _fwd, _bwd, _psum = _one_pass(_fwd_kernel), _one_pass(_bwd_kernel), _psum_kernel
 else:
-    def _cfg(cv, w, st, n=64, split=None):
-        meta = dict(BLOCK_N=n, BLOCK_C=64, BLOCK_CV=cv, **({} if split is None else {"SPLIT": split}))
-        return triton.Config(meta, num_warps=w, num_stages=st)
-
-    _fwd = triton.autotune([_cfg(128, 4, 2), _cfg(128, 8, 2), _cfg(256, 8, 2), _cfg(64, 4, 3),
-                            _cfg(512, 4, 3), _cfg(512, 4, 2), _cfg(256, 4, 3),
-                            _cfg(512, 4, 3, 32), _cfg(512, 4, 2, 32), _cfg(512, 8, 2, 32), _cfg(512, 4, 3, 16)],
-                           key=["H", "C", "HAS_GLOB"])(_one_pass(_fwd_kernel))
-    _bwd = triton.autotune([_cfg(128, 8, 2, 64, 1), _cfg(64, 8, 2, 64, 1), _cfg(128, 8, 2, 32, 1), _cfg(128, 8, 3, 64, 1),
-                            _cfg(256, 4, 3, 32, 1), _cfg(256, 4, 2, 64, 1), _cfg(256, 2, 2, 32, 1), _cfg(512, 4, 2, 32, 1)]
-                           + [_cfg(256, 8, 2, 64, 2), _cfg(256, 8, 2, 32, 2), _cfg(256, 4, 2, 32, 2),
-                              _cfg(256, 4, 2, 64, 2), _cfg(128, 4, 2, 64, 2), _cfg(256, 4, 3, 32, 2),
-                              _cfg(256, 4, 2, 16, 2), _cfg(512, 8, 2, 32, 1)],
-                           key=["H", "C", "HAS_GLOB"], reset_to_zero=["DKV", "DG"])(_one_pass(_bwd_kernel))
-    _psum = triton.autotune([triton.Config(dict(BLOCK_N=n, BLOCK_C=64), num_warps=w, num_stages=2)
-                             for n, w in ((64, 4), (32, 4), (64, 8))], key=["H", "C"])(_psum_kernel)
+    _fp32 = {"early_config_prune": _fp32_one_config}
+    _fwd = triton.autotune(_FWD_CONFIGS, key=["H", "C", "HAS_GLOB"], prune_configs_by=_fp32)(_one_pass(_fwd_kernel))
+    _bwd = triton.autotune(_BWD_CONFIGS, key=["H", "C", "HAS_GLOB"], reset_to_zero=["DKV", "DG"],
+                           prune_configs_by=_fp32)(_one_pass(_bwd_kernel))
+    _psum = triton.autotune(_PSUM_CONFIGS, key=["H", "C"], prune_configs_by=_fp32)(_psum_kernel)
 
 
 def _meta(kernel: str) -> dict:
