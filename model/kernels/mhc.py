@@ -32,8 +32,7 @@ over programs). Its 20 Sinkhorn rounds run in one launch of their own kernel
 
 Contract (`fused_mhc_step`), any leading dims `...` (flattened to T tokens inside):
     h    [..., n, D]   bf16 / fp16 / fp32 streams    -> h_new [..., n, D] same dtype
-    y    [..., D]      sub-layer output, any float  -> x     [..., D]    h's dtype (under
-                                                         autocast: the autocast dtype)
+    y    [..., D]      sub-layer output (h's dtype)  -> x     [..., D]    same dtype
     post [..., n], comb [..., n, n], pre [..., n]     fp32 (cast if not)
     fn   [2n + n*n, n*D] fp32 weight of the next HyperConnection, eps its `eps`
                                                       -> mix   [..., 2n + n*n] fp32 logits
@@ -339,12 +338,12 @@ class _FusedMHCStep(torch.autograd.Function):
     """Flat shapes: h [T, n, D], y [T, D], post/pre [T, n], comb [T, n, n], fn [M, n*D]."""
 
     @staticmethod
-    def forward(ctx, h, y, post, comb, pre, fn, eps: float, cfg: MHCKernelConfig, x_dtype: torch.dtype):
+    def forward(ctx, h, y, post, comb, pre, fn, eps: float, cfg: MHCKernelConfig):
         T, N, D = h.shape
         M = fn.shape[0]
         cfg = cfg.resolved(h.dtype)
         h_new = torch.empty_like(h)
-        x = torch.empty(T, D, dtype=x_dtype, device=h.device)
+        x = torch.empty_like(y)
         fa, precision = _forward_weight(fn, h.dtype)
         MS = fa.shape[0]
         splits, per_split = forward_splits(T, D, h.device, h.dtype, cfg)
@@ -416,7 +415,7 @@ class _FusedMHCStep(torch.autograd.Function):
             g_fn = g_fn[:M] + g_fn[slot:slot + M]
         elif need_fn:  # fp32 / fp16 streams: g_dot^T @ h' in fp32 (one more read of h')
             g_fn = gdot.T @ h_new.reshape(T, N * D).float()
-        return g_h, g_y, gpost_part.sum(0), gcomb_part.sum(0), g_pre, g_fn, None, None, None
+        return g_h, g_y, gpost_part.sum(0), gcomb_part.sum(0), g_pre, g_fn, None, None
 
 
 # ----------------------------------------------------------------------------- entry points
@@ -434,20 +433,12 @@ def fused_mhc_step(h: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: t
     if y.shape != (*lead, D) or fn.shape[1] != N * D:
         raise ValueError(f"shape mismatch: h {tuple(h.shape)}, y {tuple(y.shape)}, fn {tuple(fn.shape)}")
     T = math.prod(lead)
-    # y is read in its own dtype and widened in registers, and its gradient written in that dtype:
-    # a cast to the streams' dtype here was a copy of [T, D] each way, at every boundary. Under
-    # autocast x comes out in the autocast dtype, as the reference's mix_streams einsum gives it,
-    # so the norm after it casts nothing either.
-    dev = h.device.type
-    x_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype
-    if y.dtype == torch.float64:
-        y = y.to(h.dtype)
     # casts and reshapes stay outside the Function, so autograd casts the gradients back
     h_new, x, mix = _FusedMHCStep.apply(
-        h.reshape(T, N, D).contiguous(), y.reshape(T, D).contiguous(),
+        h.reshape(T, N, D).contiguous(), y.to(h.dtype).reshape(T, D).contiguous(),
         post.float().reshape(T, N).contiguous(), comb.float().reshape(T, N, N).contiguous(),
         pre.float().reshape(T, N).contiguous(), fn.float().contiguous(), float(eps),
-        config or MHCKernelConfig(), x_dtype)
+        config or MHCKernelConfig())
     return h_new.view(*lead, N, D), x.view(*lead, D), mix.view(*lead, M)
 
 
