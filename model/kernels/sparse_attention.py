@@ -307,7 +307,8 @@ def _bwd_kernel(Q, KV, G, IDX, DOC, POS, OUT, DO, LSE, DQ, DKV, DG, DELTA, T, H,
 
 
 # Block sizes. The interpreter runs fixed small blocks (tl.dot needs dims >= 16, no autotune);
-# on a GPU the value chunk / key block / warps / stages are autotuned per (H, C, dtype). BLOCK_H
+# on a GPU the value chunk / key block / warps / stages are autotuned per (H, C, dtype), except
+# that fp32 launches take one config (`_fp32_one_config`). BLOCK_H
 # covers all heads up to 64 (one key load for every head); BLOCK_CV trades logit recompute
 # (C / BLOCK_CV times) against accumulator registers. The first four configs of each list are for
 # H=64, C=512 (compiled offline for sm_90, bf16: wgmma, no spills; the backward at BLOCK_CV=256
