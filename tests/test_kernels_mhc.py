@@ -145,6 +145,45 @@ def test_bf16_streams_split_logits():
     assert rel_err(g_fn, g_ref) < 2e-5
 
 
+def test_autocast_bf16_output_and_input():
+    """Under bf16 autocast with fp32 streams (training with the kernels): the sub-layer output y
+    goes in bf16 as it is and its gradient comes back bf16 from the kernel, and x comes out bf16,
+    as the reference's mix_streams einsum gives it under autocast. Values and gradients match the
+    fp32 reference of the same inputs up to the rounding of x and of y's gradient to bf16."""
+    inputs = make_inputs(seed=12)
+    inputs[1] = inputs[1].detach().to(torch.bfloat16).requires_grad_()
+    with torch.autocast(DEV, dtype=torch.bfloat16):
+        fused = fused_mhc_step(*inputs, EPS, config=CONFIGS[1])
+    assert [o.dtype for o in fused] == [torch.float32, torch.bfloat16, torch.float32]
+    wide = [t.detach().float().requires_grad_() for t in inputs]
+    ref = reference_mhc_step(*wide, EPS)
+    for name, a, b, tol in zip(["h_new", "x", "mix"], fused, ref, [1e-6, 1e-2, 1e-5]):
+        assert rel_err(a, b) < tol, (name, rel_err(a, b))
+    g = torch.Generator().manual_seed(13)
+    cot = [torch.randn(o.shape, generator=g).to(DEV, o.dtype) for o in fused]
+    got, want = grads(fused, inputs, cot), grads(ref, wide, [c.float() for c in cot])
+    assert got[1].dtype == torch.bfloat16
+    for name, a, b in zip(NAMES, got, want):
+        assert rel_err(a, b) < (1e-2 if name == "y" else 1e-5), (name, rel_err(a, b))
+
+
+def test_forward_token_tile_for_narrow_io():
+    """fp32 streams with a bf16 y or x take 16-token forward tiles (the 32-token tile spills on
+    sm_90); same-width y and x, and an explicit fwd_block_t, keep theirs. Values match either way."""
+    cfg = MHCKernelConfig()
+    assert cfg.resolved(torch.float32, narrow_io=True).fwd_block_t == 16
+    assert cfg.resolved(torch.float32).fwd_block_t == cfg.block_t == 32
+    assert cfg.resolved(torch.bfloat16, narrow_io=False).fwd_block_t == 32
+    assert MHCKernelConfig(fwd_block_t=64).resolved(torch.float32, narrow_io=True).fwd_block_t == 64
+    inputs = make_inputs(seed=14)
+    inputs[1] = inputs[1].detach().to(torch.bfloat16)
+    with torch.autocast(DEV, dtype=torch.bfloat16):
+        a = fused_mhc_step(*inputs, EPS, config=CONFIGS[2])  # resolves to 16-token tiles
+        b = fused_mhc_step(*inputs, EPS, config=MHCKernelConfig(fwd_block_t=32))
+    for u, v in zip(a, b):
+        torch.testing.assert_close(u, v, atol=1e-6, rtol=1e-6)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dim", [1024, 4096])
 def test_bf16_streams_on_gpu(dim):

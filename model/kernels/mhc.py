@@ -32,7 +32,8 @@ over programs). Its 20 Sinkhorn rounds run in one launch of their own kernel
 
 Contract (`fused_mhc_step`), any leading dims `...` (flattened to T tokens inside):
     h    [..., n, D]   bf16 / fp16 / fp32 streams    -> h_new [..., n, D] same dtype
-    y    [..., D]      sub-layer output (h's dtype)  -> x     [..., D]    same dtype
+    y    [..., D]      sub-layer output, any float  -> x     [..., D]    h's dtype (under
+                                                         autocast: the autocast dtype)
     post [..., n], comb [..., n, n], pre [..., n]     fp32 (cast if not)
     fn   [2n + n*n, n*D] fp32 weight of the next HyperConnection, eps its `eps`
                                                       -> mix   [..., 2n + n*n] fp32 logits
@@ -79,6 +80,9 @@ class MHCKernelConfig:
     fwd_block_d: Optional[int] = None  # model-dim columns per forward tile
     bwd_block_d: Optional[int] = None  # ... per backward tile
     bwd_block_t: Optional[int] = None  # backward token tile (None: 16 for fp32 streams, else block_t)
+    # forward token tile (None: block_t, but 16 for fp32 streams with a bf16 / fp16 y or x, whose
+    # 32-token tile spills 364 / 348 bytes at 4 warps on sm_90 where fp32 y and x spill 52 / 44)
+    fwd_block_t: Optional[int] = None
     num_warps: int = 8  # the backward's, and the forward's unless fwd_num_warps
     fwd_num_warps: Optional[int] = None  # None: 4 for fp32 streams, else num_warps
     num_stages: int = 1  # backward: short load-bound loops, software pipelining only costs smem and registers
@@ -90,10 +94,12 @@ class MHCKernelConfig:
     fwd_splits: Optional[int] = None  # forward: D ranges per token tile (None: fill the GPU)
     bwd_groups: Optional[int] = None  # backward: token groups per D block (None: fill the GPU)
 
-    def resolved(self, dtype: torch.dtype) -> MHCKernelConfig:
+    def resolved(self, dtype: torch.dtype, narrow_io: bool = False) -> MHCKernelConfig:
+        """narrow_io: y or x is narrower than the streams (bf16 / fp16 against fp32 streams)."""
         block_d = 64 if dtype == torch.bfloat16 else 32  # 64 bf16 = a 128-byte line per stream row
         fp32 = dtype == torch.float32
         return replace(self, fwd_block_d=self.fwd_block_d or block_d,
+                       fwd_block_t=self.fwd_block_t or (16 if fp32 and narrow_io else self.block_t),
                        bwd_block_d=self.bwd_block_d or (64 if fp32 else block_d),
                        bwd_block_t=self.bwd_block_t or (16 if fp32 else self.block_t),
                        fwd_num_warps=self.fwd_num_warps or (4 if fp32 else self.num_warps))
@@ -116,7 +122,7 @@ def forward_splits(T: int, D: int, device: torch.device, dtype: torch.dtype = to
     when there are few token tiles; each split adds one [T, 2n+n*n] fp32 partial (two for bf16)."""
     cfg = (cfg or MHCKernelConfig()).resolved(dtype)
     n_blocks = triton.cdiv(D, cfg.fwd_block_d)
-    splits = cfg.fwd_splits or triton.cdiv(_programs_wanted(device), triton.cdiv(max(T, 1), cfg.block_t))
+    splits = cfg.fwd_splits or triton.cdiv(_programs_wanted(device), triton.cdiv(max(T, 1), cfg.fwd_block_t))
     per_split = triton.cdiv(n_blocks, max(1, min(splits, n_blocks)))
     return triton.cdiv(n_blocks, per_split), per_split  # no empty splits
 
@@ -338,21 +344,21 @@ class _FusedMHCStep(torch.autograd.Function):
     """Flat shapes: h [T, n, D], y [T, D], post/pre [T, n], comb [T, n, n], fn [M, n*D]."""
 
     @staticmethod
-    def forward(ctx, h, y, post, comb, pre, fn, eps: float, cfg: MHCKernelConfig):
+    def forward(ctx, h, y, post, comb, pre, fn, eps: float, cfg: MHCKernelConfig, x_dtype: torch.dtype):
         T, N, D = h.shape
         M = fn.shape[0]
-        cfg = cfg.resolved(h.dtype)
+        cfg = cfg.resolved(h.dtype, narrow_io=min(y.element_size(), x_dtype.itemsize) < h.element_size())
         h_new = torch.empty_like(h)
-        x = torch.empty_like(y)
+        x = torch.empty(T, D, dtype=x_dtype, device=h.device)
         fa, precision = _forward_weight(fn, h.dtype)
         MS = fa.shape[0]
         splits, per_split = forward_splits(T, D, h.device, h.dtype, cfg)
         dot_part = torch.empty(splits, T, MS, device=h.device, dtype=torch.float32)
         ss_part = torch.empty(splits, T, device=h.device, dtype=torch.float32)
         if T > 0:
-            _mhc_fwd_kernel[(triton.cdiv(T, cfg.block_t), splits)](
+            _mhc_fwd_kernel[(triton.cdiv(T, cfg.fwd_block_t), splits)](
                 h, y, post, comb, pre, fa, h_new, x, dot_part, ss_part, T, D, per_split,
-                N=N, MS=MS, MA=_pow2(MS, 64), BT=cfg.block_t, BD=cfg.fwd_block_d,
+                N=N, MS=MS, MA=_pow2(MS, 64), BT=cfg.fwd_block_t, BD=cfg.fwd_block_d,
                 PRECISION=precision, UPCAST=_interpreting(), num_warps=cfg.fwd_num_warps, num_stages=cfg.fwd_num_stages)
         # [T] RMS factor and [T, M] logits: tiny host-side reductions over the D splits
         r = torch.rsqrt(ss_part.sum(0) / (N * D) + eps)
@@ -415,7 +421,7 @@ class _FusedMHCStep(torch.autograd.Function):
             g_fn = g_fn[:M] + g_fn[slot:slot + M]
         elif need_fn:  # fp32 / fp16 streams: g_dot^T @ h' in fp32 (one more read of h')
             g_fn = gdot.T @ h_new.reshape(T, N * D).float()
-        return g_h, g_y, gpost_part.sum(0), gcomb_part.sum(0), g_pre, g_fn, None, None
+        return g_h, g_y, gpost_part.sum(0), gcomb_part.sum(0), g_pre, g_fn, None, None, None
 
 
 # ----------------------------------------------------------------------------- entry points
@@ -433,12 +439,20 @@ def fused_mhc_step(h: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: t
     if y.shape != (*lead, D) or fn.shape[1] != N * D:
         raise ValueError(f"shape mismatch: h {tuple(h.shape)}, y {tuple(y.shape)}, fn {tuple(fn.shape)}")
     T = math.prod(lead)
+    # y is read in its own dtype and widened in registers, and its gradient written in that dtype:
+    # a cast to the streams' dtype here was a copy of [T, D] each way, at every boundary. Under
+    # autocast x comes out in the autocast dtype, as the reference's mix_streams einsum gives it,
+    # so the norm after it casts nothing either.
+    dev = h.device.type
+    x_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype
+    if y.dtype == torch.float64:
+        y = y.to(h.dtype)
     # casts and reshapes stay outside the Function, so autograd casts the gradients back
     h_new, x, mix = _FusedMHCStep.apply(
-        h.reshape(T, N, D).contiguous(), y.to(h.dtype).reshape(T, D).contiguous(),
+        h.reshape(T, N, D).contiguous(), y.reshape(T, D).contiguous(),
         post.float().reshape(T, N).contiguous(), comb.float().reshape(T, N, N).contiguous(),
         pre.float().reshape(T, N).contiguous(), fn.float().contiguous(), float(eps),
-        config or MHCKernelConfig())
+        config or MHCKernelConfig(), x_dtype)
     return h_new.view(*lead, N, D), x.view(*lead, D), mix.view(*lead, M)
 
 
