@@ -175,8 +175,8 @@ class CSA2Attention(nn.Module):
         if glob is not None and rt.indexer_mode == "dense":
             attend_idx = rt.all_visible(self.spec.compress_ratio, rows)  # [B, Tc, S]: column j is entry j
         with_kl = iq is not None and rt.with_indexer_loss  # Reuse layers have no indexer of their own
-        # p_sel [B, Tc, k] head-summed, only for the indexer loss: the kernel's p_sum pass costs as
-        # much as a third of its forward
+        # p_sel [B, Tc, k] head-summed, only for the indexer loss: with it the kernel's forward
+        # writes and re-reads every selected logit ([B, Tc, H, k] fp32)
         out, p_sel = self.attend(q, win, glob, attend_idx, rt.doc_start[:, rows], self.sink, self.scale,
                                  self.window, rt.positions[:, rows], halo, want_probs=with_kl)
         kl = None

@@ -250,7 +250,7 @@ def test_reuse_reads_source_indices_and_only_full_layers_allocate_kv(tiny_model)
 
 
 def test_only_layers_with_an_indexer_loss_ask_for_selected_probabilities():
-    """The kernel's p_sum pass runs only where indexer_kl reads it: layers with their own indexer
+    """The kernel's p_sum epilogue runs only where indexer_kl reads it: layers with their own indexer
     query (Full, Reindex), in training with labels. Reuse and SWA layers never ask."""
     torch.manual_seed(0)
     model = Transformer(tiny(engram_layers=[], index_topk=8, pool_blocks=3, pool_block=4, window=16))

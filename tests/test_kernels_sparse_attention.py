@@ -106,7 +106,7 @@ def test_fp32_inputs_tune_over_one_config():
     block of each list, instead of tuning over all of them; bf16 launches keep the whole list."""
     import model.kernels.sparse_attention as sa
 
-    for configs in (sa._FWD_CONFIGS, sa._BWD_CONFIGS, sa._PSUM_CONFIGS):
+    for configs in (sa._FWD_CONFIGS, sa._BWD_CONFIGS):
         assert sa._fp32_one_config(configs, {}, PREC="tf32") == configs
         (one,) = sa._fp32_one_config(configs, {}, PREC="ieee")
         width = lambda c: c.kwargs.get("BLOCK_CV", 0) * c.kwargs.get("SPLIT", 1)
@@ -117,6 +117,8 @@ def test_fp32_inputs_tune_over_one_config():
 def test_head_blocks_and_no_probs():
     args = _inputs(B=1, T=12, H=20, k=16)  # 20 heads: a masked partial head block
     _check(args)
+    # 80 heads: two head blocks of 64, each adding its heads' part of p_sum
+    _check(_inputs(B=1, T=6, H=80, k=16, W=4))
     out, p = sparse_attention_triton(**args, want_probs=False)
     assert p is None and out.shape == args["q"].shape
 
