@@ -8,6 +8,10 @@
   and mix_streams with fp32 streams [8, 4096, 4, 1024], a bf16 sub-layer output and fp32
   coefficients, under bf16 autocast as in training (where the reference's einsums run as bf16
   batched matmuls): forward and forward+backward vs the reference.
+* RMSNorm (model/kernels/rms_norm.py) on bf16 [8, 4096, D], D = 1024 (the block norms) and 512
+  (q / kv norms), weight and input gradients: forward and forward+backward vs the reference
+  (torch's fused rms_norm with the weight in bf16); each pass's bytes (forward: read x, write y;
+  backward: read x and dy, write dx) as a fraction of the copy bandwidth.
 
     python -m bench.kernels_small_ops
 """
@@ -16,8 +20,10 @@ from __future__ import annotations
 import json
 
 import torch
+import torch.nn.functional as F
 
 from bench.kernel_timing import copy_bandwidth_gbs, timed_ms
+from model.kernels.rms_norm import _rms_norm_kernel
 from model.kernels.stream_mix import mix_streams_triton, update_streams_triton
 from model.mhc import mix_streams, update_streams
 from model.rope import Rotary
@@ -78,6 +84,17 @@ def bench(device) -> dict:
     mix = _pair(mix_streams, mix_streams_triton, [pre, h], 2)
     mix["kernel_fwd_frac_copy"] = (h.numel() * 4 + B * T * D * 4) / (mix["kernel_fwd_ms"] * 1e6) / copy_gbs
     result["mix_streams"] = mix
+    for dim in (1024, 512):
+        x = torch.randn(B, T, dim, device="cuda", generator=g).to(torch.bfloat16)
+        w = 1 + 0.1 * torch.randn(dim, device="cuda", generator=g)
+        # as model.numerics.RMSNorm under autocast (where rms_norm may run in fp32): bf16 out
+        norm = _pair(lambda x, w: F.rms_norm(x, (x.shape[-1],), w.to(x.dtype), 1e-6).to(x.dtype),
+                     lambda x, w: _rms_norm_kernel(x, w, 1e-6, x.dtype), [x, w], 2)
+        nbytes = x.numel() * x.element_size()
+        norm["kernel_fwd_frac_copy"] = 2 * nbytes / (norm["kernel_fwd_ms"] * 1e6) / copy_gbs
+        bwd_ms = norm["kernel_fwd_bwd_ms"] - norm["kernel_fwd_ms"]
+        norm["kernel_bwd_frac_copy"] = 3 * nbytes / (bwd_ms * 1e6) / copy_gbs
+        result[f"rms_norm_{dim}"] = norm
     return result
 
 

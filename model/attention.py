@@ -31,12 +31,12 @@ class Compressor(nn.Module):
     """Global KV of an owner layer: m tokens -> one normalised latent entry.
     m = 1: norm(wkv(x)); m > 1: per block, sum_i wkv(x_i) * softmax_i(wgate(x_i)), then norm."""
 
-    def __init__(self, dim: int, kv_dim: int, ratio: int, eps: float):
+    def __init__(self, dim: int, kv_dim: int, ratio: int, eps: float, kernels: bool = False):
         super().__init__()
         self.ratio = ratio
         self.wkv = nn.Linear(dim, kv_dim, bias=False)
         self.wgate = nn.Linear(dim, kv_dim, bias=False) if ratio > 1 else None
-        self.norm = RMSNorm(kv_dim, eps=eps)
+        self.norm = RMSNorm(kv_dim, eps=eps, kernels=kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [B, T, D] -> [B, T // m, C]; a trailing partial block is not an entry yet
@@ -84,10 +84,10 @@ class CSA2Attention(nn.Module):
                                  cfg.rope_factor if yarn else 1.0, cfg.original_seq_len,
                                  cfg.beta_fast, cfg.beta_slow, kernels=cfg.kernels)
         self.wq_a = nn.Linear(cfg.dim, cfg.q_lora_rank, bias=False)
-        self.q_norm = RMSNorm(cfg.q_lora_rank, eps=cfg.norm_eps)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, eps=cfg.norm_eps, kernels=cfg.kernels)
         self.wq_b = nn.Linear(cfg.q_lora_rank, cfg.n_heads * cfg.kv_dim, bias=False)
         self.wkv = nn.Linear(cfg.dim, cfg.kv_dim, bias=False)  # window KV
-        self.kv_norm = RMSNorm(cfg.kv_dim, eps=cfg.norm_eps)
+        self.kv_norm = RMSNorm(cfg.kv_dim, eps=cfg.norm_eps, kernels=cfg.kernels)
         self.sink = nn.Parameter(torch.zeros(cfg.n_heads, dtype=torch.float32))
         group_in = cfg.n_heads // cfg.o_groups * cfg.kv_dim
         self.wo_a = nn.Parameter(torch.empty(cfg.o_groups, cfg.o_lora_rank, group_in))
@@ -95,8 +95,8 @@ class CSA2Attention(nn.Module):
 
         self.compressor = self.index_key = self.index_query = None
         if spec.owns_kv:
-            self.compressor = Compressor(cfg.dim, cfg.kv_dim, spec.compress_ratio, cfg.norm_eps)
-            self.index_key = IndexKey(cfg.kv_dim, cfg.index_dim, cfg.norm_eps)
+            self.compressor = Compressor(cfg.dim, cfg.kv_dim, spec.compress_ratio, cfg.norm_eps, cfg.kernels)
+            self.index_key = IndexKey(cfg.kv_dim, cfg.index_dim, cfg.norm_eps, cfg.kernels)
         if spec.has_indexer_query:
             self.index_query = IndexQuery(cfg.dim, cfg.q_lora_rank, cfg.index_heads, cfg.index_dim)
 

@@ -19,10 +19,10 @@ NEG_INF = float("-inf")
 class IndexKey(nn.Module):
     """On KV-owner layers: index_k = k_norm(wk(latent)), RoPE on the trailing dims, MXFP4."""
 
-    def __init__(self, kv_dim: int, index_dim: int, eps: float):
+    def __init__(self, kv_dim: int, index_dim: int, eps: float, kernels: bool = False):
         super().__init__()
         self.wk = nn.Linear(kv_dim, index_dim, bias=False)
-        self.k_norm = RMSNorm(index_dim, eps=eps)
+        self.k_norm = RMSNorm(index_dim, eps=eps, kernels=kernels)
 
     def forward(self, latent: torch.Tensor, angles: torch.Tensor, rotary: Rotary, qat: bool) -> torch.Tensor:
         # latent [B, S, C], angles [B, S, R/2] -> [B, S, Di]

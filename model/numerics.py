@@ -34,9 +34,22 @@ class RMSNorm(nn.RMSNorm):
     FFN norm the router, the shared expert and the routed experts' gather. With the kernels' fp32
     streams that was a cast per consumer forward and, backward, a widening cast per consumer and
     fp32 adds of their gradients ([B, T, D] each). The router, which widens its input, now sees
-    the rounded values, as it does without the kernels (the einsum stream mix casts under autocast)."""
+    the rounded values, as it does without the kernels (the einsum stream mix casts under autocast).
+
+    kernels=True (model.kernels): the same norm as one Triton pass each way
+    (`model/kernels/rms_norm.py`), where torch's backward reads x and dy twice."""
+
+    def __init__(self, normalized_shape, eps=None, kernels: bool = False, **kwargs):
+        super().__init__(normalized_shape, eps=eps, **kwargs)
+        self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels:
+            from model.kernels.rms_norm import rms_norm_triton  # Triton only when the kernels are on
+
+            out = rms_norm_triton(self, x)
+            if out is not None:
+                return out
         weight = self.weight
         if weight is not None and weight.dtype != x.dtype:
             weight = weight.to(x.dtype)

@@ -47,10 +47,10 @@ class Block(nn.Module):
         self.spec = spec
         hc = dict(dim=cfg.dim, n_streams=cfg.hc_mult, sinkhorn_iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps)
         self.attn_hc = HyperConnection(**hc)
-        self.attn_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.attn_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, kernels=cfg.kernels)
         self.attn = CSA2Attention(cfg, spec)
         self.ffn_hc = HyperConnection(**hc)
-        self.ffn_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.ffn_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, kernels=cfg.kernels)
         self.moe = MoE(cfg.dim, cfg.n_routed_experts, cfg.n_shared_experts, cfg.n_activated_experts,
                        cfg.moe_inter_dim, cfg.route_scale, cfg.swiglu_limit, cfg.seq_aux_alpha, kernels=cfg.kernels)
         self.fused_mhc = None
@@ -109,7 +109,7 @@ class Transformer(nn.Module):
         self.engrams = nn.ModuleDict({str(s.layer_id): Engram(cfg, s.layer_id, pad_id=lookup_pad_id)
                                       for s in self.plan.layers if s.engram})
         self.layers = nn.ModuleList(Block(cfg, spec) for spec in self.plan.layers)
-        self.norm = RMSNorm(D, eps=cfg.norm_eps)
+        self.norm = RMSNorm(D, eps=cfg.norm_eps, kernels=cfg.kernels)
         self.head = nn.Linear(D, V, bias=False)
         if lookup_map is None:
             lookup_map = torch.arange(V)
