@@ -10,8 +10,9 @@
   batched matmuls): forward and forward+backward vs the reference.
 * RMSNorm (model/kernels/rms_norm.py) on bf16 [8, 4096, D], D = 1024 (the block norms) and 512
   (q / kv norms), weight and input gradients: forward and forward+backward vs the reference
-  (torch's fused rms_norm with the weight in bf16); each pass's bytes (forward: read x, write y;
-  backward: read x and dy, write dx) as a fraction of the copy bandwidth.
+  (torch's fused rms_norm with the weight in bf16), in GPU kernel time (`kernel_ms`: one call is
+  launch-bound on the host, in the GPU-bound step only its kernels count); each pass's bytes
+  (forward: read x, write y; backward: read x and dy, write dx) as a fraction of the copy bandwidth.
 
     python -m bench.kernels_small_ops
 """
@@ -22,7 +23,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from bench.kernel_timing import copy_bandwidth_gbs, timed_ms
+from bench.kernel_timing import copy_bandwidth_gbs, kernel_ms, timed_ms
 from model.kernels.rms_norm import _rms_norm_kernel
 from model.kernels.stream_mix import mix_streams_triton, update_streams_triton
 from model.mhc import mix_streams, update_streams
@@ -31,9 +32,9 @@ from model.rope import Rotary
 B, T, H, C, R, N, D = 8, 4096, 16, 512, 64, 4, 1024
 
 
-def _pair(fn_ref, fn_kernel, inputs, n_diff: int) -> dict:
-    """Forward and forward+backward (gradients of the first n_diff inputs) medians (ms) of both,
-    under bf16 autocast, and the ratios."""
+def _pair(fn_ref, fn_kernel, inputs, n_diff: int, timer=timed_ms) -> dict:
+    """Forward and forward+backward (gradients of the first n_diff inputs) times (ms) of both,
+    under bf16 autocast, and the ratios. timer: timed_ms (wall medians) or kernel_ms (GPU time)."""
     grad_inputs = [t.detach().clone().requires_grad_(i < n_diff) for i, t in enumerate(inputs)]
     diff = [t for t in grad_inputs if t.requires_grad]
     out = {}
@@ -50,8 +51,8 @@ def _pair(fn_ref, fn_kernel, inputs, n_diff: int) -> dict:
             def fwd_bwd(fn=fn, cot=cot):
                 torch.autograd.grad(fn(*grad_inputs), diff, cot)
 
-            out[f"{name}_fwd_ms"] = timed_ms(fwd)
-            out[f"{name}_fwd_bwd_ms"] = timed_ms(fwd_bwd)
+            out[f"{name}_fwd_ms"] = timer(fwd)
+            out[f"{name}_fwd_bwd_ms"] = timer(fwd_bwd)
     out["fwd_speedup"] = out["ref_fwd_ms"] / out["kernel_fwd_ms"]
     out["fwd_bwd_speedup"] = out["ref_fwd_bwd_ms"] / out["kernel_fwd_bwd_ms"]
     return out
@@ -89,7 +90,7 @@ def bench(device) -> dict:
         w = 1 + 0.1 * torch.randn(dim, device="cuda", generator=g)
         # as model.numerics.RMSNorm under autocast (where rms_norm may run in fp32): bf16 out
         norm = _pair(lambda x, w: F.rms_norm(x, (x.shape[-1],), w.to(x.dtype), 1e-6).to(x.dtype),
-                     lambda x, w: _rms_norm_kernel(x, w, 1e-6, x.dtype), [x, w], 2)
+                     lambda x, w: _rms_norm_kernel(x, w, 1e-6, x.dtype), [x, w], 2, timer=kernel_ms)
         nbytes = x.numel() * x.element_size()
         norm["kernel_fwd_frac_copy"] = 2 * nbytes / (norm["kernel_fwd_ms"] * 1e6) / copy_gbs
         bwd_ms = norm["kernel_fwd_bwd_ms"] - norm["kernel_fwd_ms"]

@@ -62,13 +62,17 @@ def test_gpu_matches_reference(D, autocast):
     ref, ker = _norms(D)
     g = torch.Generator().manual_seed(2)
     x = (torch.randn(8, 4096, D, generator=g) * 3).cuda()
-    dy = torch.randn(8, 4096, D, generator=g).cuda()
+    # dy in bf16 values: the kernel's y is bf16, so its gradient arrives rounded; the fp32
+    # reference then sees the same dy, and dw (which does not involve w) differs only by the
+    # order of the fp32 sums
+    dy = torch.randn(8, 4096, D, generator=g).bfloat16().float().cuda()
     if not autocast:
         x = x.bfloat16()
     y_k, dx_k, dw_k = _run(ker, x, dy, autocast)
     y_r, dx_r, dw_r = _run(ref, x.float(), dy)
     assert y_k.dtype == torch.bfloat16 and dx_k.dtype == x.dtype and dw_k.dtype == torch.float32
     rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()
-    assert rel(y_k, y_r) < 5e-3
-    assert rel(dx_k, dx_r) < 1e-2
-    assert rel(dw_k, dw_r) < 1e-3
+    # y and dx: the output's bf16 rounding, and (bf16 x) the kernel's weight rounded to bf16
+    assert rel(y_k, y_r) < 5e-3, rel(y_k, y_r)
+    assert rel(dx_k, dx_r) < 1e-2, rel(dx_k, dx_r)
+    assert rel(dw_k, dw_r) < 1e-4, rel(dw_k, dw_r)
