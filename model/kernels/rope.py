@@ -7,10 +7,10 @@ autograd each of those is a kernel and a tensor, and the backward adds the slice
 gradients into zero-filled buffers: on `small` at 8 x 4096 tokens the eager rotary of q, the
 window KV and the attention output cost ~100 ms of a 1.55 s forward+backward (H200 profile),
 and inductor's fused version still ~85 ms (a gather-like interleave it does not vectorise).
-Here one program copies BLOCK_R whole rows: the leading C-R dims pass through, the trailing R
-dims are rotated pairwise in fp32 and rounded once to the output dtype, as the reference does
-(lane-wise: each lane reads its pair partner, so every load and store is coalesced). The
-backward is the same kernel with the rotation inverted (the rotation is orthogonal).
+Here one program copies BLOCK_R whole rows: the leading C-R dims pass through as a plain copy,
+the trailing R dims are loaded as pairs and rotated in fp32, rounded once to the output dtype, as
+the reference does. The backward is the same kernel with the rotation inverted (the rotation is
+orthogonal).
 
 Contract (`rotary_triton(x, angles, inverse)`):
     x [..., C] with rows contiguous in the last dim; angles [..., R/2] whose leading shape is
@@ -27,33 +27,37 @@ import triton
 import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# Pairs a program (so 2 * _PAIRS values), at most _ROWS_MAX rows, and warps: swept on the H200 at q
-# [8, 4096, 16, 512] bf16 (1024-8192 pairs, 2-8 warps): 1024 pairs and 4 warps 0.379 ms, the rest 0.41-0.93.
-_PAIRS, _ROWS_MAX, _WARPS = 1024, 16, 4
+# Values a program (whole rows) and warps.
+_VALUES, _WARPS = 4096, 4
 
 
 @triton.jit
 def _rotary_kernel(X, COS, SIN, OUT, n_rows, share, C, HALF, sign,
-                   BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
-    # X / OUT [n_rows, C] seen as [n_rows, C/2, 2] pairs (elements 2j, 2j + 1); COS / SIN
-    # [n_rows // share, HALF]. Pair j >= lead = C/2 - HALF is rotated by angle j - lead:
-    #   even' = even*cos - sign*odd*sin;  odd' = odd*cos + sign*even*sin;  leading pairs as they are.
-    # A tile is BLOCK_R whole rows, loaded and stored once as [BLOCK_R, BLOCK_P, 2] (contiguous
-    # 16-byte vectors) and split into its even and odd halves in registers.
+                   BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr):
+    # X / OUT [n_rows, C]: the leading C - 2*HALF values of a row pass through, the trailing
+    # 2*HALF are HALF pairs (2j, 2j + 1) rotated by angle j; COS / SIN [n_rows // share, HALF]:
+    #   even' = even*cos - sign*odd*sin;  odd' = odd*cos + sign*even*sin.
+    # A tile is BLOCK_R whole rows: the pass-through part is a plain [BLOCK_R, BLOCK_C] copy
+    # (16-byte vectors), and only the rotated part is loaded as [BLOCK_R, BLOCK_P, 2] pairs and
+    # split into its even and odd halves in registers.
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    r_ok = rows < n_rows
+    lead = C - 2 * HALF
+    cols = tl.arange(0, BLOCK_C)
+    m = r_ok[:, None] & (cols < lead)[None, :]
+    offs = rows[:, None] * C + cols[None, :]
+    tl.store(OUT + offs, tl.load(X + offs, mask=m), mask=m)
     pairs = tl.arange(0, BLOCK_P)
-    lead = C // 2 - HALF
-    m = (rows < n_rows)[:, None] & (pairs < C // 2)[None, :]  # [BLOCK_R, BLOCK_P]
-    at = (rows[:, None] * C + 2 * pairs[None, :])[:, :, None] + tl.arange(0, 2)[None, None, :]
-    m2 = m[:, :, None] & (tl.arange(0, 2) < 2)[None, None, :]
+    rot = r_ok[:, None] & (pairs < HALF)[None, :]  # [BLOCK_R, BLOCK_P]
+    at = (rows[:, None] * C + lead + 2 * pairs[None, :])[:, :, None] + tl.arange(0, 2)[None, None, :]
+    m2 = rot[:, :, None] & (tl.arange(0, 2) < 2)[None, None, :]
     even, odd = tl.split(tl.load(X + at, mask=m2, other=0.0))
-    rot = m & (pairs >= lead)[None, :]
-    ang = (rows // share)[:, None] * HALF + (pairs - lead)[None, :]
+    ang = (rows // share)[:, None] * HALF + pairs[None, :]
     cos = tl.load(COS + ang, mask=rot, other=1.0)
     sin = tl.load(SIN + ang, mask=rot, other=0.0) * sign
     e, o = even.to(tl.float32), odd.to(tl.float32)
-    new_even = tl.where(rot, (e * cos - o * sin).to(OUT.dtype.element_ty), even)
-    new_odd = tl.where(rot, (o * cos + e * sin).to(OUT.dtype.element_ty), odd)
+    new_even = (e * cos - o * sin).to(OUT.dtype.element_ty)
+    new_odd = (o * cos + e * sin).to(OUT.dtype.element_ty)
     tl.store(OUT + at, tl.join(new_even, new_odd), mask=m2)
 
 
@@ -62,12 +66,12 @@ def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, share: int, i
     rows = x.reshape(-1, C)
     out = torch.empty_like(rows)
     n_rows = rows.shape[0]
-    block_p = triton.next_power_of_2(C // 2)
-    block_r = max(1, min(_ROWS_MAX, _PAIRS // block_p))
+    block_c = max(16, triton.next_power_of_2(C - 2 * half))
+    block_r = max(1, _VALUES // block_c)
     if n_rows:
         _rotary_kernel[(triton.cdiv(n_rows, block_r),)](
             rows, cos, sin, out, n_rows, share, C, half, -1.0 if inverse else 1.0,
-            BLOCK_R=block_r, BLOCK_P=block_p, num_warps=_WARPS)
+            BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_P=max(16, triton.next_power_of_2(half)), num_warps=_WARPS)
     return out.view(x.shape)
 
 
