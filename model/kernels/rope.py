@@ -27,7 +27,9 @@ import triton
 import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# Values a program (whole rows) and warps.
+# Values a program (whole rows) and warps. H200, q [8, 4096, 16, 512] bf16, GPU time: 2048-8192
+# values at 4 or 8 warps 0.267-0.275 ms (96% of copy), 16384 0.38; the pairs-only layout before
+# took 0.385 ms.
 _VALUES, _WARPS = 4096, 4
 
 
