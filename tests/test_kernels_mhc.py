@@ -204,3 +204,23 @@ def test_bf16_streams_on_gpu(dim):
     for name, a, e, b in zip(NAMES, grads(fused, inputs, cot), grads(eager, inputs, cot),
                              grads(truth, wide, cot_wide)):
         assert rel_err(a, b) < max(2e-2, 2 * rel_err(e, b)), f"grad {name}: {rel_err(a, b)}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dim", [1024, 4096])
+def test_fp32_streams_under_autocast_on_gpu(dim):
+    """Training's case: fp32 streams, bf16 y, bf16 autocast, default tiles (the logits a 3-pass
+    tf32 dot, the fn gradient a host fp32 matmul). Every output and gradient matches an fp64
+    reference of the same inputs to ~fp32 accuracy (x and y's gradient to bf16 rounding)."""
+    inputs = make_inputs(lead=(2, 333), dim=dim, seed=15, device="cuda")
+    inputs[1] = inputs[1].detach().to(torch.bfloat16).requires_grad_()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        fused = fused_mhc_step(*inputs, EPS)
+    wide = [t.detach().double().requires_grad_() for t in inputs]
+    truth = reference_mhc_step(*wide, EPS)
+    for name, a, b, tol in zip(["h_new", "x", "mix"], fused, truth, [1e-6, 1e-2, 1e-5]):
+        assert rel_err(a, b) < tol, (name, rel_err(a, b))
+    g = torch.Generator().manual_seed(16)
+    cot = [torch.randn(o.shape, generator=g).to("cuda", o.dtype) for o in fused]
+    for name, a, b in zip(NAMES, grads(fused, inputs, cot), grads(truth, wide, [c.double() for c in cot])):
+        assert rel_err(a, b) < (1e-2 if name == "y" else 1e-5), f"grad {name}: {rel_err(a, b)}"
