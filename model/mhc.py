@@ -101,7 +101,9 @@ class HyperConnection(nn.Module):
         RMS-normalised streams (the part a fused kernel computes while it writes h)."""
         flat = wide(h.flatten(-2))  # [B, T, n*D]
         flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.eps)
-        return F.linear(flat, wide(self.fn))
+        # autocast would run this linear in bf16 (F.linear is on its list): SPEC §6 says fp32
+        with torch.autocast(h.device.type, enabled=False):
+            return F.linear(flat, wide(self.fn))
 
     def coefficients(self, mix: torch.Tensor):
         """Mixing logits [B, T, 2n + n*n] -> post [B, T, n], comb [B, T, n, n], next_pre [B, T, n]."""

@@ -214,6 +214,21 @@ def test_hyper_connection_coefficients_and_update():
     torch.testing.assert_close(x[b, t], sum(pre[b, t, s] * h[b, t, s] for s in range(4)))
 
 
+def test_hyper_connection_logits_stay_fp32_under_autocast():
+    """SPEC §6: the coefficients come from one fp32 linear. Under bf16 autocast F.linear would
+    round its inputs to bf16 (logit errors ~1e-3 here); the projection must give the fp32 values."""
+    torch.manual_seed(5)
+    hc = HyperConnection(dim=64, n_streams=4, sinkhorn_iters=20, eps=1e-6)
+    hc.reset_parameters()
+    torch.nn.init.normal_(hc.fn, std=0.05)
+    h = torch.randn(2, 7, 4, 64)
+    want = hc.project(h)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = hc.project(h)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_initial_pre_is_one_hot():
     h = torch.randn(2, 3, 4, 5)
     pre = initial_pre(h)
