@@ -39,6 +39,21 @@ def test_ties_pick_the_lowest_columns():
     assert select_topk_triton(scores, 7).tolist() == [[[0, 1, 2, 3, 4, 5, -1]]]
 
 
+def test_scores_one_ulp_apart_at_the_kth():
+    """The radix select stops once exactly k keys are >= its candidate: with the k-th and the
+    (k+1)-th score one ulp apart it must run to the last bit; with a wide gap it stops early.
+    Either way the ids are the reference's."""
+    base = torch.tensor(1.0)
+    ulps = [base]
+    for _ in range(12):
+        ulps.append(torch.nextafter(ulps[-1], torch.tensor(2.0)))
+    row = torch.stack(ulps)[torch.randperm(13, generator=torch.Generator().manual_seed(4))]
+    wide = torch.cat([torch.full((5,), 100.0), torch.full((8,), -3.0)])  # the 5th and 6th far apart
+    scores = torch.stack([row, wide, -row])[None]  # [1, 3, 13]
+    for k in (1, 5, 6, 12):
+        torch.testing.assert_close(select_topk_triton(scores, k), select_topk(scores, k), rtol=0, atol=0)
+
+
 def test_positions_map_columns_to_entry_ids():
     """Reindex: columns are pool slots; ids come from positions (-1 slots score -inf), sorted."""
     g = torch.Generator().manual_seed(3)

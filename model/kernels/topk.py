@@ -4,8 +4,9 @@ entries scored -inf dropped, ids ascending and -1 padded to exactly k.
 
 One program per row (one query's scores [S] fp32, S <= MAX_S), the row held in registers:
   1. scores -> order-preserving uint32 keys (sign bit flipped for x >= 0, all bits for x < 0);
-  2. the k-th largest key, built bit by bit from the top (radix select): 32 rounds, each one
-     compare + count over the row, keep the bit if at least k keys are >= the candidate;
+  2. the k-th largest key, built bit by bit from the top (radix select): up to 32 rounds, each one
+     compare + count over the row, keep the bit if at least k keys are >= the candidate; done
+     as soon as exactly k keys are >= it (the set is then fixed);
   3. take = key > kth, plus the first (k - #above) keys == kth in column order (a running count
      of the ties), minus the -inf entries; each taken column's output slot is the running count
      of takes before it, so the ids come out ascending with no sort, and the slots past the last
@@ -40,11 +41,19 @@ def _select_kernel(SC, POS, OUT, S, K, HAS_POS: tl.constexpr, BLOCK_S: tl.conste
     key = tl.where((bits >> 31) != 0, ~bits, bits | 0x80000000)  # larger float -> larger key
     key = tl.where(in_row, key, 0)  # padding sorts below -inf (whose key is 0x007FFFFF)
     kth = tl.zeros((), dtype=tl.uint32)
-    for i in tl.static_range(32):  # largest t with #(key >= t) >= K is the K-th largest key
+    n_ge = tl.full((), BLOCK_S, tl.int32)  # #(key >= kth): every slot, padding included
+    i = 0
+    # largest t with #(key >= t) >= K is the K-th largest key. Once exactly K keys are >= kth
+    # the selected set is fixed, and the lower bits cannot change it: stop there (distinct
+    # scores separate after ~log2(S) + a few rounds, not 32)
+    while (i < 32) & (n_ge != K):
         cand = kth | (tl.full((), 1, tl.uint32) << (31 - i))
-        enough = tl.sum((key >= cand).to(tl.int32), 0) >= K
-        kth = tl.where(enough, cand, kth)
-    # fewer than K entries in the row: kth stays 0 and every entry is "above"
+        n = tl.sum((key >= cand).to(tl.int32), 0)
+        kth = tl.where(n >= K, cand, kth)
+        n_ge = tl.where(n >= K, n, n_ge)
+        i += 1
+    # fewer than K entries in the row: kth stays 0 and every entry is "above". Stopped early,
+    # kth may lie between keys: above and tied then hold exactly K keys, all taken
     above = key > kth
     tied = key == kth
     n_above = tl.sum(above.to(tl.int32), 0)
