@@ -216,13 +216,26 @@ class Engram(nn.Module):
         hashed = torch.cat(hashes, dim=-1)  # [B, T, O*H], (order, head) order like primes/offsets
         return hashed % self.primes + self.offsets  # [B, T, O*H]
 
+    def lookup(self, lookup_ids: torch.Tensor, doc_start: torch.Tensor | None = None,
+               positions: torch.Tensor | None = None, history: torch.Tensor | None = None) -> torch.Tensor:
+        """lookup_ids [B, T] -> table rows [B, T, O*H, E] on the ids' device. model.kernels: the hash
+        and the gather as Triton kernels (model/kernels/engram.py; a host table is gathered by the
+        CPU from GPU-computed addresses); not under torch.compile, nor for a ZeRO-3 partitioned
+        table (its weight exists only inside a gathered forward), which take the reference."""
+        weight = self.table.weight
+        if self.cfg.kernels and not torch.compiler.is_compiling() and not hasattr(weight, "ds_id"):
+            from model.kernels.engram import engram_lookup_triton  # Triton only when the kernels are on
+
+            return engram_lookup_triton(self, lookup_ids, doc_start, positions, history)
+        return self.table.lookup(self.addresses(lookup_ids, doc_start, positions, history))
+
     def forward(self, h: torch.Tensor, lookup_ids: torch.Tensor, doc_start: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None, history: torch.Tensor | None = None) -> torch.Tensor:
         """h [B, T, n_streams, D] residual streams -> h + gate * value, same shape and dtype."""
         B, T, S, D = h.shape
         if S != self.n_streams or D != self.dim:
             raise ValueError(f"expected streams [B, T, {self.n_streams}, {self.dim}], got {tuple(h.shape)}")
-        rows = self.table.lookup(self.addresses(lookup_ids, doc_start, positions, history))  # [B, T, O*H, E]
+        rows = self.lookup(lookup_ids, doc_start, positions, history)  # [B, T, O*H, E]
         kv = self.proj(rows.flatten(2).to(self.proj.weight.dtype))  # [B, T, (S+1)*D]
         kv = wide(kv.unflatten(-1, (S + 1, D)))  # [B, T, S+1, D]
         keys, value = kv[:, :, :S], kv[:, :, S:]  # [B, T, S, D], [B, T, 1, D]
