@@ -237,7 +237,17 @@ class Engram(nn.Module):
             raise ValueError(f"expected streams [B, T, {self.n_streams}, {self.dim}], got {tuple(h.shape)}")
         rows = self.lookup(lookup_ids, doc_start, positions, history)  # [B, T, O*H, E]
         kv = self.proj(rows.flatten(2).to(self.proj.weight.dtype))  # [B, T, (S+1)*D]
-        kv = wide(kv.unflatten(-1, (S + 1, D)))  # [B, T, S+1, D]
+        kv = kv.unflatten(-1, (S + 1, D))  # [B, T, S+1, D]
+        if self.cfg.kernels and h.dtype != torch.float64 and not torch.compiler.is_compiling():
+            from model.kernels.engram_gate import engram_gate_triton  # one pass each way
+
+            return engram_gate_triton(h, kv, self.hidden_norm, self.key_norm)
+        return self.gated_residual(h, kv)
+
+    def gated_residual(self, h: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        """h [B, T, S, D] streams, kv [B, T, S+1, D] (S keys, then the value) -> h + gate * value."""
+        S, D = h.shape[-2:]
+        kv = wide(kv)
         keys, value = kv[:, :, :S], kv[:, :, S:]  # [B, T, S, D], [B, T, 1, D]
         hn = F.rms_norm(wide(h), (D,), wide(self.hidden_norm.weight), self.hidden_norm.eps)  # [B, T, S, D]
         kn = F.rms_norm(keys, (D,), wide(self.key_norm.weight), self.key_norm.eps)  # [B, T, S, D]

@@ -1,0 +1,103 @@
+"""Engram's gated residual add as a Triton kernel (model/kernels/engram_gate.py) against the
+reference `Engram.gated_residual`: output and the gradients of h, kv and both norm weights. CPU:
+Triton's interpreter in fp32; the gpu test runs `small`'s width under bf16 autocast."""
+import dataclasses
+
+import pytest
+import torch
+
+from conf.model import TinyModelConfig
+from model.engram import Engram
+from model.kernels.engram_gate import engram_gate_triton
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _engram(dim: int, streams: int = 4) -> Engram:
+    cfg = dataclasses.replace(TinyModelConfig(vocab_size=97), engram_min_rows=50, dim=dim, hc_mult=streams)
+    torch.manual_seed(0)
+    eng = Engram(cfg, cfg.engram_layers[0])
+    with torch.no_grad():  # norm weights away from 1, so a swapped weight gradient would show
+        eng.hidden_norm.weight.uniform_(0.5, 1.5)
+        eng.key_norm.weight.uniform_(0.5, 1.5)
+    return eng
+
+
+def _inputs(B, T, S, D, seed, kv_dtype=torch.float32, device="cpu", kv_scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(B, T, S, D, generator=g).to(device).requires_grad_()
+    kv = (torch.randn(B, T, S + 1, D, generator=g) * kv_scale).to(device, kv_dtype).requires_grad_()
+    return h, kv
+
+
+def _grads(out, eng, h, kv, cot):
+    params = [eng.hidden_norm.weight, eng.key_norm.weight]
+    return torch.autograd.grad(out, [h, kv, *params], cot)
+
+
+@pytest.mark.parametrize("S,D", [(4, 64), (3, 40)], ids=["4x64", "3x40-padded"])
+def test_matches_reference(S, D):
+    eng = _engram(D, S)
+    h, kv = _inputs(2, 5, S, D, seed=1)
+    ref = eng.gated_residual(h, kv)
+    got = engram_gate_triton(h, kv, eng.hidden_norm, eng.key_norm)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    cot = torch.randn(ref.shape, generator=torch.Generator().manual_seed(2))
+    for name, a, b in zip(["h", "kv", "w_h", "w_k"], _grads(got, eng, h, kv, cot), _grads(ref, eng, h, kv, cot)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_clamped_gate_passes_no_gradient_to_the_dot():
+    """Keys scaled to ~1e-9 put every |d| under the 1e-6 clamp: the gate is sigmoid(+-1e-3) and
+    no gradient flows through d to h's norm, the keys or the weights, as in the reference."""
+    eng = _engram(64)
+    with torch.no_grad():
+        eng.key_norm.weight.mul_(1e-9)
+    h, kv = _inputs(1, 6, 4, 64, seed=3)
+    ref = eng.gated_residual(h, kv)
+    got = engram_gate_triton(h, kv, eng.hidden_norm, eng.key_norm)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    cot = torch.randn(ref.shape, generator=torch.Generator().manual_seed(4))
+    ga, gb = _grads(got, eng, h, kv, cot), _grads(ref, eng, h, kv, cot)
+    for name, a, b in zip(["h", "kv", "w_h", "w_k"], ga, gb):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=name)
+    assert ga[2].abs().max() == 0 and ga[1][..., :4, :].abs().max() == 0  # w_h and the keys
+
+
+def test_module_forward_uses_the_kernel_with_kernels_on():
+    eng = _engram(64)
+    ker = _engram(64)
+    ker.load_state_dict(eng.state_dict())
+    ker.cfg = dataclasses.replace(ker.cfg, kernels=True)
+    h = torch.randn(2, 7, 4, 64)
+    ids = torch.randint(0, 50, (2, 7))
+    torch.testing.assert_close(ker(h, ids), eng(h, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_shape_mismatch_is_an_error():
+    eng = _engram(64)
+    h, kv = _inputs(1, 2, 4, 64, seed=5)
+    with pytest.raises(ValueError, match="must be"):
+        engram_gate_triton(h, kv[:, :, :4], eng.hidden_norm, eng.key_norm)
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_kv_under_autocast():
+    """Training's case at `small`'s width: fp32 streams, bf16 kv (the projection's output under
+    autocast). Against the reference in fp64: the kernel is at least as close as the fp32 reference."""
+    eng = _engram(1024).cuda()
+    h, kv = _inputs(4, 512, 4, 1024, seed=6, kv_dtype=torch.bfloat16, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        got = engram_gate_triton(h, kv, eng.hidden_norm, eng.key_norm)
+        ref = eng.gated_residual(h, kv)
+    truth_eng = _engram(1024).cuda().double()
+    truth_eng.load_state_dict(eng.state_dict())
+    h64, kv64 = h.detach().double().requires_grad_(), kv.detach().double().requires_grad_()
+    truth = truth_eng.gated_residual(h64, kv64)
+    rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()
+    assert rel(got, truth) <= max(1e-6, 2 * rel(ref, truth))
+    cot = torch.randn(got.shape, device="cuda")
+    params = [truth_eng.hidden_norm.weight, truth_eng.key_norm.weight]
+    want = torch.autograd.grad(truth, [h64, kv64, *params], cot.double())
+    for name, a, b, w in zip(["h", "kv", "w_h", "w_k"], _grads(got, eng, h, kv, cot), _grads(ref, eng, h, kv, cot), want):
+        assert rel(a, w) <= max(1e-5 if name != "kv" else 1e-2, 2 * rel(b, w)), name
