@@ -13,6 +13,11 @@
   (torch's fused rms_norm with the weight in bf16), in GPU kernel time (`kernel_ms`: one call is
   launch-bound on the host, in the GPU-bound step only its kernels count); each pass's bytes
   (forward: read x, write y; backward: read x and dy, write dx) as a fraction of the copy bandwidth.
+* Engram's gated residual add (model/kernels/engram_gate.py) at an Engram layer: fp32 streams
+  [8, 4096, 4, 1024], bf16 kv [8, 4096, 5, 1024] (the fused projection's output under autocast):
+  forward and forward+backward (gradients of h and kv) vs `Engram.gated_residual`, in GPU kernel
+  time; the bytes of each pass (forward: read h and kv, write out; backward: read h, kv and the
+  output's gradient, write the gradients of h and kv) as a fraction of the copy bandwidth.
 
     python -m bench.kernels_small_ops
 """
@@ -24,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.kernel_timing import copy_bandwidth_gbs, kernel_ms, timed_ms
+from model.kernels.engram_gate import engram_gate_triton
 from model.kernels.rms_norm import _rms_norm_kernel
 from model.kernels.stream_mix import mix_streams_triton, update_streams_triton
 from model.mhc import mix_streams, update_streams
@@ -96,7 +102,27 @@ def bench(device) -> dict:
         bwd_ms = norm["kernel_fwd_bwd_ms"] - norm["kernel_fwd_ms"]
         norm["kernel_bwd_frac_copy"] = 3 * nbytes / (bwd_ms * 1e6) / copy_gbs
         result[f"rms_norm_{dim}"] = norm
+    result["engram_gate"] = _engram_gate(g, copy_gbs)
     return result
+
+
+def _engram_gate(g: torch.Generator, copy_gbs: float) -> dict:
+    import dataclasses
+
+    from conf.model import TinyModelConfig
+    from model.engram import Engram
+
+    cfg = dataclasses.replace(TinyModelConfig(vocab_size=97), engram_min_rows=50, dim=D, hc_mult=N)
+    eng = Engram(cfg, cfg.engram_layers[0]).cuda()
+    h = torch.randn(B, T, N, D, device="cuda", generator=g)
+    kv = torch.randn(B, T, N + 1, D, device="cuda", generator=g).to(torch.bfloat16)
+    gate = _pair(eng.gated_residual, lambda h, kv: engram_gate_triton(h, kv, eng.hidden_norm, eng.key_norm),
+                 [h, kv], 2, timer=kernel_ms)
+    fwd_bytes = 2 * h.numel() * 4 + kv.numel() * 2
+    bwd_bytes = 3 * h.numel() * 4 + 2 * kv.numel() * 2
+    gate["kernel_fwd_frac_copy"] = fwd_bytes / (gate["kernel_fwd_ms"] * 1e6) / copy_gbs
+    gate["kernel_bwd_frac_copy"] = bwd_bytes / ((gate["kernel_fwd_bwd_ms"] - gate["kernel_fwd_ms"]) * 1e6) / copy_gbs
+    return gate
 
 
 if __name__ == "__main__":
