@@ -26,13 +26,12 @@ spills ~800 bytes. Not yet timed on a GPU.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from model.engram import GATE_EPS  # |d| is clamped to it under the square root
+from model.kernels.rms_norm import reduction_programs
 
 
 @triton.jit
@@ -108,20 +107,10 @@ def _gate_bwd_kernel(H, KV, WH, WK, STATS, GOUT, GH, GKV, Q_PART, n_tok, D, scal
     tl.store(Q_PART + pid.to(tl.int64) * D + c, q, mask=c_ok)
 
 
-BWD_PROGRAMS_PER_SM = 8  # as model/kernels/rms_norm.py: enough resident programs to keep loads in flight
-
-
 def _blocks(S: int, D: int) -> tuple[int, int, int]:
     """(padded S, padded D, warps): whole rows a tile, ~32 fp32 values of a [S, D] tile a thread."""
     block_s, block_d = triton.next_power_of_2(S), triton.next_power_of_2(D)
     return block_s, block_d, min(16, max(4, block_s * block_d // 1024))
-
-
-def _programs(n_tok: int, device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1 if os.environ.get("TRITON_INTERPRET") == "1" else n_tok
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(n_tok, BWD_PROGRAMS_PER_SM * sms))
 
 
 class _EngramGate(torch.autograd.Function):
@@ -144,7 +133,7 @@ class _EngramGate(torch.autograd.Function):
         h, kv, w_h, w_k, stats = ctx.saved_tensors
         N, S, D = h.shape
         block_s, block_d, warps = _blocks(S, D)
-        programs = _programs(N, h.device) if N else 1
+        programs = reduction_programs(N, h.device) if N else 1
         g_h, g_kv = torch.empty_like(h), torch.empty_like(kv)
         q_part = torch.zeros(programs, D, dtype=torch.float32, device=h.device)
         if N:
