@@ -64,7 +64,16 @@ def test_clamped_gate_passes_no_gradient_to_the_dot():
     assert ga[2].abs().max() == 0 and ga[1][..., :4, :].abs().max() == 0  # w_h and the keys
 
 
-def test_module_forward_uses_the_kernel_with_kernels_on():
+def test_module_forward_uses_the_kernels_with_kernels_on(monkeypatch):
+    """Engram.forward with model.kernels: the lookup and the gated add go through the kernels
+    (counted), and give the reference module's output."""
+    import model.kernels.engram as lookup_mod
+    import model.kernels.engram_gate as gate_mod
+
+    calls = []
+    for mod, name in ((lookup_mod, "engram_lookup_triton"), (gate_mod, "engram_gate_triton")):
+        fn = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _fn=fn, _name=name, **k: (calls.append(_name), _fn(*a, **k))[1])
     eng = _engram(64)
     ker = _engram(64)
     ker.load_state_dict(eng.state_dict())
@@ -72,6 +81,7 @@ def test_module_forward_uses_the_kernel_with_kernels_on():
     h = torch.randn(2, 7, 4, 64)
     ids = torch.randint(0, 50, (2, 7))
     torch.testing.assert_close(ker(h, ids), eng(h, ids), rtol=1e-5, atol=1e-5)
+    assert calls == ["engram_lookup_triton", "engram_gate_triton"]
 
 
 def test_shape_mismatch_is_an_error():
