@@ -124,7 +124,8 @@ def bench(device, seq_len: int = 4096, micro_batch: int = 8, vocab: int = 129_28
     copy_gbs = copy_bandwidth_gbs()
     bound_ms = cats["gemm"] + cats["sparse_attention"]
     return {"model": "small", "seq_len": seq_len, "micro_batch": micro_batch, "tokens": tokens,
-            "fwd_bwd_wall_ms": wall_ms, "fwd_bwd_wall_ms_passes": walls, "fwd_bwd_gpu_ms": gpu_ms, "gpu_busy_frac": gpu_ms / wall_ms,
+            "fwd_bwd_wall_ms": wall_ms, "fwd_bwd_wall_ms_passes": walls, "fwd_bwd_gpu_ms": gpu_ms,
+            "gpu_busy_frac": gpu_ms / wall_ms,
             "fwd_bwd_ms": cats, "fwd_bwd_frac": {k: v / gpu_ms for k, v in cats.items()},
             "optimizer_wall_ms": opt_wall_ms, "optimizer_gpu_ms": opt_gpu_ms, "optimizer_ms": opt_cats,
             "mfu_fwd_bwd": mfu, "peak_source": source,

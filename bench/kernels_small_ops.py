@@ -23,12 +23,15 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import torch
 import torch.nn.functional as F
 
 from bench.kernel_timing import copy_bandwidth_gbs, kernel_ms, timed_ms
+from conf.model import TinyModelConfig
+from model.engram import Engram
 from model.kernels.engram_gate import engram_gate_triton
 from model.kernels.rms_norm import _rms_norm_kernel
 from model.kernels.stream_mix import mix_streams_triton, update_streams_triton
@@ -107,11 +110,6 @@ def bench(device) -> dict:
 
 
 def _engram_gate(g: torch.Generator, copy_gbs: float) -> dict:
-    import dataclasses
-
-    from conf.model import TinyModelConfig
-    from model.engram import Engram
-
     cfg = dataclasses.replace(TinyModelConfig(vocab_size=97), engram_min_rows=50, dim=D, hc_mult=N)
     eng = Engram(cfg, cfg.engram_layers[0]).cuda()
     h = torch.randn(B, T, N, D, device="cuda", generator=g)

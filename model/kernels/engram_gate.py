@@ -26,6 +26,8 @@ spills ~800 bytes. Not yet timed on a GPU.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -152,7 +154,7 @@ def engram_gate_triton(h: torch.Tensor, kv: torch.Tensor, hidden_norm, key_norm)
     *lead, S, D = h.shape
     if tuple(kv.shape) != (*lead, S + 1, D):
         raise ValueError(f"kv {tuple(kv.shape)} must be [..., {S + 1}, {D}] for h {tuple(h.shape)}")
-    N = h.numel() // (S * D) if h.numel() else 0
+    N = math.prod(lead)
     eps = [m.eps if m.eps is not None else torch.finfo(torch.float32).eps for m in (hidden_norm, key_norm)]
     out = _EngramGate.apply(h.reshape(N, S, D).contiguous(), kv.reshape(N, S + 1, D).contiguous(),
                             hidden_norm.weight.float(), key_norm.weight.float(), float(eps[0]), float(eps[1]))

@@ -77,13 +77,13 @@ def _tiles(D: int, values: int) -> tuple[int, int, int]:
     return max(1, values // block_d), block_d, 4 if block_d <= 2048 else 8
 
 
-def reduction_programs(n_tiles: int, device: torch.device, per_sm: int = BWD_PROGRAMS_PER_SM) -> int:
+def reduction_programs(n_tiles: int, device: torch.device) -> int:
     """Programs of a kernel whose programs walk a share of n_tiles and each add one [D] partial
-    (a weight gradient): per_sm per SM; one in the interpreter. Also used by engram_gate.py."""
+    (a weight gradient): a few per SM; one in the interpreter. Also used by engram_gate.py."""
     if device.type != "cuda":
         return 1 if os.environ.get("TRITON_INTERPRET") == "1" else n_tiles
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(n_tiles, per_sm * sms))
+    return max(1, min(n_tiles, BWD_PROGRAMS_PER_SM * sms))
 
 
 class _RMSNormFn(torch.autograd.Function):
