@@ -24,12 +24,20 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
     return F.silu(gate) * up
 
 
+def clamped_swiglu_packed(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
+    """clamped_swiglu of gate_up [..., 2I] = [gate | up]: the output of one matmul with the gate
+    and up weights stacked, so the input is read once and its gradient comes from one matmul
+    (no sum of two) -> [..., I]."""
+    gate, up = gate_up.chunk(2, -1)
+    return clamped_swiglu(gate, up, limit)
+
+
 def _swiglu(kernels: bool):
-    """clamped_swiglu, or with kernels its fused Triton version (model/kernels/swiglu.py)."""
+    """clamped_swiglu_packed, or with kernels its fused Triton version (model/kernels/swiglu.py)."""
     if not kernels:
-        return clamped_swiglu
-    from model.kernels.swiglu import clamped_swiglu_triton  # Triton only when the kernels are on
-    return clamped_swiglu_triton
+        return clamped_swiglu_packed
+    from model.kernels.swiglu import clamped_swiglu_packed_triton  # Triton only when the kernels are on
+    return clamped_swiglu_packed_triton
 
 
 class SharedExpert(nn.Module):
@@ -43,15 +51,17 @@ class SharedExpert(nn.Module):
         self.w2 = nn.Linear(inter_dim, dim, bias=False)  # down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(self.swiglu(self.w1(x), self.w3(x), self.limit))
+        gate_up = F.linear(x, torch.cat((self.w1.weight, self.w3.weight)))  # [..., 2 * inter_dim]
+        return self.w2(self.swiglu(gate_up, self.limit))
 
 
 class RoutedExperts(nn.Module):
     """E experts stored as stacked weights [E, ...], so expert parallelism can shard dim 0.
 
-    Two ways to compute the same thing: a loop over experts (the reference; one matmul per
-    expert, and the row counts must be on the host) and grouped GEMMs (torch._grouped_mm: three
-    launches for all experts, row offsets stay on the device, so routing needs no host sync).
+    Two ways to compute the same thing: a loop over experts (the reference; matmuls per expert,
+    and the row counts must be on the host) and grouped GEMMs (torch._grouped_mm: two launches
+    for all experts, gate and up stacked in the first; row offsets stay on the device, so
+    routing needs no host sync).
     `grouped`: None picks grouped where PyTorch has a fast kernel for it (CUDA, bf16 compute)."""
 
     def __init__(self, n_experts: int, dim: int, inter_dim: int, limit: float, grouped: bool | None = None,
@@ -83,18 +93,17 @@ class RoutedExperts(nn.Module):
         for e, rows in enumerate(torch.split(x, counts)):
             if rows.shape[0] == 0:
                 continue
-            h = self.swiglu(rows @ self.w1[e].T, rows @ self.w3[e].T, self.limit)
+            h = self.swiglu(rows @ torch.cat((self.w1[e], self.w3[e])).T, self.limit)
             outs.append(h @ self.w2[e].T)
         return torch.cat(outs) if outs else x.new_zeros(0, x.shape[-1])
 
     def forward_grouped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         offsets = counts.cumsum(0).to(torch.int32)  # [E] end row of each expert's group
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        w1, w3, w2 = (w.to(dtype).transpose(-2, -1) for w in (self.w1, self.w3, self.w2))  # [E, in, out] views
+        w13 = torch.cat((self.w1.to(dtype), self.w3.to(dtype)), 1).transpose(-2, -1)  # [E, D, 2I] view
+        w2 = self.w2.to(dtype).transpose(-2, -1)  # [E, I, D] view
         with torch.autocast(x.device.type, enabled=False):  # _grouped_mm has no autocast rule: cast here
-            x = x.to(dtype)
-            h = self.swiglu(torch._grouped_mm(x, w1, offs=offsets), torch._grouped_mm(x, w3, offs=offsets),
-                            self.limit)
+            h = self.swiglu(torch._grouped_mm(x.to(dtype), w13, offs=offsets), self.limit)  # [N, I]
             return torch._grouped_mm(h, w2, offs=offsets)
 
 

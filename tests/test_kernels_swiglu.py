@@ -1,16 +1,17 @@
-"""Fused clamped SwiGLU (model/kernels/swiglu.py) against model.moe.clamped_swiglu: output and
-both gradients, with values beyond and exactly at the clamp bounds. CPU: Triton's interpreter in
-fp32; the gpu test runs bf16 at the MoE's shape."""
+"""Fused clamped SwiGLU (model/kernels/swiglu.py) against model.moe.clamped_swiglu on the two
+halves of gate_up [..., 2I]: output and gate_up's gradient, with values beyond and exactly at the
+clamp bounds. CPU: Triton's interpreter in fp32; the gpu test runs bf16 at the MoE's shape."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from model.kernels.swiglu import clamped_swiglu_triton
+from model.kernels.swiglu import clamped_swiglu_packed_triton
 from model.moe import clamped_swiglu
 
 
 def _inputs(shape, limit, dtype=torch.float32, device="cpu", seed=0):
+    """gate_up [*shape[:-1], 2 * shape[-1]]."""
     g = torch.Generator().manual_seed(seed)
     gate = torch.randn(*shape, generator=g) * 6  # beyond +-limit often
     up = torch.randn(*shape, generator=g) * 6
@@ -18,61 +19,69 @@ def _inputs(shape, limit, dtype=torch.float32, device="cpu", seed=0):
         gate.view(-1)[:5] = limit
         up.view(-1)[:5] = -limit
         up.view(-1)[5:10] = limit
-    return gate.to(device, dtype), up.to(device, dtype)
+    return torch.cat((gate, up), -1).to(device, dtype)
 
 
-def _run(fn, gate, up, limit, dh):
-    gate, up = gate.clone().requires_grad_(), up.clone().requires_grad_()
-    h = fn(gate, up, limit)
+def _unpacked(gate_up, limit):
+    """The reference on separately made gate and up tensors: no slicing of one gate_up."""
+    half = gate_up.shape[-1] // 2
+    return clamped_swiglu(gate_up[..., :half].clone(), gate_up[..., half:].clone(), limit)
+
+
+def _run(fn, gate_up, limit, dh):
+    gate_up = gate_up.clone().requires_grad_()
+    h = fn(gate_up, limit)
     (h.float() * dh).sum().backward()
-    return h, gate.grad, up.grad
+    return h, gate_up.grad
 
 
 @pytest.mark.parametrize("limit", [7.0, 0.0], ids=["clamped", "no-clamp"])
-@pytest.mark.parametrize("shape", [(3, 37), (2, 5, 1100)], ids=["small", "several-blocks"])
+@pytest.mark.parametrize("shape", [(3, 37), (2, 5, 1100), (9, 256)], ids=["small", "several-blocks", "whole-tiles"])
 def test_matches_reference(limit, shape):
-    gate, up = _inputs(shape, limit)
+    gate_up = _inputs(shape, limit)
     dh = torch.randn(shape, generator=torch.Generator().manual_seed(1))
-    for got, want in zip(_run(clamped_swiglu_triton, gate, up, limit, dh), _run(clamped_swiglu, gate, up, limit, dh)):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    got, want = _run(clamped_swiglu_packed_triton, gate_up, limit, dh), _run(_unpacked, gate_up, limit, dh)
+    assert got[0].shape == shape and got[1].shape == gate_up.shape
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 
 
-def test_strided_halves_of_one_projection():
-    """gate and up as the two halves of one [N, 2I] output (non-contiguous views)."""
-    both = torch.randn(6, 2, 40, generator=torch.Generator().manual_seed(2)) * 6
-    gate, up = both[:, 0], both[:, 1]
-    dh = torch.randn(6, 40)
-    for got, want in zip(_run(clamped_swiglu_triton, gate, up, 5.0, dh), _run(clamped_swiglu, gate, up, 5.0, dh)):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+def test_gate_gradient_is_the_first_half():
+    """Only the gate half's values matter to the gate gradient: perturbing up's clamp bounds moves
+    only the up half of the gradient, which would fail with the halves swapped in the kernel."""
+    gate_up = _inputs((4, 40), 5.0)
+    dh = torch.ones(4, 40)
+    _, grad = _run(clamped_swiglu_packed_triton, gate_up, 5.0, dh)
+    up = gate_up[:, 40:]
+    assert torch.all(grad[:, 40:][up.abs() > 5.0] == 0)  # clamped up: no gradient there
+    gate = gate_up[:, :40]
+    assert torch.all(grad[:, :40][gate > 5.0] == 0)
+    assert torch.any(grad[:, :40][gate < -5.0] != 0)  # gate is clamped from above only
 
 
 @pytest.mark.gpu
 def test_gpu_bf16_moe_shape():
-    gate, up = _inputs((131072, 768), 10.0, torch.bfloat16, "cuda")
+    gate_up = _inputs((131072, 768), 10.0, torch.bfloat16, "cuda")
     dh = torch.randn(131072, 768, device="cuda")
-    wide = [t.float() for t in (gate, up)]
-    want = _run(clamped_swiglu, *wide, 10.0, dh)
-    got = _run(clamped_swiglu_triton, gate, up, 10.0, dh)
+    want = _run(_unpacked, gate_up.float(), 10.0, dh)
+    got = _run(clamped_swiglu_packed_triton, gate_up, 10.0, dh)
     for g, w in zip(got, want):
         assert g.dtype == torch.bfloat16
         assert ((g.float() - w).norm() / w.norm()).item() < 1e-2
 
 
 def test_inputs_the_kernel_does_not_take_fall_back_to_the_reference(monkeypatch):
-    """float64, mismatched dtypes or broadcast shapes: the reference runs (never the kernel), with
-    its output and gradients."""
+    """float64 or an odd width: the reference runs (never the kernel), with its output and
+    gradient (an odd width is the reference's own error: chunk gives unequal halves)."""
     import model.kernels.swiglu as sw
 
     def no_kernel(*_):
         raise AssertionError("the kernel must not run for these inputs")
 
     monkeypatch.setattr(sw, "_swiglu_kernel", no_kernel)
-    g = torch.Generator().manual_seed(4)
-    cases = [(torch.randn(4, 8, generator=g, dtype=torch.float64) * 6,
-              torch.randn(4, 8, generator=g, dtype=torch.float64) * 6),
-             (torch.randn(4, 8, generator=g) * 6, (torch.randn(4, 8, generator=g) * 6).double()),
-             (torch.randn(4, 8, generator=g) * 6, torch.randn(1, 8, generator=g) * 6)]
-    for gate, up in cases:
-        dh = torch.randn(4, 8, generator=g)
-        for got, want in zip(_run(clamped_swiglu_triton, gate, up, 5.0, dh), _run(clamped_swiglu, gate, up, 5.0, dh)):
-            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    gate_up = _inputs((4, 8), 5.0).double()
+    dh = torch.randn(4, 8, dtype=torch.float64)
+    for g, w in zip(_run(clamped_swiglu_packed_triton, gate_up, 5.0, dh), _run(_unpacked, gate_up, 5.0, dh)):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    with pytest.raises(RuntimeError):
+        clamped_swiglu_packed_triton(torch.randn(4, 9), 5.0)
