@@ -186,9 +186,10 @@ def effective_multipliers(multipliers: torch.Tensor, orders: Sequence[int]) -> t
     """multipliers [O, H, max_n] (Engram's buffer) -> [O*H, max_n] int64 with the slots i >= n of
     order n zeroed (x ^ (id * 0) = x, so they drop out of the XOR)."""
     n_orders, heads, max_n = multipliers.shape
-    n = torch.tensor(list(orders), device=multipliers.device).view(n_orders, 1, 1)
-    used = torch.arange(max_n, device=multipliers.device) < n  # [O, 1, max_n]
-    return torch.where(used, multipliers, torch.zeros_like(multipliers)).reshape(n_orders * heads, max_n).long().contiguous()
+    mult = multipliers.to(torch.int64, copy=True)
+    for o, n in enumerate(orders):  # fills of slices: a host-made mask would be a copy that waits for the GPU
+        mult[o, :, n:] = 0
+    return mult.reshape(n_orders * heads, max_n)
 
 
 def _extent(t: Optional[torch.Tensor]) -> int:
