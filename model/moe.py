@@ -24,6 +24,13 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
     return F.silu(gate) * up
 
 
+def expert_counts(ids: torch.Tensor, n: int) -> torch.Tensor:
+    """How often each of 0..n-1 occurs in ids (int64 [n]). torch.bincount on CUDA reads the input's
+    max and min back to the host, so the host waits for the GPU; this never does."""
+    flat = ids.reshape(-1)
+    return torch.zeros(n, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 def clamped_swiglu_packed(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
     """clamped_swiglu of gate_up [..., 2I] = [gate | up]: the output of one matmul with the gate
     and up weights stacked, so the input is read once and its gradient comes from one matmul
@@ -164,7 +171,7 @@ class Router(nn.Module):
         weights = scores.gather(-1, chosen)
         weights = weights / weights.sum(-1, keepdim=True) * self.route_scale
         if self.training:
-            self.load += torch.bincount(chosen.flatten(), minlength=scores.shape[-1]).float()
+            self.load += expert_counts(chosen, scores.shape[-1])
         return scores, chosen, weights
 
     @torch.no_grad()
@@ -197,7 +204,7 @@ class MoE(nn.Module):
         scatter-add (fp32 atomics) in the forward's combine or the backward's dispatch."""
         flat = chosen.flatten()
         order, inv = routing_order(flat)
-        counts = torch.bincount(flat, minlength=self.n_routed)  # [E], on the device
+        counts = expert_counts(flat, self.n_routed)  # [E], on the device
         y = self.experts(self.gather_routed(x, order, inv), counts)  # [N*k, D] by expert
         return self.combine_routed(y, order, inv, weights, x.dtype)
 

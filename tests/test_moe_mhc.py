@@ -10,7 +10,7 @@ from model.mhc import (
     sinkhorn_comb_explicit,
     update_streams,
 )
-from model.moe import MoE, RoutedExperts, Router, clamped_swiglu
+from model.moe import MoE, RoutedExperts, Router, clamped_swiglu, expert_counts
 
 
 # ---------------------------------------------------------------- MoE
@@ -43,6 +43,22 @@ def test_bias_changes_selection_only():
     expected = scores1.gather(-1, chosen1)
     torch.testing.assert_close(weights1, expected / expected.sum(-1, keepdim=True))
     assert not r.bias.requires_grad and "bias" not in dict(r.named_parameters())
+
+
+def test_expert_counts_and_router_load():
+    """Counts per expert, unused experts included (0), as a per-id Python count gives them; the
+    router's load accumulates them over forwards."""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 6, (40, 3), generator=g)  # experts 6 and 7 never chosen
+    want = [sum(int(i) == e for i in ids.flatten()) for e in range(8)]
+    assert expert_counts(ids, 8).tolist() == want and expert_counts(ids, 8).dtype == torch.int64
+    r = Router(dim=16, n_experts=8, topk=3, route_scale=1.0)
+    torch.nn.init.normal_(r.weight)
+    x = torch.randn(40, 16, generator=g)
+    chosen = r(x)[1]
+    r(x)
+    per_expert = [2 * sum(int(i) == e for i in chosen.flatten()) for e in range(8)]
+    assert r.load.tolist() == per_expert and r.load.dtype == torch.float32
 
 
 def test_bias_update_moves_towards_balance():
