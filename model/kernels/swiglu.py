@@ -26,33 +26,36 @@ BLOCK_R, BLOCK_C = 4, 256  # rows x columns of I a program: 8 values a thread at
 
 
 @triton.jit
-def _swiglu_fwd_kernel(GU, H, n_rows, inter, limit, CLAMP: tl.constexpr, BLOCK_R: tl.constexpr,
-                       BLOCK_C: tl.constexpr):
-    # GU [N, 2 inter] (gate | up) -> H [N, inter]
+def _tile(GU, n_rows, inter, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """This program's [BLOCK_R, BLOCK_C] tile: gate and up in fp32, their offsets in GU [N, 2 inter],
+    the offsets in an [N, inter] tensor, and the mask."""
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     ok = (r < n_rows)[:, None] & (c < inter)[None, :]
     src = r[:, None] * (2 * inter) + c[None, :]
     g = tl.load(GU + src, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(GU + src + inter, mask=ok, other=0.0).to(tl.float32)
+    return g, u, src, r[:, None] * inter + c[None, :], ok
+
+
+@triton.jit
+def _swiglu_fwd_kernel(GU, H, n_rows, inter, limit, CLAMP: tl.constexpr, BLOCK_R: tl.constexpr,
+                       BLOCK_C: tl.constexpr):
+    # GU [N, 2 inter] (gate | up) -> H [N, inter]
+    g, u, _, dst, ok = _tile(GU, n_rows, inter, BLOCK_R, BLOCK_C)
     if CLAMP:
         g = tl.minimum(g, limit)
         u = tl.minimum(tl.maximum(u, -limit), limit)
     h = g * tl.sigmoid(g) * u
-    tl.store(H + r[:, None] * inter + c[None, :], h.to(H.dtype.element_ty), mask=ok)
+    tl.store(H + dst, h.to(H.dtype.element_ty), mask=ok)
 
 
 @triton.jit
 def _swiglu_bwd_kernel(GU, DH, DGU, n_rows, inter, limit, CLAMP: tl.constexpr, BLOCK_R: tl.constexpr,
                        BLOCK_C: tl.constexpr):
     # GU, DGU [N, 2 inter]; DH [N, inter]
-    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    ok = (r < n_rows)[:, None] & (c < inter)[None, :]
-    src = r[:, None] * (2 * inter) + c[None, :]
-    g = tl.load(GU + src, mask=ok, other=0.0).to(tl.float32)
-    u = tl.load(GU + src + inter, mask=ok, other=0.0).to(tl.float32)
-    dh = tl.load(DH + r[:, None] * inter + c[None, :], mask=ok, other=0.0).to(tl.float32)
+    g, u, src, dst, ok = _tile(GU, n_rows, inter, BLOCK_R, BLOCK_C)
+    dh = tl.load(DH + dst, mask=ok, other=0.0).to(tl.float32)
     gc = g
     uc = u
     if CLAMP:
