@@ -2,14 +2,18 @@
 `torch.cuda.set_sync_debug_mode("warn")` after a warm-up pass, each synchronising call counted by
 its innermost frames in this repository. A wait drains the launch queue, so the GPU idles while
 the host refills it: `e2e_profile`'s gap between wall time and kernel time is where these show.
-Waits inside the backward are reported from the autograd engine's thread, without model frames.
+Waits inside the backward come from the autograd engine's thread without model frames; they are
+named by the autograd node then running.
 
     python -m bench.host_waits [--micro-batch 8]   (prints JSON; CUDA only)
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
+import subprocess
 import traceback
 import warnings
 from pathlib import Path
@@ -27,7 +31,11 @@ def _site(depth: int = 3) -> str:
     here = str(Path(__file__).resolve())
     frames = [f for f in traceback.extract_stack() if f.filename.startswith(ROOT) and f.filename != here]
     inner = frames[-depth:]
-    return " <- ".join(f"{f.filename[len(ROOT):]}:{f.lineno} {f.name}" for f in reversed(inner)) or "(no repository frame)"
+    where = " <- ".join(f"{f.filename[len(ROOT):]}:{f.lineno} {f.name}" for f in reversed(inner))
+    if where:
+        return where
+    node = torch._C._current_autograd_node()  # in the backward: the autograd node that waited
+    return f"backward of {node.name()}" if node is not None else "(no repository frame)"
 
 
 def host_waits(micro_batch: int = 8, seq_len: int = 4096, vocab: int = 129_280) -> dict:
@@ -58,7 +66,13 @@ def host_waits(micro_batch: int = 8, seq_len: int = 4096, vocab: int = 129_280) 
         finally:
             torch.cuda.set_sync_debug_mode("default")
     waits = sorted(sites.items(), key=lambda kv: -kv[1])
-    return {"micro_batch": micro_batch, "seq_len": seq_len,
+    import triton
+
+    commit = os.environ.get("FLASHTRAIN_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    return {"bench": "host_waits", "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+            "triton": triton.__version__, "date": datetime.date.today().isoformat(), "commit": commit,
+            "micro_batch": micro_batch, "seq_len": seq_len,
             "waits": sum(n for k, n in waits if not k.startswith("other warning")),
             "sites": [{"count": n, "where": k} for k, n in waits]}
 
