@@ -52,6 +52,7 @@ def test_expert_counts_and_router_load():
     ids = torch.randint(0, 6, (40, 3), generator=g)  # experts 6 and 7 never chosen
     want = [sum(int(i) == e for i in ids.flatten()) for e in range(8)]
     assert expert_counts(ids, 8).tolist() == want and expert_counts(ids, 8).dtype == torch.int64
+    assert expert_counts(ids, 8, chunk_cells=8 * 7).tolist() == want  # 7 ids a chunk: the last one short
     r = Router(dim=16, n_experts=8, topk=3, route_scale=1.0)
     torch.nn.init.normal_(r.weight)
     x = torch.randn(40, 16, generator=g)
