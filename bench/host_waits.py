@@ -2,8 +2,8 @@
 `torch.cuda.set_sync_debug_mode("warn")` after a warm-up pass, each synchronising call counted by
 its innermost frames in this repository. A wait drains the launch queue, so the GPU idles while
 the host refills it: `e2e_profile`'s gap between wall time and kernel time is where these show.
-Waits inside the backward come from the autograd engine's thread without model frames; they are
-named by the autograd node then running.
+Waits inside the backward are collected by the autograd engine and replayed once the backward
+ends, so they show neither model frames nor the node that waited ("no repository frame").
 
     python -m bench.host_waits [--micro-batch 8]   (prints JSON; CUDA only)
 """
@@ -31,11 +31,7 @@ def _site(depth: int = 3) -> str:
     here = str(Path(__file__).resolve())
     frames = [f for f in traceback.extract_stack() if f.filename.startswith(ROOT) and f.filename != here]
     inner = frames[-depth:]
-    where = " <- ".join(f"{f.filename[len(ROOT):]}:{f.lineno} {f.name}" for f in reversed(inner))
-    if where:
-        return where
-    node = torch._C._current_autograd_node()  # in the backward: the autograd node that waited
-    return f"backward of {node.name()}" if node is not None else "(no repository frame)"
+    return " <- ".join(f"{f.filename[len(ROOT):]}:{f.lineno} {f.name}" for f in reversed(inner)) or "(no repository frame)"
 
 
 def host_waits(micro_batch: int = 8, seq_len: int = 4096, vocab: int = 129_280) -> dict:
