@@ -24,17 +24,18 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
     return F.silu(gate) * up
 
 
-def expert_counts(ids: torch.Tensor, n: int, chunk_cells: int = 1 << 26) -> torch.Tensor:
+def expert_counts(ids: torch.Tensor, n: int, chunk: int = 1 << 24) -> torch.Tensor:
     """How often each of 0..n-1 occurs in ids (int64 [n]). torch.bincount on CUDA reads the input's
-    max and min back to the host, so the host waits for the GPU; a scatter-add into [n] does not,
-    but its atomics all land on n addresses (80 us a call for 131072 ids into 32 on the H200).
-    This compares each id with 0..n-1 and sums the matches down the ids: no wait, no atomics,
-    exact, and at most `chunk_cells` booleans at a time."""
+    max and min back to the host, so the host waits for the GPU. torch.histc with the range given
+    does not, and counts in shared memory; a scatter-add into [n] puts all its atomics on n
+    addresses (56 us for 131072 ids into 32 on the H200). The float counts are exact: ids go in
+    `chunk` (<= 2^24) at a time. Deterministic mode has no CUDA histc, so it takes the scatter-add."""
     flat = ids.reshape(-1)
-    experts = torch.arange(n, device=ids.device)
+    if torch.are_deterministic_algorithms_enabled():
+        return torch.zeros(n, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
     counts = torch.zeros(n, dtype=torch.int64, device=ids.device)
-    for part in flat.split(max(1, chunk_cells // max(n, 1))):
-        counts += (part.unsqueeze(1) == experts).sum(0)  # [rows, n] matches -> [n]
+    for part in flat.split(min(chunk, 1 << 24)):
+        counts += torch.histc(part.float(), bins=n, min=0, max=n).long()  # bin e holds [e, e + 1)
     return counts
 
 

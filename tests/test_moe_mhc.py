@@ -52,7 +52,12 @@ def test_expert_counts_and_router_load():
     ids = torch.randint(0, 6, (40, 3), generator=g)  # experts 6 and 7 never chosen
     want = [sum(int(i) == e for i in ids.flatten()) for e in range(8)]
     assert expert_counts(ids, 8).tolist() == want and expert_counts(ids, 8).dtype == torch.int64
-    assert expert_counts(ids, 8, chunk_cells=8 * 7).tolist() == want  # 7 ids a chunk: the last one short
+    assert expert_counts(ids, 8, chunk=7).tolist() == want  # 7 ids a chunk: the last one short
+    try:
+        torch.use_deterministic_algorithms(True)
+        assert expert_counts(ids, 8).tolist() == want
+    finally:
+        torch.use_deterministic_algorithms(False)
     r = Router(dim=16, n_experts=8, topk=3, route_scale=1.0)
     torch.nn.init.normal_(r.weight)
     x = torch.randn(40, 16, generator=g)
@@ -159,6 +164,23 @@ def test_grouped_experts_on_gpu_under_autocast():
     for a, b in zip(got[False], got[None]):
         scale = a.abs().max()
         assert (b.float() - a).abs().max() <= 2e-2 * scale, ((b.float() - a).abs().max(), scale)
+
+
+@pytest.mark.gpu
+def test_expert_counts_on_gpu_without_host_wait():
+    """On CUDA the counts equal torch.bincount's, the unused experts included, and computing them
+    does not make the host wait for the GPU (sync debug mode "error" raises if it does)."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    for n, m in ((32, 131072), (384, 196608)):
+        ids = torch.randint(0, n - 3, (m,), device="cuda", generator=g)
+        want = torch.bincount(ids, minlength=n)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = expert_counts(ids, n)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert torch.equal(got, want) and got[-3:].sum() == 0
 
 
 def test_clamped_swiglu():
