@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
-import subprocess
-from pathlib import Path
 
 import torch
 
+from bench import provenance
 from model.moe import expert_counts
 
 # (experts, ids): `small`'s 32 experts x 4 choices x 32768 tokens, `flash`'s 384 x 6 x 32768, `tiny`
@@ -58,9 +56,7 @@ def _us_per_call(fn, graph: bool, calls: int = 50) -> float:
 def main() -> dict:
     import triton
 
-    commit = os.environ.get("FLASHTRAIN_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent.parent,
-        capture_output=True, text=True).stdout.strip()
+    commit = provenance.commit()
     result = {"bench": "expert_counts", "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
               "triton": triton.__version__, "date": datetime.date.today().isoformat(), "commit": commit,
               "us_per_call": {}}

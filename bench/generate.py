@@ -17,14 +17,12 @@ import argparse
 import dataclasses
 import datetime
 import json
-import os
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 
+from bench import provenance
 from conf.model import SmallModelConfig, TinyModelConfig
 from model.runtime import AttentionRuntime
 from model.transformer import Transformer
@@ -32,8 +30,6 @@ from rl.engine.cache import DecodeCache
 from rl.engine.generate import generate, prefill_ced
 from rl.engine.prefix import PrefixCache
 from rl.engine.slots import SlotCache
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _seconds(fn, device) -> float:
@@ -147,8 +143,7 @@ def main() -> None:
     model.eval()
     if device.type == "cuda":
         model.to(torch.bfloat16)  # inference weights
-    commit = os.environ.get("FLASHTRAIN_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    commit = provenance.commit()
     result = {"bench": "generate", "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "date": datetime.date.today().isoformat(), "commit": commit,
               "model": args.model, "kernels": args.kernels}

@@ -12,14 +12,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import subprocess
 import traceback
 import warnings
 from pathlib import Path
 
 import torch
 
+from bench import provenance
 from bench.kernels_e2e import small_model
 
 ROOT = str(Path(__file__).resolve().parent.parent) + "/"
@@ -64,8 +63,7 @@ def host_waits(micro_batch: int = 8, seq_len: int = 4096, vocab: int = 129_280) 
     waits = sorted(sites.items(), key=lambda kv: -kv[1])
     import triton
 
-    commit = os.environ.get("FLASHTRAIN_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    commit = provenance.commit()
     return {"bench": "host_waits", "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
             "triton": triton.__version__, "date": datetime.date.today().isoformat(), "commit": commit,
             "micro_batch": micro_batch, "seq_len": seq_len,

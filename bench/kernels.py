@@ -23,14 +23,13 @@ import argparse
 import datetime
 import importlib
 import json
-import os
-import subprocess
 import traceback
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+from bench import provenance
+
 SECTIONS = ("quant", "attention", "indexer", "mhc", "engram", "e2e", "e2e_batch", "e2e_profile", "small_ops")
 
 
@@ -40,8 +39,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     device = torch.device("cuda", torch.cuda.current_device())
-    commit = os.environ.get("FLASHTRAIN_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    commit = provenance.commit()
     import triton
     today = datetime.date.today().isoformat()
     result = {"bench": "kernels", "device": torch.cuda.get_device_name(0), "torch": torch.__version__,

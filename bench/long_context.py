@@ -14,20 +14,16 @@ import argparse
 import dataclasses
 import datetime
 import json
-import os
-import subprocess
 import time
-from pathlib import Path
 
 import torch
 
+from bench import provenance
 from conf.model import SmallModelConfig
 from conf.optim import MuonConfig
 from model.transformer import Transformer
 from optim import build_optimizer
 from trainer.parallelize import checkpoint_blocks
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _sync() -> float:
@@ -93,8 +89,7 @@ def main() -> None:
     for r in results:
         if "tokens_per_s" in r and base:
             r["tokens_per_s_vs_first"] = r["tokens_per_s"] / base
-    commit = os.environ.get("FLASHTRAIN_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    commit = provenance.commit()
     print(json.dumps({
         "bench": "long_context", "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
         "date": datetime.date.today().isoformat(), "commit": commit, "model": "small",

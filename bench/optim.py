@@ -13,20 +13,16 @@ import argparse
 import dataclasses
 import datetime
 import json
-import os
-import subprocess
 import time
-from pathlib import Path
 
 import torch
 
+from bench import provenance
 from conf.model import SmallModelConfig
 from conf.optim import AdamWConfig, MuonConfig
 from model.transformer import Transformer
 from optim import build_optimizer
 from optim.sinkhorn import Sinkhorn
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def timed(fn, reps: int, device: torch.device) -> float:
@@ -93,8 +89,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    commit = os.environ.get("FLASHTRAIN_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    commit = provenance.commit()
     result = {
         "bench": "optim",
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

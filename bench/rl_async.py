@@ -14,11 +14,10 @@ import datetime
 import json
 import os
 import platform
-import subprocess
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from bench import provenance
 
 
 def _run(overrides: list[str], run_dir: Path) -> dict:
@@ -57,8 +56,7 @@ def main() -> None:
     result = {"bench": "rl_async", "device": "cpu", "cpus": os.cpu_count(), "machine": platform.machine(),
               "python": platform.python_version(), "torch": torch.__version__, "ray": ray.__version__,
               "date": datetime.date.today().isoformat(),
-              "commit": os.environ.get("FLASHTRAIN_COMMIT") or subprocess.run(
-                  ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip(),
+              "commit": provenance.commit(),
               "overrides": common}
     with tempfile.TemporaryDirectory() as tmp:
         for mode in ("async", "sync"):
