@@ -210,7 +210,11 @@ class Transformer(nn.Module):
 
     def embed_streams(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids [B, T] -> streams h [B, T, n, D] and the first sub-layer's one-hot pre-mix."""
-        h = self.embed(input_ids).unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1).contiguous()  # [B, T, n, D]
+        h = self.embed(input_ids)  # [B, T, D] in the table's dtype
+        dev = h.device.type
+        if not self.cfg.fp32_residual and torch.is_autocast_enabled(dev):
+            h = h.to(torch.get_autocast_dtype(dev))  # every residual update keeps the streams' dtype
+        h = h.unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1).contiguous()  # [B, T, n, D]
         return h, initial_pre(h)
 
     def run_layers(self, h: torch.Tensor, pre: torch.Tensor, input_ids: torch.Tensor, rt: AttentionRuntime,
