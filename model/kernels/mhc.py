@@ -92,6 +92,9 @@ class MHCKernelConfig:
     # Sinkhorn 95 -> 71 ms a forward+backward
     fwd_num_stages: int = 3
     fwd_splits: Optional[int] = None  # forward: D ranges per token tile (None: fill the GPU)
+    # bf16 streams: the fn gradient as a tensor-core dot inside the backward kernel (True), or as a
+    # bf16 GEMM with fp32 output on the host over the saved h' (False; CPU: an fp32 matmul)
+    bwd_fn_in_kernel: bool = True
     bwd_groups: Optional[int] = None  # backward: token groups per D block (None: fill the GPU)
 
     def resolved(self, dtype: torch.dtype, narrow_io: bool = False) -> MHCKernelConfig:
@@ -366,8 +369,8 @@ class _FusedMHCStep(torch.autograd.Function):
         if MS != M:  # bf16 hi + lo halves
             dot = dot[:, :M] + dot[:, M:]
         mix = dot * r[:, None]
-        # h_new is kept only where the backward gets g_fn from a host matmul (not bf16)
-        keep = h_new if h.dtype != torch.bfloat16 else None
+        # h_new is kept only where the backward gets g_fn from a host matmul
+        keep = None if h.dtype == torch.bfloat16 and cfg.bwd_fn_in_kernel else h_new
         ctx.save_for_backward(h, y, post, comb, pre, fn, r, mix, keep)
         ctx.cfg = cfg
         ctx.set_materialize_grads(False)  # unused outputs cost no traffic in the backward
@@ -380,7 +383,7 @@ class _FusedMHCStep(torch.autograd.Function):
         T, N, D = h.shape
         M = fn.shape[0]
         need_fn = ctx.needs_input_grad[5] and g_mix is not None
-        in_kernel_fn = need_fn and h.dtype == torch.bfloat16
+        in_kernel_fn = need_fn and h.dtype == torch.bfloat16 and cfg.bwd_fn_in_kernel
         gdot = coef = gc = r  # placeholders for pointers the kernel does not read
         slot = 0
         if g_mix is not None:
@@ -419,7 +422,11 @@ class _FusedMHCStep(torch.autograd.Function):
         if in_kernel_fn:
             g_fn = gfn_part.sum(0)
             g_fn = g_fn[:M] + g_fn[slot:slot + M]
-        elif need_fn:  # fp32 / fp16 streams: g_dot^T @ h' in fp32 (one more read of h')
+        elif need_fn and h_new.dtype == torch.bfloat16 and h_new.is_cuda:
+            # g_dot's bf16 halves against h' (exact in bf16), accumulated and returned in fp32
+            g_fn = torch.mm(torch.cat(_split_bf16(gdot), 1).T, h_new.reshape(T, N * D), out_dtype=torch.float32)
+            g_fn = g_fn[:M] + g_fn[M:]
+        elif need_fn:  # g_dot^T @ h' in fp32 (one more read of h')
             g_fn = gdot.T @ h_new.reshape(T, N * D).float()
         return g_h, g_y, gpost_part.sum(0), gcomb_part.sum(0), g_pre, g_fn, None, None, None
 
