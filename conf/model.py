@@ -79,7 +79,7 @@ class ModelConfig:
     # Dtype of the residual streams under mixed precision: True keeps them fp32 (the embedding's dtype),
     # False holds them in the autocast dtype, as Megatron-LM does unless --fp32-residual-connection.
     # Without autocast the streams are in the parameters' dtype either way (docs/DESIGN.md, Kernels).
-    fp32_residual: bool = True
+    fp32_residual: bool = False
 
     # --- Engram (§5)
     engram_layers: list[int] = field(default_factory=lambda: [1, 14])

@@ -92,18 +92,24 @@ class MHCKernelConfig:
     # Sinkhorn 95 -> 71 ms a forward+backward
     fwd_num_stages: int = 3
     fwd_splits: Optional[int] = None  # forward: D ranges per token tile (None: fill the GPU)
-    # bf16 streams: the fn gradient as a tensor-core dot inside the backward kernel (True), or as a
-    # bf16 GEMM with fp32 output on the host over the saved h' (False; CPU: an fp32 matmul)
-    bwd_fn_in_kernel: bool = True
+    # bf16 streams: the fn gradient as a bf16 GEMM with fp32 output on the host over the saved h'
+    # (False; CPU: an fp32 matmul), or as a tensor-core dot inside the backward kernel (True), whose
+    # four [64, BD] fp32 accumulators made the kernel slower than its fp32-stream build (H200, 32768
+    # tokens, D = 1024: 2.44 ms forward+backward in kernel, 2.31 on the host at the same tiles)
+    bwd_fn_in_kernel: bool = False
     bwd_groups: Optional[int] = None  # backward: token groups per D block (None: fill the GPU)
 
     def resolved(self, dtype: torch.dtype, narrow_io: bool = False) -> MHCKernelConfig:
         """narrow_io: y or x is narrower than the streams (bf16 / fp16 against fp32 streams)."""
-        block_d = 64 if dtype == torch.bfloat16 else 32  # 64 bf16 = a 128-byte line per stream row
+        bf16 = dtype == torch.bfloat16
+        block_d = 64 if bf16 else 32  # 64 bf16 = a 128-byte line per stream row
         fp32 = dtype == torch.float32
+        # bf16 streams (model.fp32_residual=false), H200 sweep at 32768 tokens, D = 1024, fn gradient on
+        # the host: forward 64-token tiles 0.324 -> 0.288 ms; backward D blocks of 128 (32 tokens, 8 warps)
+        # 2.31 -> 1.76 ms forward+backward (18 tile / warp choices: 1.76-10.9 ms)
         return replace(self, fwd_block_d=self.fwd_block_d or block_d,
-                       fwd_block_t=self.fwd_block_t or (16 if fp32 and narrow_io else self.block_t),
-                       bwd_block_d=self.bwd_block_d or (64 if fp32 else block_d),
+                       fwd_block_t=self.fwd_block_t or (64 if bf16 else 16 if fp32 and narrow_io else self.block_t),
+                       bwd_block_d=self.bwd_block_d or (64 if fp32 else 128 if bf16 else block_d),
                        bwd_block_t=self.bwd_block_t or (16 if fp32 else self.block_t),
                        fwd_num_warps=self.fwd_num_warps or (4 if fp32 else self.num_warps))
 
