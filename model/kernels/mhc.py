@@ -71,11 +71,12 @@ _DOT_PRECISION = "tf32x3"
 class MHCKernelConfig:
     """Tiles and work split. block_t >= 16 (tl.dot). None picks the per-dtype default: D blocks
     of 64 for bf16 streams, 32 otherwise (the fp32 operands of the 3-pass tf32 dot need more
-    registers), chosen offline with ptxas for no register spills. fp32 streams (what training
-    with fp32 master weights runs) have their own timed defaults: an H200 sweep at 32768 tokens,
-    D = 1024 (token tiles 16-128, D blocks 32-128, 4 / 8 warps, 1-3 stages) put the forward at 4
-    warps (1.10 -> 0.68 ms) and the backward at token tiles of 16 with D blocks of 64 (2.21 ->
-    1.93 ms, host-side sums included)."""
+    registers), chosen offline with ptxas for no register spills. Both stream dtypes training
+    runs have timed defaults (bf16: the default under autocast, see `resolved`; fp32: with
+    model.fp32_residual=true). For fp32 an H200 sweep at 32768 tokens, D = 1024 (token tiles
+    16-128, D blocks 32-128, 4 / 8 warps, 1-3 stages) put the forward at 4 warps (1.10 -> 0.68 ms)
+    and the backward at token tiles of 16 with D blocks of 64 (2.21 -> 1.93 ms, host-side sums
+    included)."""
     block_t: int = 32  # tokens per tile: the forward's, and the backward's unless bwd_block_t
     fwd_block_d: Optional[int] = None  # model-dim columns per forward tile
     bwd_block_d: Optional[int] = None  # ... per backward tile
