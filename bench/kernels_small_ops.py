@@ -5,9 +5,10 @@
   shared by the heads: forward and forward+backward vs `Rotary`'s reference; the forward's bytes
   (one read and one write of q) as a fraction of the measured copy bandwidth.
 * the mHC stream mixes the fused step cannot take (model/kernels/stream_mix.py): update_streams
-  and mix_streams with fp32 streams [8, 4096, 4, 1024], a bf16 sub-layer output and fp32
-  coefficients, under bf16 autocast as in training (where the reference's einsums run as bf16
-  batched matmuls): forward and forward+backward vs the reference.
+  and mix_streams with fp32 streams [8, 4096, 4, 1024] (training with model.fp32_residual=true;
+  the default holds them in bf16), a bf16 sub-layer output and fp32 coefficients, under bf16
+  autocast (where the reference's einsums run as bf16 batched matmuls): forward and
+  forward+backward vs the reference.
 * RMSNorm (model/kernels/rms_norm.py) on bf16 [8, 4096, D], D = 1024 (the block norms) and 512
   (q / kv norms), weight and input gradients: forward and forward+backward vs the reference
   (torch's fused rms_norm with the weight in bf16), in GPU kernel time (`kernel_ms`: one call is
