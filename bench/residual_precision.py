@@ -7,7 +7,7 @@ loss curve (a moving mean over `tail` steps, so single-batch noise does not domi
 
     python -m bench.residual_precision [--steps 200] [--out bench/results/residual-precision-cpu.json]
 
-Data: the bytes of the repository's Markdown (byte-level vocabulary of 256), in fixed order, so
+Data: the bytes of the committed Markdown (byte-level vocabulary of 256), in fixed order, so
 the runs see the same text; the Muon + Sinkhorn + AdamW composite (`optim=muon`) as `tiny` trains.
 """
 from __future__ import annotations
@@ -31,8 +31,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _corpus(seq_len: int) -> torch.Tensor:
-    """[n, seq_len + 1] byte ids of the repository's Markdown, cut into rows."""
-    text = b"\n".join(p.read_bytes() for p in sorted(ROOT.glob("**/*.md")) if ".git" not in p.parts)
+    """[n, seq_len + 1] byte ids of the committed Markdown (README, docs/, model/), cut into rows; not
+    a glob of the whole tree, which would pick up the .md reports runs write under outputs/."""
+    files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "model").glob("*.md"))]
+    text = b"\n".join(p.read_bytes() for p in files)
     ids = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
     n = ids.numel() // (seq_len + 1)
     return ids[: n * (seq_len + 1)].view(n, seq_len + 1)

@@ -390,7 +390,7 @@ class _FusedMHCStep(torch.autograd.Function):
         T, N, D = h.shape
         M = fn.shape[0]
         need_fn = ctx.needs_input_grad[5] and g_mix is not None
-        in_kernel_fn = need_fn and h.dtype == torch.bfloat16 and cfg.bwd_fn_in_kernel
+        in_kernel_fn = need_fn and h_new is None  # the forward kept h' only for a host fn gradient
         gdot = coef = gc = r  # placeholders for pointers the kernel does not read
         slot = 0
         if g_mix is not None:
