@@ -164,3 +164,19 @@ def test_gpu_bf16_full_scale(H, halo):
     assert _rel(p_k, p_r.detach().sum(2)) < 1e-2
     for n in names:  # d sink sums p_sink * rowsum(dout * out) over bf16-rounded out: looser
         assert _rel(g_k[n], g_r[n]) < (5e-2 if n == "sink" else 2e-2), (n, _rel(g_k[n], g_r[n]))
+
+
+@pytest.mark.parametrize("H,halo,offset", [(16, True, 40), (4, False, 0), (4, True, 16)],
+                         ids=["H16-halo", "H4-from-start", "H4-halo"])
+def test_window_gradient_reads_only_what_the_backward_wrote(monkeypatch, H, halo, offset):
+    """The window rows' dK = dV is a GEMM over the per-query kernel's stored p and ds * scale
+    (no atomics). Its scratch comes NaN-filled here: any column the backward did not write (before
+    a document, outside a query's window, the alignment padding) would turn the gradient NaN.
+    H = 4 puts 4 queries in each GEMM step of the interpreter's K = 16."""
+    import model.kernels.sparse_attention as sa
+
+    nan_scratch = lambda shape, dtype, device: tuple(torch.full(shape, float("nan"), dtype=dtype, device=device)
+                                                      for _ in range(2))
+    monkeypatch.setattr(sa, "_window_scratch", nan_scratch)
+    _check(_inputs(H=H, k=20, W=24, offset=offset, halo=halo))
+    _check(_inputs(H=H, W=8, glob=False, halo=halo, offset=offset))

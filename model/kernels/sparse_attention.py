@@ -21,8 +21,14 @@ Kernel layout (shared by the three kernels):
     and fully masked blocks (-1 padding, other documents) need no special case.
   * logits are kept in log2 units (exp2); LSE [B, T, H] is saved in those units.
 Backward recomputes p from LSE (flash-attention style): ds = p * (dp - delta), delta =
-rowsum(dout * out) computed in the kernel; dq is stored per C-chunk, dK = dV rows are
-atomically added into fp32 buffers (window rows incl. halo, and the gathered global rows).
+rowsum(dout * out) computed in the kernel; dq is stored per C-chunk, the gathered global rows'
+dK = dV are atomically added into an fp32 buffer. The window rows (halo included) get theirs
+from a second kernel, `_window_dkv_kernel`: the per-query kernel stores the window's p and
+ds * scale ([B, T, H, W] plus alignment padding, in q's dtype: the roundings the dots took), and
+each program of the second one owns a block of rows and sums over the band of queries that see
+them, a GEMM with K = (query, head) pairs. That replaced W atomic adds of C fp32 values a row:
+H200, micro-batch 8 x 4096, H = 16, one process, forward+backward of a layer 22.1 -> 20.9 ms
+(selections, m = 1), 21.1 -> 19.9 (m = 2), 5.09 -> 3.96 (window only).
 p_sum, only when asked for: the final normaliser is unknown while the forward streams, so the
 forward writes each selected logit ([B, T, H, k] fp32 scratch) and, once its LSE is known, reads
 them back (L2-hot, same program) and sums exp2(logit - LSE) over heads. This replaced a second,
@@ -42,7 +48,7 @@ the 512 columns 12.6 ms, so the dots (and their layout changes) cost about 6 ms 
 Computing dK = dV transposed ([BLOCK_CV, BLOCK_N] = dout^T . p + q^T . ds) was slower (23.3 -> 24.8 ms).
 
 Known costs: without ONE_PASS, logits are recomputed C/(BLOCK_CV*SPLIT) times (forward: SPLIT = 1);
-every window row receives W atomic adds, every selected row one per query selecting it. The adds are
+every selected row receives one atomic add per query selecting it. The adds are
 relaxed reductions: with Triton's default acq_rel atomics the backward took 1.55-1.6x as long (H200,
 T=4096, k=512, 8K-64K context; H = 64, before ONE_PASS, when removing the adds outright made it only
 0-10% faster); no fp64.
@@ -105,18 +111,21 @@ def _fwd_block(Qrow, KV, rows, n_ok, q, m, den, acc, offs_h, h_ok, offs_v, v_ok,
 
 
 @triton.jit
-def _dkv_chunk(DKV, rows, n_ok, v, p, ds, q_v, do_v, dq, offs_v, v_ok, C, scale, PREC: tl.constexpr):
-    """One value chunk v = kv[rows] [BLOCK_N, BLOCK_CV]: dq += ds . v, and dK = dV rows
+def _dkv_chunk(DKV, rows, n_ok, v, p, ds, q_v, do_v, dq, offs_v, v_ok, C, scale, PREC: tl.constexpr,
+               ADD_DKV: tl.constexpr):
+    """One value chunk v = kv[rows] [BLOCK_N, BLOCK_CV]: dq += ds . v, and (ADD_DKV) dK = dV rows
     (p^T . dout + ds^T . q) added into DKV."""
     dt = q_v.dtype
     dq += tl.dot(ds.to(dt), v, input_precision=PREC)
-    dkv = tl.dot(tl.trans(p.to(dt)), do_v, input_precision=PREC)  # K = V: value part ...
-    dkv += tl.dot(tl.trans((ds * scale).to(dt)), q_v, input_precision=PREC)  # ... plus key part
-    # relaxed: nothing in the kernel reads DKV back, and the kernel's end orders the adds for the reader.
-    # The default acq_rel orders every add (sm_90 PTX: atom.global.gpu.acq_rel.add.v4.f32); relaxed ones
-    # are fire-and-forget reductions (red.global.gpu.relaxed.add.v4.f32), as in the indexer and Engram.
-    tl.atomic_add(DKV + rows[:, None] * C + offs_v[None, :], dkv, mask=n_ok[:, None] & v_ok[None, :],
-                  sem="relaxed")
+    if ADD_DKV:
+        dkv = tl.dot(tl.trans(p.to(dt)), do_v, input_precision=PREC)  # K = V: value part ...
+        dkv += tl.dot(tl.trans((ds * scale).to(dt)), q_v, input_precision=PREC)  # ... plus key part
+        # relaxed: nothing in the kernel reads DKV back, and the kernel's end orders the adds for the
+        # reader. The default acq_rel orders every add (sm_90 PTX: atom.global.gpu.acq_rel.add.v4.f32);
+        # relaxed ones are fire-and-forget reductions (red.global.gpu.relaxed.add.v4.f32), as in the
+        # indexer and Engram.
+        tl.atomic_add(DKV + rows[:, None] * C + offs_v[None, :], dkv, mask=n_ok[:, None] & v_ok[None, :],
+                      sem="relaxed")
     return dq
 
 
@@ -134,12 +143,16 @@ def _value_chunks(KV, rows, n_ok, offs_v, v_ok, offs_w, w_ok, C, dt, SPLIT: tl.c
 
 @triton.jit
 def _bwd_block(Qrow, DOrow, KV, DKV, rows, n_ok, q_v, do_v, q_w, do_w, lse, delta, dq, dq_w, offs_h, h_ok,
-               offs_v, v_ok, offs_w, w_ok, C, scale, qk_scale, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_C: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr, ONE_PASS: tl.constexpr):
+               offs_v, v_ok, offs_w, w_ok, C, scale, qk_scale, PWrow, DSWrow, offs_n, W, WP, store_p,
+               BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, PREC: tl.constexpr,
+               SPLIT: tl.constexpr, ONE_PASS: tl.constexpr, WINDOW: tl.constexpr):
     """Recompute p and dp = dout . v over full C, then this program's value chunk(s) of dq and
     dK=dV: the chunk at offs_v, and with SPLIT = 2 also the one at offs_w (same p and ds).
     ONE_PASS (the program's chunks cover C): the rows of each chunk are loaded once and feed the
-    logits, dp and dq, against the q / dout chunks the program holds."""
+    logits, dp and dq, against the q / dout chunks the program holds.
+    WINDOW (window key blocks): no dK = dV here; where store_p (one program of each head block),
+    p and ds * scale go to PWrow / DSWrow [H, WP] (already offset by the query's shift, see
+    `_window_dkv_kernel`) in q's dtype."""
     dt = Qrow.dtype.element_ty
     if ONE_PASS:
         v, v_w = _value_chunks(KV, rows, n_ok, offs_v, v_ok, offs_w, w_ok, C, dt, SPLIT)
@@ -165,9 +178,15 @@ def _bwd_block(Qrow, DOrow, KV, DKV, rows, n_ok, q_v, do_v, q_w, do_w, lse, delt
     ok = h_ok[:, None] & n_ok[None, :]
     p = tl.where(ok, tl.exp2(s * qk_scale - lse[:, None]), 0.0)
     ds = p * (dp - delta[:, None])  # d loss / d logit (natural units)
-    dq = _dkv_chunk(DKV, rows, n_ok, v, p, ds, q_v, do_v, dq, offs_v, v_ok, C, scale, PREC)
+    if WINDOW:
+        if store_p:  # the same roundings as the dK = dV dots below take
+            at = offs_h[:, None] * WP + offs_n[None, :]
+            wm = h_ok[:, None] & (offs_n < W)[None, :]  # p = ds = 0 before the document: stored too
+            tl.store(PWrow + at, p.to(dt), mask=wm)
+            tl.store(DSWrow + at, (ds * scale).to(dt), mask=wm)
+    dq = _dkv_chunk(DKV, rows, n_ok, v, p, ds, q_v, do_v, dq, offs_v, v_ok, C, scale, PREC, not WINDOW)
     if SPLIT == 2:
-        dq_w = _dkv_chunk(DKV, rows, n_ok, v_w, p, ds, q_w, do_w, dq_w, offs_w, w_ok, C, scale, PREC)
+        dq_w = _dkv_chunk(DKV, rows, n_ok, v_w, p, ds, q_w, do_w, dq_w, offs_w, w_ok, C, scale, PREC, not WINDOW)
     return dq, dq_w
 
 
@@ -252,11 +271,13 @@ def _fwd_kernel(Q, KV, G, IDX, DOC, POS, SINK, OUT, LSE, SL, PSUM, T, H, C, W, K
 
 
 @triton.jit
-def _bwd_kernel(Q, KV, G, IDX, DOC, POS, OUT, DO, LSE, DQ, DKV, DG, DELTA, T, H, C, W, K, S, scale, qk_scale,
+def _bwd_kernel(Q, KV, G, IDX, DOC, POS, OUT, DO, LSE, DQ, DG, PW, DSW, DELTA, T, H, C, W, WP, K, S, scale,
+                qk_scale, BLOCK_WP: tl.constexpr,
                 HAS_GLOB: tl.constexpr, PREC: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_C: tl.constexpr, BLOCK_CV: tl.constexpr, SPLIT: tl.constexpr, BLOCK_K: tl.constexpr,
                 ONE_PASS: tl.constexpr):
-    # DQ like Q; DKV [B, W-1+T, C] and DG [B, S, C] fp32 (atomic adds); DELTA [B, T, H] fp32.
+    # DQ like Q; DG [B, S, C] fp32 (atomic adds); PW / DSW [B, T, H, WP] (the window's p and ds * scale
+    # in Q's dtype, for _window_dkv_kernel, entry w of query t at column w + t % 8); DELTA [B, T, H] fp32.
     # SPLIT = 2: the program takes two value chunks (offs_v, offs_w) from one recomputation of p, ds.
     pid_q, b, t, offs_h, offs_v, first = _program(T, H, C, BLOCK_H, BLOCK_CV, SPLIT)
     offs_w = offs_v + BLOCK_CV
@@ -282,13 +303,22 @@ def _bwd_kernel(Q, KV, G, IDX, DOC, POS, OUT, DO, LSE, DQ, DKV, DG, DELTA, T, H,
     dq = tl.zeros([BLOCK_H, BLOCK_CV], dtype=tl.float32)
     dq_w = tl.zeros([BLOCK_H, BLOCK_CV], dtype=tl.float32)
     w_lo = tl.maximum(tl.load(DOC + pid_q) - tl.load(POS + pid_q) + W - 1, 0)
-    for n0 in range((w_lo // BLOCK_N) * BLOCK_N, W, BLOCK_N):
+    n_lo = (w_lo // BLOCK_N) * BLOCK_N
+    if first:  # zeros in the scratch row's columns the window blocks below do not write
+        cols = tl.arange(0, BLOCK_WP)
+        pad = ((cols < n_lo + t % 8) | (cols >= W + t % 8)) & (cols < WP)
+        at = pid_q * H * WP + offs_h[:, None] * WP + cols[None, :]
+        zero = tl.zeros([BLOCK_H, BLOCK_WP], dtype=PW.dtype.element_ty)
+        tl.store(PW + at, zero, mask=h_ok[:, None] & pad[None, :])
+        tl.store(DSW + at, zero, mask=h_ok[:, None] & pad[None, :])
+    for n0 in range(n_lo, W, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = (offs_n >= w_lo) & (offs_n < W)
         rows = b * (T + W - 1) + t + offs_n
-        dq, dq_w = _bwd_block(Qrow, DOrow, KV, DKV, rows, n_ok, q_v, do_v, q_w, do_w, lse, delta, dq, dq_w,
+        dq, dq_w = _bwd_block(Qrow, DOrow, KV, DG, rows, n_ok, q_v, do_v, q_w, do_w, lse, delta, dq, dq_w,
                               offs_h, h_ok, offs_v, v_ok, offs_w, w_ok, C, scale, qk_scale,
-                              BLOCK_H, BLOCK_N, BLOCK_C, PREC, SPLIT, ONE_PASS)
+                              PW + pid_q * H * WP + t % 8, DSW + pid_q * H * WP + t % 8, offs_n, W, WP, first,
+                              BLOCK_H, BLOCK_N, BLOCK_C, PREC, SPLIT, ONE_PASS, True)
     if HAS_GLOB:
         for n0 in range(0, _selected_end(IDX + pid_q * K, K, BLOCK_K), BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -297,7 +327,8 @@ def _bwd_kernel(Q, KV, G, IDX, DOC, POS, OUT, DO, LSE, DQ, DKV, DG, DELTA, T, H,
             rows = b * S + tl.where(n_ok, ids, 0)
             dq, dq_w = _bwd_block(Qrow, DOrow, G, DG, rows, n_ok, q_v, do_v, q_w, do_w, lse, delta, dq, dq_w,
                                   offs_h, h_ok, offs_v, v_ok, offs_w, w_ok, C, scale, qk_scale,
-                                  BLOCK_H, BLOCK_N, BLOCK_C, PREC, SPLIT, ONE_PASS)
+                                  PW, DSW, offs_n, W, WP, False,
+                                  BLOCK_H, BLOCK_N, BLOCK_C, PREC, SPLIT, ONE_PASS, False)
     tl.store(DQ + pid_q * H * C + offs_h[:, None] * C + offs_v[None, :], (dq * scale).to(DQ.dtype.element_ty),
              mask=hv)
     if SPLIT == 2:
@@ -305,6 +336,46 @@ def _bwd_kernel(Q, KV, G, IDX, DOC, POS, OUT, DO, LSE, DQ, DKV, DG, DELTA, T, H,
                  (dq_w * scale).to(DQ.dtype.element_ty), mask=hw)
     if first:
         tl.store(DELTA + pid_q * H + offs_h, delta, mask=h_ok)
+
+
+@triton.jit
+def _window_dkv_kernel(PW, DSW, Q, DO, DKV, T, H, C, W, WP, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
+                       BLOCK_HP: tl.constexpr, BLOCK_CV: tl.constexpr, PREC: tl.constexpr):
+    """dK = dV of the window rows without atomics: program (row block, value chunk, batch) owns
+    rows r of KV [B, W-1+T, C] (halo rows first). Query t's window key w is row t + w, so the rows
+    take sum over t in [r-W+1, r] and heads h of PW[t, h, r-t] dout[t, h] + DSW[t, h, r-t] q[t, h]:
+    a GEMM over the band, BLOCK_T queries x BLOCK_HP heads a step (K = 64 on a GPU).
+    Query t's entries sit at columns w + t % 8 of rows WP (a multiple of 16) long, so a row block's
+    entries start 16-byte aligned for every query (column r - (t - t % 8)) and load as vectors;
+    at column w they would be shifted by one element a query."""
+    pid_r = tl.program_id(0)
+    b = tl.program_id(2).to(tl.int64)
+    r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_v = tl.program_id(1) * BLOCK_CV + tl.arange(0, BLOCK_CV)
+    v_ok = offs_v < C
+    j = tl.arange(0, BLOCK_T * BLOCK_HP)  # (query, head) pairs of a step
+    j_t, j_h = j // BLOCK_HP, j % BLOCK_HP
+    acc = tl.zeros([BLOCK_R, BLOCK_CV], dtype=tl.float32)
+    t_lo = tl.maximum(pid_r * BLOCK_R - (W - 1), 0)
+    t_hi = tl.minimum(pid_r * BLOCK_R + BLOCK_R, T)  # exclusive
+    for t0 in range(t_lo, t_hi, BLOCK_T):
+        t = t0 + j_t
+        pair_ok = (t < t_hi) & (j_h < H)
+        bt = b * T + tl.where(pair_ok, t, 0)
+        # [pairs, BLOCK_R] tiles: a pair's entries for the block's rows are contiguous, and the row's
+        # zeros (outside the window, before the document) make a column-range mask enough: it is
+        # constant over aligned 8-column groups, so the loads stay 16-byte vectors
+        col = r[None, :] - (t // 8 * 8)[:, None]
+        ok = pair_ok[:, None] & (col >= 0) & (col < WP)
+        at = (bt * H + j_h)[:, None] * WP + col
+        p = tl.load(PW + at, mask=ok, other=0.0)
+        ds = tl.load(DSW + at, mask=ok, other=0.0)
+        row = (bt * H + j_h)[:, None] * C + offs_v[None, :]  # [pairs, BLOCK_CV] of q / dout
+        vm = pair_ok[:, None] & v_ok[None, :]
+        acc = tl.dot(tl.trans(p), tl.load(DO + row, mask=vm, other=0.0), acc, input_precision=PREC)
+        acc = tl.dot(tl.trans(ds), tl.load(Q + row, mask=vm, other=0.0), acc, input_precision=PREC)
+    tl.store(DKV + (b * (T + W - 1) + r)[:, None] * C + offs_v[None, :], acc.to(DKV.dtype.element_ty),
+             mask=(r < T + W - 1)[:, None] & v_ok[None, :])
 
 
 # Block sizes. The interpreter runs fixed small blocks (tl.dot needs dims >= 16, no autotune);
@@ -343,6 +414,16 @@ _BWD_CONFIGS = ([_cfg(128, 8, 2, 64, 1), _cfg(64, 8, 2, 64, 1), _cfg(128, 8, 2, 
                    _cfg(256, 4, 2, 16, 2), _cfg(512, 8, 2, 32, 1)])
 
 
+def _wcfg(r, cv, w, st):
+    return triton.Config(dict(BLOCK_R=r, BLOCK_CV=cv), num_warps=w, num_stages=st)
+
+
+# window dK = dV: H200 sweep at micro-batch 8 x 4096, H = 16, C = 512, W = 128 (18 configs, one process):
+# rows 128 / chunk 128 / 8 warps / 3 stages 0.74 ms, rows 64 / 128 / 4 warps 1.03-1.16 ms, the rest 1.1-2.8 ms
+_WIN_CONFIGS = [_wcfg(128, 128, 8, 3), _wcfg(128, 128, 8, 2), _wcfg(128, 64, 4, 3), _wcfg(128, 64, 8, 3),
+                _wcfg(64, 128, 4, 2), _wcfg(64, 128, 4, 3)]
+
+
 def _fp32_one_config(configs, named_args, **kwargs):
     """The autotuner's prune: fp32 inputs (tests and numerics checks; training runs bf16) get one
     config, the one with the smallest tiles, where tuning would compile the whole list first. The
@@ -352,24 +433,29 @@ def _fp32_one_config(configs, named_args, **kwargs):
     if kwargs.get("PREC") != "ieee":
         return configs
     return [min(configs, key=lambda c: (c.kwargs.get("BLOCK_CV", 0) * c.kwargs.get("SPLIT", 1),
-                                        c.kwargs["BLOCK_N"], c.num_stages, c.num_warps))]
+                                        c.kwargs.get("BLOCK_N", c.kwargs.get("BLOCK_R")), c.num_stages,
+                                        c.num_warps))]
 
 
 if INTERPRET:
-    _fwd, _bwd = _one_pass(_fwd_kernel), _one_pass(_bwd_kernel)
+    _fwd, _bwd, _window_dkv = _one_pass(_fwd_kernel), _one_pass(_bwd_kernel), _window_dkv_kernel
 else:
     _fp32 = {"early_config_prune": _fp32_one_config}
     # PSUM takes atomic adds (zeroed between tuning runs); SL is written before it is read
     _fwd = triton.autotune(_FWD_CONFIGS, key=["H", "C", "HAS_GLOB", "WANT_P"], reset_to_zero=["PSUM"],
                            prune_configs_by=_fp32)(_one_pass(_fwd_kernel))
-    _bwd = triton.autotune(_BWD_CONFIGS, key=["H", "C", "HAS_GLOB"], reset_to_zero=["DKV", "DG"],
+    _bwd = triton.autotune(_BWD_CONFIGS, key=["H", "C", "HAS_GLOB"], reset_to_zero=["DG"],
                            prune_configs_by=_fp32)(_one_pass(_bwd_kernel))
+    _window_dkv = triton.autotune(_WIN_CONFIGS, key=["H", "C", "W", "BLOCK_T"],
+                                  prune_configs_by=_fp32)(_window_dkv_kernel)
 
 
 def _meta(kernel: str) -> dict:
     """Block sizes to pass explicitly (interpreter only; autotuned configs supply them on a GPU)."""
     if not INTERPRET:
         return {}
+    if kernel == "window_dkv":
+        return dict(BLOCK_R=16, BLOCK_CV=_FIXED["BLOCK_CV"])
     drop = {"fwd": ("SPLIT",), "bwd": ()}[kernel]
     return {k: v for k, v in _FIXED.items() if k not in drop}
 
@@ -389,6 +475,12 @@ def _block_k(k: int) -> int:
 
 def _prec(q: torch.Tensor) -> str:
     return "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 inputs: exact fp32 dots, not tf32
+
+
+def _window_scratch(shape, dtype, device):
+    """The backward's [B, T, H, WP] p and ds * scale of the window entries, uninitialised: the
+    kernel writes every column (a function so a test can hand it NaN-filled tensors)."""
+    return torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device)
 
 
 class _SparseAttention(torch.autograd.Function):
@@ -421,20 +513,30 @@ class _SparseAttention(torch.autograd.Function):
         q, kv, glob, idx, doc_start, positions, sink, out, lse = ctx.saved_tensors
         B, T, H, C = q.shape
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()
+        W = ctx.window
         dq = torch.empty_like(q)
-        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # fp32: atomic accumulation
-        dg = torch.zeros(glob.shape, dtype=torch.float32, device=q.device) if ctx.has_glob else dkv
+        # fp32: atomic accumulation (a dummy the kernel never adds to without global entries)
+        dg = torch.zeros(glob.shape if ctx.has_glob else (1,), dtype=torch.float32, device=q.device)
+        WP = triton.cdiv(W + 7, 16) * 16  # room for the shift t % 8, rows 32-byte aligned
+        pw, dsw = _window_scratch((B, T, H, WP), q.dtype, q.device)
         delta = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
         bh = _block_h(H)
-        _bwd[_grid(B * T, H, C, bh)](q, kv, glob, idx, doc_start, positions, out, dout, lse, dq, dkv, dg, delta,
-                                     T, H, C, ctx.window, ctx.n_sel, glob.shape[1], ctx.scale,
+        _bwd[_grid(B * T, H, C, bh)](q, kv, glob, idx, doc_start, positions, out, dout, lse, dq, dg, pw, dsw, delta,
+                                     T, H, C, W, WP, ctx.n_sel, glob.shape[1], ctx.scale,
                                      ctx.scale * LOG2E, HAS_GLOB=ctx.has_glob, PREC=_prec(q), BLOCK_H=bh,
-                                     BLOCK_K=_block_k(ctx.n_sel), **_meta("bwd"))
+                                     BLOCK_K=_block_k(ctx.n_sel), BLOCK_WP=triton.next_power_of_2(WP),
+                                     **_meta("bwd"))
+        dkv = torch.empty_like(kv)
+        hp = triton.next_power_of_2(H)
+        block_t = max(1, (16 if INTERPRET else 64) // hp)  # (query, head) pairs a GEMM step: K >= 16 / 64
+        _window_dkv[lambda m: (triton.cdiv(T + W - 1, m["BLOCK_R"]), triton.cdiv(C, m["BLOCK_CV"]), B)](
+            pw, dsw, q, dout, dkv, T, H, C, W, WP, BLOCK_T=block_t, BLOCK_HP=hp, PREC=_prec(q),
+            **_meta("window_dkv"))
         # the sink column's ds is p_sink * (0 - delta): it has no value row
         p_sink = torch.exp2(sink.float() * LOG2E - lse)  # [B, T, H]
         dsink = -(p_sink * delta).sum((0, 1)).to(sink.dtype)
         dglob = dg.to(glob.dtype) if ctx.has_glob else None
-        return dq, dkv.to(kv.dtype), dglob, None, None, None, dsink, None, None, None
+        return dq, dkv, dglob, None, None, None, dsink, None, None, None
 
 
 @torch.compiler.disable  # trainer.compile: a graph break, launched as is (model/kernels/__init__.py)
