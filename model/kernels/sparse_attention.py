@@ -7,7 +7,7 @@ Per query t (MQA: one C-dim latent row is both K and V for every head):
             valid where key position >= doc_start) + global rows glob_kv[idx[t, j]] (-1 = empty)
   softmax over [window logits, global logits, sink[h]] in fp32, the sink column dropped.
 
-Kernel layout (shared by the three kernels):
+Kernel layout (the forward and the per-query backward):
   * one program = one query x a block of heads (BLOCK_H, all H when H <= 64) x a chunk of the
     value dimension (BLOCK_CV). Every selected row is loaded once per program for all its heads,
     and the logits are `tl.dot(q [BLOCK_H, BLOCK_C], k^T [BLOCK_C, BLOCK_N])` summed over C.
@@ -392,7 +392,7 @@ def _window_dkv_kernel(PW, DSW, Q, DO, DKV, T, H, C, W, WP, BLOCK_R: tl.constexp
 # warps / 2 stages 22.2 ms, the SPLIT=1 best 27.1 ms. The ONE_PASS configs with key blocks of 16 / 32
 # rows came with 914eabf: at that shape the forward picks 512 / 32 / 4 warps / 2 stages, the backward
 # still 256 / 32 / 4 / 2 / SPLIT = 2.
-# The backward's atomics need DKV / DG zeroed between tuning runs.
+# The backward's atomics need DG zeroed between tuning runs (the window kernel writes every row).
 _FIXED = dict(BLOCK_N=16, BLOCK_C=16, BLOCK_CV=16, SPLIT=1)
 # ONE_PASS: the program's value chunk(s) cover C, so each key block's rows are loaded once for the
 # logits and the value dots (forward), and for the logits, dp, dq and dK = dV (backward).
