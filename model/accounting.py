@@ -53,8 +53,14 @@ def active_matmul_params(model: nn.Module, layers: range | None = None, with_hea
     return total
 
 
+def _visible_entries(seq_len: int, compress_ratio: int) -> torch.Tensor:
+    """Compressed entries visible to each query position of a causal sequence: [seq_len] fp64."""
+    t = torch.arange(1, seq_len + 1, dtype=torch.float64)
+    return torch.div(t, compress_ratio, rounding_mode="floor")
+
+
 def attention_flops_per_token(cfg, plan, seq_len: int) -> float:
-    """Forward FLOPs of attention scores and value mixing, plus indexer scoring, per token,
+    """Forward FLOPs of attention scores and value mixing per token (window + selected entries),
     averaged over the positions of a causal sequence of seq_len tokens."""
     t = torch.arange(1, seq_len + 1, dtype=torch.float64)  # keys visible to query t-1
     window = t.clamp(max=cfg.window).mean().item()
@@ -62,22 +68,35 @@ def attention_flops_per_token(cfg, plan, seq_len: int) -> float:
     for spec in plan.layers:
         keys = window
         if spec.mode != "swa":
-            visible = torch.div(t, spec.compress_ratio, rounding_mode="floor")
-            keys += visible.clamp(max=cfg.index_topk).mean().item()
-            index_per_key = 2 * cfg.index_heads * cfg.index_dim
-            if spec.mode == "full":
-                total += index_per_key * visible.mean().item()
-            elif spec.mode == "reindex":
-                pool = cfg.pool_blocks * cfg.pool_block
-                total += index_per_key * visible.clamp(max=pool).mean().item()
+            keys += _visible_entries(seq_len, spec.compress_ratio).clamp(max=cfg.index_topk).mean().item()
         total += 2 * 2 * cfg.n_heads * cfg.kv_dim * keys  # QK^T and PV
     return total
 
 
+def indexer_train_flops_per_token(cfg, plan, seq_len: int) -> float:
+    """Training FLOPs of the lightning indexers per token. The scoring of every visible entry
+    (Full) or of the pool (Reindex) runs once: the top-k selection takes no gradient. The indexer
+    trains through its KL at the selected entries, whose backward (dq, dk, dw) is twice the
+    forward there; that forward recomputes scores the selection already made, so it is not
+    counted again (as activation recomputation is not, in MFU)."""
+    per_key = 2 * cfg.index_heads * cfg.index_dim  # sum_h w * relu(q_h . k)
+    total = 0.0
+    for spec in plan.layers:
+        if spec.mode not in ("full", "reindex"):
+            continue  # Reuse layers take another layer's selection; swa has none
+        visible = _visible_entries(seq_len, spec.compress_ratio)
+        scored = visible if spec.mode == "full" else visible.clamp(max=cfg.pool_blocks * cfg.pool_block)
+        total += per_key * scored.mean().item()
+        total += 2 * per_key * visible.clamp(max=cfg.index_topk).mean().item()
+    return total
+
+
 def train_flops_per_token(model: nn.Module, seq_len: int) -> float:
-    """Forward + backward (3x forward) model FLOPs per trained token."""
-    forward = 2 * active_matmul_params(model) + attention_flops_per_token(model.cfg, model.plan, seq_len)
-    return 3 * forward
+    """Model FLOPs per trained token, forward + backward: matmuls and attention at 3x their
+    forward, plus the indexers' (`indexer_train_flops_per_token`)."""
+    cfg = model.cfg
+    forward = 2 * active_matmul_params(model) + attention_flops_per_token(cfg, model.plan, seq_len)
+    return 3 * forward + indexer_train_flops_per_token(cfg, model.plan, seq_len)
 
 
 def ced_kv_writer_params(model: nn.Module) -> int:

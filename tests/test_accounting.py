@@ -58,3 +58,24 @@ def test_flash_builds_on_meta_with_the_published_shapes():
     assert tuple(moe.experts.w1.shape) == (384, 2304, 5120) and moe.router.topk == 6
     assert tuple(model.engrams["1"].proj.weight.shape) == (5 * 5120, 3 * 8 * 256)
     assert model.layers[0].attn_hc.fn.shape == (4 + 4 + 16, 4 * 5120)
+
+
+def test_indexer_flops_count_the_scoring_once_and_the_kl_backward_at_the_selection():
+    """Hand count, 8 positions, top-k 4, ratio 1: query t sees t entries (mean 4.5) and selects
+    min(t, 4) (mean 3.25); a Reindex pool of 2 entries scores min(t, 2) (mean 1.875). One entry
+    costs 2 * heads * dim = 2 * 2 * 3 = 12 FLOPs forward; the selection takes no gradient, the
+    KL's backward at the selected entries costs twice the forward there."""
+    from types import SimpleNamespace
+
+    from model.accounting import attention_flops_per_token, indexer_train_flops_per_token
+
+    cfg = SimpleNamespace(index_heads=2, index_dim=3, index_topk=4, pool_blocks=1, pool_block=2,
+                          window=2, n_heads=5, kv_dim=7)
+    layer = lambda mode: SimpleNamespace(mode=mode, compress_ratio=1)  # noqa: E731
+    plan = lambda *modes: SimpleNamespace(layers=[layer(m) for m in modes])  # noqa: E731
+    assert indexer_train_flops_per_token(cfg, plan("full"), 8) == 12 * (4.5 + 2 * 3.25)
+    assert indexer_train_flops_per_token(cfg, plan("reindex"), 8) == 12 * (1.875 + 2 * 3.25)
+    assert indexer_train_flops_per_token(cfg, plan("swa", "reuse"), 8) == 0
+    # attention: window keys min(t, 2) (mean 1.875) plus the selected entries, 4 * heads * dim a key
+    assert attention_flops_per_token(cfg, plan("swa"), 8) == 4 * 5 * 7 * 1.875
+    assert attention_flops_per_token(cfg, plan("reuse"), 8) == 4 * 5 * 7 * (1.875 + 3.25)
