@@ -53,11 +53,11 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, kernels=cfg.kernels)
         self.moe = MoE(cfg.dim, cfg.n_routed_experts, cfg.n_shared_experts, cfg.n_activated_experts,
                        cfg.moe_inter_dim, cfg.route_scale, cfg.swiglu_limit, cfg.seq_aux_alpha, kernels=cfg.kernels)
-        self.fused_mhc = None
+        self.fused_mhc = self.fused_mix = None
         if cfg.kernels:  # the attention -> MoE boundary inside a block, in one pass over the streams
-            from model.kernels.mhc import fused_mhc_step
+            from model.kernels.mhc import fused_mhc_mix, fused_mhc_step
             from model.kernels.sinkhorn import sinkhorn_comb_triton
-            self.fused_mhc = fused_mhc_step
+            self.fused_mhc, self.fused_mix = fused_mhc_step, fused_mhc_mix
             self.attn_hc.sinkhorn = self.ffn_hc.sinkhorn = sinkhorn_comb_triton  # one launch, not ~80
 
     def forward(self, h: torch.Tensor, pre: torch.Tensor, rt: AttentionRuntime, pending: Optional[tuple] = None):
@@ -70,11 +70,13 @@ class Block(nn.Module):
         if pending is not None and self.fused_mhc is not None:
             h, x, mix = self.fused_mhc(h, *pending, pre, self.attn_hc.fn, self.attn_hc.eps)
             post, comb, ffn_pre = self.attn_hc.coefficients(mix)
+        elif self.fused_mhc is not None:  # no update before it (first block, after an Engram): one read of h
+            x, mix = self.fused_mix(h, pre, self.attn_hc.fn, self.attn_hc.eps)
+            post, comb, ffn_pre = self.attn_hc.coefficients(mix)
         else:
-            kernels = self.fused_mhc is not None  # the boundary the fused step cannot take
-            h = settle(h, pending, kernels)
+            h = settle(h, pending)
             post, comb, ffn_pre = self.attn_hc(h)
-            x = mix_streams(pre, h, kernels)
+            x = mix_streams(pre, h)
         y = self.attn(self.attn_norm(x), rt)  # [B, T, D]
         if self.fused_mhc is not None:
             h, x, mix = self.fused_mhc(h, y, post, comb, ffn_pre, self.ffn_hc.fn, self.ffn_hc.eps)

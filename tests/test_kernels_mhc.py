@@ -14,7 +14,14 @@ import dataclasses
 import pytest
 import torch
 
-from model.kernels.mhc import MHCKernelConfig, fused_mhc_step, hc_coefficients, reference_mhc_step
+from model.kernels.mhc import (
+    MHCKernelConfig,
+    fused_mhc_mix,
+    fused_mhc_step,
+    hc_coefficients,
+    reference_mhc_mix,
+    reference_mhc_step,
+)
 from model.mhc import HyperConnection, mix_streams, sinkhorn_comb, update_streams
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -113,6 +120,60 @@ def test_chain_matches_block_composition():
     cot = [torch.randn(o.shape, generator=g).to(DEV) for o in ref]
     for name, a, b in zip(NAMES[:5] + ["fn", "base", "scale"], grads(fused, leaves, cot), grads(ref, leaves, cot)):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=f"grad {name}")
+
+
+@pytest.mark.parametrize("used", [(0, 1), (0,), (1,)], ids=["x_and_mix", "x_only", "mix_only"])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=["tiles16", "split", "defaults"])
+def test_mix_without_update_matches_reference(cfg, used):
+    """`fused_mhc_mix` (the boundaries with no update before them): x and the logits from h, and
+    the gradients of h, pre and fn, as mix_streams + the RMS norm + linear give them."""
+    h, _, _, _, pre, fn = make_inputs(seed=20)
+    fused = fused_mhc_mix(h, pre, fn, EPS, config=cfg)
+    ref = reference_mhc_mix(h, pre, fn, EPS)
+    for name, a, b in zip(["x", "mix"], fused, ref):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+    g = torch.Generator().manual_seed(21)
+    cot = [torch.randn(ref[i].shape, generator=g).to(DEV) for i in used]
+    a = grads([fused[i] for i in used], [h, pre, fn], cot)
+    b = grads([ref[i] for i in used], [h, pre, fn], cot)
+    for name, ga, gb in zip(["h", "pre", "fn"], a, b):
+        torch.testing.assert_close(ga, gb, rtol=1e-4, atol=1e-4, msg=f"grad {name}")
+
+
+def test_mix_without_update_ragged_and_first_sub_layer():
+    """n = 3, D = 40 (partial D blocks), and the first sub-layer's one-hot pre, where x is
+    stream 0 itself; the HyperConnection's coefficients from the fused logits match hc(h)."""
+    h, _, _, _, pre, _ = make_inputs(lead=(2, 9), n=3, dim=40, seed=22)
+    hc = HyperConnection(40, 3, sinkhorn_iters=20, eps=EPS).to(DEV)
+    torch.nn.init.normal_(hc.fn, std=1.0 / 120 ** 0.5)
+    cfg = MHCKernelConfig(block_t=16, fwd_block_d=16, bwd_block_d=16, fwd_splits=2, bwd_groups=1)
+    one_hot = torch.zeros_like(pre.detach())
+    one_hot[..., 0] = 1.0
+    x, mix = fused_mhc_mix(h, one_hot, hc.fn, hc.eps, config=cfg)
+    torch.testing.assert_close(x, h[..., 0, :], rtol=0, atol=0)
+    fused = (x, *hc_coefficients(hc, mix))
+    ref = (mix_streams(one_hot, h), *hc(h))
+    for name, a, b in zip(["x", "post", "comb", "next_pre"], fused, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+    cot = [torch.randn_like(o) for o in ref]
+    for name, a, b in zip(["h", "fn", "base", "scale"], grads(fused, [h, hc.fn, hc.base, hc.scale], cot),
+                          grads(ref, [h, hc.fn, hc.base, hc.scale], cot)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=f"grad {name}")
+
+
+def test_mix_without_update_bf16_split_logits():
+    """bf16 streams: the logits and the fn gradient take the split-bf16 path as in the fused
+    step, so they match fp32 math on the same streams to ~fp32 accuracy."""
+    h, _, _, _, pre, fn = make_inputs(dtype=torch.bfloat16, seed=23)
+    x, mix = fused_mhc_mix(h, pre, fn, EPS, config=CONFIGS[1])
+    assert x.dtype == torch.bfloat16 and mix.dtype == torch.float32
+    assert rel_err(mix, rms_linear(h.detach(), fn.detach())) < 2e-5
+    g_mix = torch.randn(mix.shape, generator=torch.Generator().manual_seed(24)).to(DEV)
+    (g_fn,) = torch.autograd.grad(mix, [fn], g_mix)
+    fn_leaf = fn.detach().clone().requires_grad_()
+    (g_ref,) = torch.autograd.grad(rms_linear(h.detach(), fn_leaf), [fn_leaf], g_mix)
+    assert rel_err(g_fn, g_ref) < 2e-5
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -236,3 +297,24 @@ def test_fp32_streams_under_autocast_on_gpu(dim):
     cot = [torch.randn(o.shape, generator=g).to("cuda", o.dtype) for o in fused]
     for name, a, b in zip(NAMES, grads(fused, inputs, cot), grads(truth, wide, [c.double() for c in cot])):
         assert rel_err(a, b) < (1e-2 if name == "y" else 1e-5), f"grad {name}: {rel_err(a, b)}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dim", [1024, 4096])
+def test_mix_without_update_bf16_on_gpu(dim):
+    """`fused_mhc_mix` at default tiles, bf16 streams under bf16 autocast (training's first
+    sub-layer and post-Engram boundaries): x, mix and the gradients of h, pre and fn within bf16
+    rounding of an fp64 reference of the same inputs, the logits to ~fp32 accuracy."""
+    h, _, _, _, pre, fn = make_inputs(lead=(2, 333), dim=dim, dtype=torch.bfloat16, seed=25, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        fused = fused_mhc_mix(h, pre, fn, EPS)
+    wide = [t.detach().double().requires_grad_() for t in (h, pre, fn)]
+    truth = reference_mhc_mix(*wide, EPS)
+    assert fused[0].dtype == torch.bfloat16
+    for name, a, b, tol in zip(["x", "mix"], fused, truth, [1e-2, 2e-5]):
+        assert rel_err(a, b) < tol, (name, rel_err(a, b))
+    g = torch.Generator().manual_seed(26)
+    cot = [torch.randn(o.shape, generator=g).to("cuda", o.dtype) for o in fused]
+    for name, a, b in zip(["h", "pre", "fn"], grads(fused, [h, pre, fn], cot),
+                          grads(truth, wide, [c.double() for c in cot])):
+        assert rel_err(a, b) < 1e-2, f"grad {name}: {rel_err(a, b)}"

@@ -20,9 +20,10 @@ token tile, not per token. In Block.forward (bf16 streams):
     y, balance = self.moe(self.ffn_norm(x), rt.shard)
     h, x, mix = fused_mhc_step(h, y, post, comb, next_pre, <next layer>.attn_hc.fn, eps)
 
-Not fusable, so left to the reference: a layer boundary with an Engram in between (it
-rewrites h before the next attn_hc), the first sub-layer (no update before it) and the
-last (no next HyperConnection: final norm of mix_streams only).
+Where no update comes before a boundary (the first sub-layer; the one after an Engram, which
+rewrites h before the next attn_hc), `fused_mhc_mix` runs the same kernels with the update
+left out: one read of h gives x and the logits (reference: `reference_mhc_mix`). The last
+boundary has no next HyperConnection (the final norm of mix_streams only).
 
 The epilogue (sigmoid, 2*sigmoid, Sinkhorn of the n x n comb) is not in this kernel, but in
 `hc_coefficients`: it acts on [T, 2n + n*n] fp32 logits (96 bytes a token for n = 4, against
@@ -173,11 +174,13 @@ def _mhc_fwd_kernel(h_ptr, y_ptr, post_ptr, comb_ptr, pre_ptr, fa_ptr,
                     hn_ptr, x_ptr, dot_part_ptr, ss_part_ptr,
                     T, D, blocks_per_split,
                     N: tl.constexpr, MS: tl.constexpr, MA: tl.constexpr,
-                    BT: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                    BT: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                    UPDATE: tl.constexpr):
     """Program (token tile, D split): loops over its D blocks; per block reads h [BT, n, BD]
     and y [BT, BD] once, writes h' and x, and accumulates sum(h'^2) [BT] and the logits
     fa @ h'^T [MS, BT] over its D range (partials, summed over splits on the host side).
-    fa [MS, n*D]: fn itself (fp32), or its bf16 hi and lo halves stacked (bf16 streams)."""
+    fa [MS, n*D]: fn itself (fp32), or its bf16 hi and lo halves stacked (bf16 streams).
+    Without UPDATE, h' is h itself: y, post, comb and hn are not touched (`fused_mhc_mix`)."""
     pid_t = tl.program_id(0)
     pid_s = tl.program_id(1)
     t = pid_t * BT + tl.arange(0, BT)
@@ -189,9 +192,12 @@ def _mhc_fwd_kernel(h_ptr, y_ptr, post_ptr, comb_ptr, pre_ptr, fa_ptr,
     row_h = t64[:, None] * K  # [BT, 1] start of each token's streams
     row_y = t64[:, None] * D
     # per-token coefficients, loaded once per program: tuples of [BT] vectors
-    post = _token_coeffs(post_ptr, t64, t_ok, N)
     pre = _token_coeffs(pre_ptr, t64, t_ok, N)
-    comb = _token_coeffs(comb_ptr, t64, t_ok, N * N)  # comb[s * N + d]: source s -> dest d
+    post = pre  # placeholders without UPDATE (never read)
+    comb = pre
+    if UPDATE:
+        post = _token_coeffs(post_ptr, t64, t_ok, N)
+        comb = _token_coeffs(comb_ptr, t64, t_ok, N * N)  # comb[s * N + d]: source s -> dest d
 
     # logits transposed, [rows of fa, tokens]: the weight is the dot's M side (>= 64 rows ->
     # Hopper wgmma with both operands in shared memory, no per-warp register copies of fn)
@@ -205,11 +211,16 @@ def _mhc_fwd_kernel(h_ptr, y_ptr, post_ptr, comb_ptr, pre_ptr, fa_ptr,
         hs = ()
         for s in tl.static_range(N):  # the only read of h
             hs = hs + (tl.load(h_ptr + row_h + s * D + k[None, :], mask=mask, other=0.0).to(tl.float32),)
-        yv = tl.load(y_ptr + row_y + k[None, :], mask=mask, other=0.0).to(tl.float32)
         x = tl.zeros([BT, BD], dtype=tl.float32)
+        yv = x
+        if UPDATE:
+            yv = tl.load(y_ptr + row_y + k[None, :], mask=mask, other=0.0).to(tl.float32)
         for d in tl.static_range(N):  # destination stream
-            hn_out = _mix_dest(d, hs, yv, post, comb, N).to(hn_ptr.dtype.element_ty)
-            tl.store(hn_ptr + row_h + d * D + k[None, :], hn_out, mask=mask)
+            if UPDATE:
+                hn_out = _mix_dest(d, hs, yv, post, comb, N).to(hn_ptr.dtype.element_ty)
+                tl.store(hn_ptr + row_h + d * D + k[None, :], hn_out, mask=mask)
+            else:  # exact: hs[d] was widened from this dtype
+                hn_out = hs[d].to(h_ptr.dtype.element_ty)
             hn = hn_out.to(tl.float32)  # x and the logits see the stored (rounded) h'
             x += pre[d][:, None] * hn
             ss += tl.sum(hn * hn, axis=1)
@@ -230,7 +241,7 @@ def _mhc_bwd_kernel(h_ptr, y_ptr, post_ptr, comb_ptr, pre_ptr, fn_ptr,
                     N: tl.constexpr, M: tl.constexpr, MC: tl.constexpr,
                     BT: tl.constexpr, BD: tl.constexpr,
                     HAS_GHN: tl.constexpr, HAS_GX: tl.constexpr, HAS_GMIX: tl.constexpr,
-                    NEED_GFN: tl.constexpr, UPCAST: tl.constexpr):
+                    NEED_GFN: tl.constexpr, UPCAST: tl.constexpr, UPDATE: tl.constexpr):
     """Program (D block, token group): loops over the group's token tiles at a fixed D block,
     so the fn gradient (a reduction over tokens) accumulates in registers, and the per-token
     coefficient gradients (reductions over D) are written as per-D-block partials.
@@ -249,6 +260,8 @@ def _mhc_bwd_kernel(h_ptr, y_ptr, post_ptr, comb_ptr, pre_ptr, fn_ptr,
     gc [T, MC] holds g_dot's bf16 hi | lo halves in two column slots (h' is exact in bf16, so
     ~fp32 accuracy), zero-padded to 64 columns (the dot's M side -> wgmma); the host adds the
     two row slots of the result. Other dtypes get g_fn from a host matmul.
+    Without UPDATE (`fused_mhc_mix`: h' is h), g_h[d] = G[d]: y, post, comb and their
+    gradients are not touched, and there is no g_hn.
     """
     pid_b = tl.program_id(0)
     pid_g = tl.program_id(1)
@@ -268,13 +281,19 @@ def _mhc_bwd_kernel(h_ptr, y_ptr, post_ptr, comb_ptr, pre_ptr, fn_ptr,
         row_h = t64[:, None] * K
         row_y = t64[:, None] * D
         part = pid_b.to(tl.int64) * T + t64  # row of the per-D-block partials
-        post = _token_coeffs(post_ptr, t64, t_ok, N)
         pre = _token_coeffs(pre_ptr, t64, t_ok, N)
-        comb = _token_coeffs(comb_ptr, t64, t_ok, N * N)
+        post = pre  # placeholders without UPDATE (never read)
+        comb = pre
+        if UPDATE:
+            post = _token_coeffs(post_ptr, t64, t_ok, N)
+            comb = _token_coeffs(comb_ptr, t64, t_ok, N * N)
         hs = ()
         for s in tl.static_range(N):
             hs = hs + (tl.load(h_ptr + row_h + s * D + k[None, :], mask=mask, other=0.0).to(tl.float32),)
-        yv = tl.load(y_ptr + row_y + k[None, :], mask=mask, other=0.0).to(tl.float32)
+        gy = tl.zeros([BT, BD], dtype=tl.float32)
+        yv = gy
+        if UPDATE:
+            yv = tl.load(y_ptr + row_y + k[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_GX:
             gx = tl.load(gx_ptr + row_y + k[None, :], mask=mask, other=0.0).to(tl.float32)
         else:
@@ -284,13 +303,15 @@ def _mhc_bwd_kernel(h_ptr, y_ptr, post_ptr, comb_ptr, pre_ptr, fn_ptr,
         if NEED_GFN:
             gcT = tl.load(gc_ptr + t64[None, :] * MC + mc[:, None], mask=t_ok[None, :], other=0.0)  # [MC, BT]
         gh = ()
-        for _ in tl.static_range(N):
-            gh = gh + (tl.zeros([BT, BD], dtype=tl.float32),)
-        gy = tl.zeros([BT, BD], dtype=tl.float32)
+        if UPDATE:
+            for _ in tl.static_range(N):
+                gh = gh + (tl.zeros([BT, BD], dtype=tl.float32),)
         new_gfn = ()
         for d in tl.static_range(N):
-            # recompute h'[d] exactly as the forward stored it
-            hn_out = _mix_dest(d, hs, yv, post, comb, N).to(gh_ptr.dtype.element_ty)
+            if UPDATE:  # recompute h'[d] exactly as the forward stored it
+                hn_out = _mix_dest(d, hs, yv, post, comb, N).to(gh_ptr.dtype.element_ty)
+            else:
+                hn_out = hs[d].to(gh_ptr.dtype.element_ty)
             hn = hn_out.to(tl.float32)
             g = pre[d][:, None] * gx
             if HAS_GHN:
@@ -306,19 +327,23 @@ def _mhc_bwd_kernel(h_ptr, y_ptr, post_ptr, comb_ptr, pre_ptr, fn_ptr,
                 if NEED_GFN:
                     gfn_d = _dot(gcT, hn_out, gfn_d, None, UPCAST)
             new_gfn = new_gfn + (gfn_d,)
-            new_gh = ()
-            for s in tl.static_range(N):
-                new_gh = new_gh + (gh[s] + comb[s * N + d][:, None] * g,)
-                tl.store(gcomb_part_ptr + part * (N * N) + s * N + d, tl.sum(g * hs[s], axis=1), mask=t_ok)
-            gh = new_gh
-            gy += post[d][:, None] * g
-            tl.store(gpost_part_ptr + part * N + d, tl.sum(g * yv, axis=1), mask=t_ok)
+            if UPDATE:
+                new_gh = ()
+                for s in tl.static_range(N):
+                    new_gh = new_gh + (gh[s] + comb[s * N + d][:, None] * g,)
+                    tl.store(gcomb_part_ptr + part * (N * N) + s * N + d, tl.sum(g * hs[s], axis=1), mask=t_ok)
+                gh = new_gh
+                gy += post[d][:, None] * g
+                tl.store(gpost_part_ptr + part * N + d, tl.sum(g * yv, axis=1), mask=t_ok)
+            else:  # h' = h: G[d] is h[d]'s whole gradient
+                tl.store(gh_ptr + row_h + d * D + k[None, :], g.to(gh_ptr.dtype.element_ty), mask=mask)
             if HAS_GX:
                 tl.store(gpre_part_ptr + part * N + d, tl.sum(gx * hn, axis=1), mask=t_ok)
         gfn = new_gfn
-        for s in tl.static_range(N):
-            tl.store(gh_ptr + row_h + s * D + k[None, :], gh[s].to(gh_ptr.dtype.element_ty), mask=mask)
-        tl.store(gy_ptr + row_y + k[None, :], gy.to(gy_ptr.dtype.element_ty), mask=mask)
+        if UPDATE:
+            for s in tl.static_range(N):
+                tl.store(gh_ptr + row_h + s * D + k[None, :], gh[s].to(gh_ptr.dtype.element_ty), mask=mask)
+            tl.store(gy_ptr + row_y + k[None, :], gy.to(gy_ptr.dtype.element_ty), mask=mask)
     if NEED_GFN:
         base = pid_g.to(tl.int64) * MC * K
         for d in tl.static_range(N):
@@ -350,35 +375,106 @@ def _forward_weight(fn: torch.Tensor, dtype: torch.dtype):
     return fn, _DOT_PRECISION
 
 
+def _forward(h, y, post, comb, pre, fn, eps: float, cfg: MHCKernelConfig, x_dtype: torch.dtype):
+    """The forward kernel and its host-side sums -> (h_new, x, mix, r, resolved cfg). y, post and
+    comb None: no residual update (h' is h, h_new None)."""
+    T, N, D = h.shape
+    M = fn.shape[0]
+    update = y is not None
+    narrow = min(y.element_size() if update else h.element_size(), x_dtype.itemsize) < h.element_size()
+    cfg = cfg.resolved(h.dtype, narrow_io=narrow)
+    h_new = torch.empty_like(h) if update else None
+    x = torch.empty(T, D, dtype=x_dtype, device=h.device)
+    fa, precision = _forward_weight(fn, h.dtype)
+    MS = fa.shape[0]
+    splits, per_split = forward_splits(T, D, h.device, h.dtype, cfg)
+    dot_part = torch.empty(splits, T, MS, device=h.device, dtype=torch.float32)
+    ss_part = torch.empty(splits, T, device=h.device, dtype=torch.float32)
+    if T > 0:  # without an update, h stands in for the pointers the kernel does not touch
+        _mhc_fwd_kernel[(triton.cdiv(T, cfg.fwd_block_t), splits)](
+            h, y if update else h, post if update else pre, comb if update else pre, pre, fa,
+            h_new if update else h, x, dot_part, ss_part, T, D, per_split,
+            N=N, MS=MS, MA=_pow2(MS, 64), BT=cfg.fwd_block_t, BD=cfg.fwd_block_d,
+            PRECISION=precision, UPCAST=_interpreting(), UPDATE=update, num_warps=cfg.fwd_num_warps,
+            num_stages=cfg.fwd_num_stages)
+    # [T] RMS factor and [T, M] logits: tiny host-side reductions over the D splits
+    r = torch.rsqrt(ss_part.sum(0) / (N * D) + eps)
+    dot = dot_part.sum(0)
+    if MS != M:  # bf16 hi + lo halves
+        dot = dot[:, :M] + dot[:, M:]
+    return h_new, x, dot * r[:, None], r, cfg
+
+
+def _backward(h, y, post, comb, pre, fn, r, mix, h_new, cfg: MHCKernelConfig, g_hn, g_x, g_mix, need_fn: bool):
+    """Gradients (g_h, g_y, g_post, g_comb, g_pre, g_fn) of `_forward`'s outputs; y, post and
+    comb None as there (g_y, g_post, g_comb None then). h_new: the streams the logits were taken
+    of, kept only where g_fn is a host matmul (else None)."""
+    T, N, D = h.shape
+    M = fn.shape[0]
+    update = y is not None
+    need_fn = need_fn and g_mix is not None
+    in_kernel_fn = need_fn and h_new is None  # the forward kept h' only for a host fn gradient
+    gdot = coef = gc = r  # placeholders for pointers the kernel does not read
+    slot = 0
+    if g_mix is not None:
+        g_mix = g_mix.float()
+        gdot = (g_mix * r[:, None]).contiguous()  # d/d(h' . fn[m])
+        # d/dh' through r = rsqrt(mean(h'^2) + eps): 2 * dL/d(ss) = -(r^2 / nD) <g_mix, mix>
+        coef = (-(r * r) / (N * D) * (g_mix * mix).sum(-1)).contiguous()
+    if in_kernel_fn:  # [gd_hi | gd_lo], slot columns each, padded to >= 64 (see the kernel)
+        slot = _pow2(M, 16)
+        gc = torch.cat([_cols(a, slot) for a in _split_bf16(gdot)], 1)
+        gc = _cols(gc, _pow2(gc.shape[1], 64)).contiguous()
+    g_hn = g_hn.contiguous() if g_hn is not None else None
+    g_x = g_x.contiguous() if g_x is not None else None
+    n_blocks = triton.cdiv(D, cfg.bwd_block_d)
+    n_tiles = triton.cdiv(T, cfg.bwd_block_t)
+    groups = cfg.bwd_groups or triton.cdiv(_programs_wanted(h.device), n_blocks)
+    groups = max(1, min(groups, n_tiles))
+    g_h = torch.empty_like(h)
+    g_y = torch.empty_like(y) if update else None
+    f32 = dict(device=h.device, dtype=torch.float32)
+    gpre_part = torch.empty(n_blocks, T, N, **f32) if g_x is not None else r
+    gpost_part = torch.empty(n_blocks, T, N, **f32) if update else gpre_part
+    gcomb_part = torch.empty(n_blocks, T, N, N, **f32) if update else gpre_part
+    gfn_part = torch.empty(groups, gc.shape[1], N * D, **f32) if in_kernel_fn else gpre_part
+    if T > 0:  # dummies (h, pre, g_h, r) for what the kernel does not touch
+        _mhc_bwd_kernel[(n_blocks, groups)](
+            h, y if update else h, post if update else pre, comb if update else pre, pre, fn,
+            g_hn if g_hn is not None else h, g_x if g_x is not None else h, coef, gdot, gc,
+            g_h, g_y if update else g_h, gpost_part, gcomb_part, gpre_part, gfn_part, T, D, n_tiles,
+            N=N, M=M, MC=gc.shape[1] if in_kernel_fn else 16, BT=cfg.bwd_block_t, BD=cfg.bwd_block_d,
+            HAS_GHN=g_hn is not None, HAS_GX=g_x is not None, HAS_GMIX=g_mix is not None,
+            NEED_GFN=in_kernel_fn, UPCAST=_interpreting(), UPDATE=update, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages)
+    g_pre = gpre_part.sum(0) if g_x is not None else None
+    g_fn = None
+    if in_kernel_fn:
+        g_fn = gfn_part.sum(0)
+        g_fn = g_fn[:M] + g_fn[slot:slot + M]
+    elif need_fn and h_new.dtype == torch.bfloat16 and h_new.is_cuda:
+        # g_dot's bf16 halves against h' (exact in bf16), accumulated and returned in fp32
+        g_fn = torch.mm(torch.cat(_split_bf16(gdot), 1).T, h_new.reshape(T, N * D), out_dtype=torch.float32)
+        g_fn = g_fn[:M] + g_fn[M:]
+    elif need_fn:  # g_dot^T @ h' in fp32 (one more read of h')
+        g_fn = gdot.T @ h_new.reshape(T, N * D).float()
+    if not update:
+        return g_h, None, None, None, g_pre, g_fn
+    return g_h, g_y, gpost_part.sum(0), gcomb_part.sum(0), g_pre, g_fn
+
+
+def _host_fn_grad(h: torch.Tensor, cfg: MHCKernelConfig) -> bool:
+    """Whether the backward takes g_fn from a host matmul over the streams (so they are saved)."""
+    return not (h.dtype == torch.bfloat16 and cfg.bwd_fn_in_kernel)
+
+
 class _FusedMHCStep(torch.autograd.Function):
     """Flat shapes: h [T, n, D], y [T, D], post/pre [T, n], comb [T, n, n], fn [M, n*D]."""
 
     @staticmethod
     def forward(ctx, h, y, post, comb, pre, fn, eps: float, cfg: MHCKernelConfig, x_dtype: torch.dtype):
-        T, N, D = h.shape
-        M = fn.shape[0]
-        cfg = cfg.resolved(h.dtype, narrow_io=min(y.element_size(), x_dtype.itemsize) < h.element_size())
-        h_new = torch.empty_like(h)
-        x = torch.empty(T, D, dtype=x_dtype, device=h.device)
-        fa, precision = _forward_weight(fn, h.dtype)
-        MS = fa.shape[0]
-        splits, per_split = forward_splits(T, D, h.device, h.dtype, cfg)
-        dot_part = torch.empty(splits, T, MS, device=h.device, dtype=torch.float32)
-        ss_part = torch.empty(splits, T, device=h.device, dtype=torch.float32)
-        if T > 0:
-            _mhc_fwd_kernel[(triton.cdiv(T, cfg.fwd_block_t), splits)](
-                h, y, post, comb, pre, fa, h_new, x, dot_part, ss_part, T, D, per_split,
-                N=N, MS=MS, MA=_pow2(MS, 64), BT=cfg.fwd_block_t, BD=cfg.fwd_block_d,
-                PRECISION=precision, UPCAST=_interpreting(), num_warps=cfg.fwd_num_warps, num_stages=cfg.fwd_num_stages)
-        # [T] RMS factor and [T, M] logits: tiny host-side reductions over the D splits
-        r = torch.rsqrt(ss_part.sum(0) / (N * D) + eps)
-        dot = dot_part.sum(0)
-        if MS != M:  # bf16 hi + lo halves
-            dot = dot[:, :M] + dot[:, M:]
-        mix = dot * r[:, None]
-        # h_new is kept only where the backward gets g_fn from a host matmul
-        keep = None if h.dtype == torch.bfloat16 and cfg.bwd_fn_in_kernel else h_new
-        ctx.save_for_backward(h, y, post, comb, pre, fn, r, mix, keep)
+        h_new, x, mix, r, cfg = _forward(h, y, post, comb, pre, fn, eps, cfg, x_dtype)
+        ctx.save_for_backward(h, y, post, comb, pre, fn, r, mix, h_new if _host_fn_grad(h, cfg) else None)
         ctx.cfg = cfg
         ctx.set_materialize_grads(False)  # unused outputs cost no traffic in the backward
         return h_new, x, mix
@@ -386,56 +482,29 @@ class _FusedMHCStep(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_hn, g_x, g_mix):
         h, y, post, comb, pre, fn, r, mix, h_new = ctx.saved_tensors
-        cfg = ctx.cfg
-        T, N, D = h.shape
-        M = fn.shape[0]
-        need_fn = ctx.needs_input_grad[5] and g_mix is not None
-        in_kernel_fn = need_fn and h_new is None  # the forward kept h' only for a host fn gradient
-        gdot = coef = gc = r  # placeholders for pointers the kernel does not read
-        slot = 0
-        if g_mix is not None:
-            g_mix = g_mix.float()
-            gdot = (g_mix * r[:, None]).contiguous()  # d/d(h' . fn[m])
-            # d/dh' through r = rsqrt(mean(h'^2) + eps): 2 * dL/d(ss) = -(r^2 / nD) <g_mix, mix>
-            coef = (-(r * r) / (N * D) * (g_mix * mix).sum(-1)).contiguous()
-        if in_kernel_fn:  # [gd_hi | gd_lo], slot columns each, padded to >= 64 (see the kernel)
-            slot = _pow2(M, 16)
-            gc = torch.cat([_cols(a, slot) for a in _split_bf16(gdot)], 1)
-            gc = _cols(gc, _pow2(gc.shape[1], 64)).contiguous()
-        g_hn = g_hn.contiguous() if g_hn is not None else None
-        g_x = g_x.contiguous() if g_x is not None else None
-        n_blocks = triton.cdiv(D, cfg.bwd_block_d)
-        n_tiles = triton.cdiv(T, cfg.bwd_block_t)
-        groups = cfg.bwd_groups or triton.cdiv(_programs_wanted(h.device), n_blocks)
-        groups = max(1, min(groups, n_tiles))
-        g_h = torch.empty_like(h)
-        g_y = torch.empty_like(y)
-        f32 = dict(device=h.device, dtype=torch.float32)
-        gpost_part = torch.empty(n_blocks, T, N, **f32)
-        gcomb_part = torch.empty(n_blocks, T, N, N, **f32)
-        gpre_part = torch.empty(n_blocks, T, N, **f32) if g_x is not None else gpost_part
-        gfn_part = torch.empty(groups, gc.shape[1], N * D, **f32) if in_kernel_fn else gpost_part
-        if T > 0:
-            _mhc_bwd_kernel[(n_blocks, groups)](
-                h, y, post, comb, pre, fn,
-                g_hn if g_hn is not None else h, g_x if g_x is not None else y, coef, gdot, gc,
-                g_h, g_y, gpost_part, gcomb_part, gpre_part, gfn_part, T, D, n_tiles,
-                N=N, M=M, MC=gc.shape[1] if in_kernel_fn else 16, BT=cfg.bwd_block_t, BD=cfg.bwd_block_d,
-                HAS_GHN=g_hn is not None, HAS_GX=g_x is not None, HAS_GMIX=g_mix is not None,
-                NEED_GFN=in_kernel_fn, UPCAST=_interpreting(), num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages)
-        g_pre = gpre_part.sum(0) if g_x is not None else None
-        g_fn = None
-        if in_kernel_fn:
-            g_fn = gfn_part.sum(0)
-            g_fn = g_fn[:M] + g_fn[slot:slot + M]
-        elif need_fn and h_new.dtype == torch.bfloat16 and h_new.is_cuda:
-            # g_dot's bf16 halves against h' (exact in bf16), accumulated and returned in fp32
-            g_fn = torch.mm(torch.cat(_split_bf16(gdot), 1).T, h_new.reshape(T, N * D), out_dtype=torch.float32)
-            g_fn = g_fn[:M] + g_fn[M:]
-        elif need_fn:  # g_dot^T @ h' in fp32 (one more read of h')
-            g_fn = gdot.T @ h_new.reshape(T, N * D).float()
-        return g_h, g_y, gpost_part.sum(0), gcomb_part.sum(0), g_pre, g_fn, None, None, None
+        grads = _backward(h, y, post, comb, pre, fn, r, mix, h_new, ctx.cfg, g_hn, g_x, g_mix,
+                          ctx.needs_input_grad[5])
+        return *grads, None, None, None
+
+
+class _FusedMHCMix(torch.autograd.Function):
+    """`_FusedMHCStep` without the residual update: h [T, n, D], pre [T, n], fn [M, n*D] -> x, mix."""
+
+    @staticmethod
+    def forward(ctx, h, pre, fn, eps: float, cfg: MHCKernelConfig, x_dtype: torch.dtype):
+        _, x, mix, r, cfg = _forward(h, None, None, None, pre, fn, eps, cfg, x_dtype)
+        ctx.save_for_backward(h, pre, fn, r, mix)
+        ctx.cfg = cfg
+        ctx.set_materialize_grads(False)
+        return x, mix
+
+    @staticmethod
+    def backward(ctx, g_x, g_mix):
+        h, pre, fn, r, mix = ctx.saved_tensors
+        g_h, _, _, _, g_pre, g_fn = _backward(h, None, None, None, pre, fn, r, mix,
+                                              h if _host_fn_grad(h, ctx.cfg) else None, ctx.cfg, None, g_x,
+                                              g_mix, ctx.needs_input_grad[2])
+        return g_h, g_pre, g_fn, None, None, None
 
 
 # ----------------------------------------------------------------------------- entry points
@@ -470,15 +539,41 @@ def fused_mhc_step(h: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: t
     return h_new.view(*lead, N, D), x.view(*lead, D), mix.view(*lead, M)
 
 
-def reference_mhc_step(h, y, post, comb, pre, fn, eps):
-    """The unfused composition the kernel replaces: update_streams, then the next
-    HyperConnection's RMS norm + linear (its forward up to `mix`), and mix_streams."""
-    h_new = update_streams(h, y, post, comb)
-    flat = h_new.flatten(-2)
+@torch.compiler.disable
+def fused_mhc_mix(h: torch.Tensor, pre: torch.Tensor, fn: torch.Tensor, eps: float,
+                  config: Optional[MHCKernelConfig] = None):
+    """A boundary with no residual update before it (the first sub-layer, the one after an
+    Engram): h [..., n, D], pre [..., n], fn [2n+n*n, n*D] -> (x [..., D], mix [..., 2n+n*n] fp32)
+    in one read of h, the forward kernel with its update left out. Same values as
+    `reference_mhc_mix`, x in the dtype `fused_mhc_step` gives it; differentiable in h, pre, fn."""
+    if h.dtype == torch.float64:
+        return reference_mhc_mix(h, pre, fn, eps)
+    *lead, N, D = h.shape
+    M = fn.shape[0]
+    if fn.shape[1] != N * D or pre.shape != (*lead, N):
+        raise ValueError(f"shape mismatch: h {tuple(h.shape)}, pre {tuple(pre.shape)}, fn {tuple(fn.shape)}")
+    T = math.prod(lead)
+    dev = h.device.type
+    x_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype
+    x, mix = _FusedMHCMix.apply(h.reshape(T, N, D).contiguous(), pre.float().reshape(T, N).contiguous(),
+                                fn.float().contiguous(), float(eps), config or MHCKernelConfig(), x_dtype)
+    return x.view(*lead, D), mix.view(*lead, M)
+
+
+def reference_mhc_mix(h, pre, fn, eps):
+    """What `fused_mhc_mix` replaces: mix_streams, and a HyperConnection's RMS norm + linear
+    (its forward up to `mix`) in fp32 (fp64 for fp64 streams)."""
+    flat = h.flatten(-2)
     flat = flat.double() if flat.dtype == torch.float64 else flat.float()
     flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + eps)
-    mix = F.linear(flat, fn.to(flat.dtype))
-    return h_new, mix_streams(pre, h_new), mix
+    return mix_streams(pre, h), F.linear(flat, fn.to(flat.dtype))
+
+
+def reference_mhc_step(h, y, post, comb, pre, fn, eps):
+    """The unfused composition the kernel replaces: update_streams, then `reference_mhc_mix`
+    of the updated streams (the next HyperConnection's logits and the next sub-layer's input)."""
+    h_new = update_streams(h, y, post, comb)
+    return (h_new, *reference_mhc_mix(h_new, pre, fn, eps))
 
 
 def hc_coefficients(hc: HyperConnection, mix: torch.Tensor):
