@@ -174,7 +174,12 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor):
         """x [N, D] -> scores [N, E] (fp32), chosen [N, k], weights [N, k]."""
-        scores = torch.sqrt(F.softplus(F.linear(wide(x), wide(self.weight))))
+        # fp32 logits (as DeepSeek's gate computes them): autocast would cast the widened x and
+        # weight back to bf16 for the linear, so the top-k would rank bf16-rounded logits, at the
+        # price of a [N, D] cast each way
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(wide(x), wide(self.weight))
+        scores = torch.sqrt(F.softplus(logits))
         chosen = torch.topk(scores.detach() + self.bias, self.topk, dim=-1).indices
         weights = scores.gather(-1, chosen)
         weights = weights / weights.sum(-1, keepdim=True) * self.route_scale

@@ -29,6 +29,21 @@ def test_router_respects_topk_and_scores():
     torch.testing.assert_close(weights.sum(-1), torch.full((50,), 2.0))  # normalised x route scale
 
 
+def test_router_logits_stay_fp32_under_autocast():
+    """Under bf16 autocast the router still ranks fp32 logits of its input: autocast must not
+    round the widened input and weight back to bf16 for the linear."""
+    torch.manual_seed(4)
+    r = Router(dim=64, n_experts=16, topk=4, route_scale=1.0)
+    torch.nn.init.normal_(r.weight)
+    x = torch.randn(200, 64).to(torch.bfloat16)  # a bf16 activation, as a norm gives it under autocast
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        scores, chosen, _ = r(x)
+    fp32 = torch.sqrt(torch.nn.functional.softplus(x.double() @ r.weight.double().T))
+    assert scores.dtype == torch.float32
+    torch.testing.assert_close(scores.double(), fp32, rtol=1e-5, atol=1e-6)  # bf16 logits: ~4e-3 off
+    assert torch.equal(chosen.sort(-1).values, fp32.topk(4, -1).indices.sort(-1).values)
+
+
 def test_bias_changes_selection_only():
     torch.manual_seed(1)
     r = Router(dim=16, n_experts=8, topk=2, route_scale=1.0)
