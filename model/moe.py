@@ -127,21 +127,24 @@ class _Gather(torch.autograd.Function):
     times in the output, at positions back[r * copies : (r + 1) * copies]. The gradient gathers
     with `back` and sums each row's copies: index_select's own backward is a scatter-add.
     `dtype`: the rows come out cast to it (x is cast before the gather, copies times less to
-    convert), and the gradient's copies are summed in x's dtype."""
+    convert), and the gradient's copies are summed in x's dtype. `gather_sum(grad, back, copies,
+    dtype)`: a fused gather + sum for the gradient (`model/kernels/moe_combine.py`), same values."""
 
     @staticmethod
-    def forward(ctx, x, index, back, copies, dtype=None):
+    def forward(ctx, x, index, back, copies, dtype=None, gather_sum=None):
         ctx.save_for_backward(back)
-        ctx.copies, ctx.in_dtype = copies, x.dtype
+        ctx.copies, ctx.in_dtype, ctx.gather_sum = copies, x.dtype, gather_sum
         return (x if dtype is None else x.to(dtype)).index_select(0, index)
 
     @staticmethod
     def backward(ctx, grad):
         (back,) = ctx.saved_tensors
+        if ctx.gather_sum is not None and ctx.copies > 1:  # the fused gather + sum (kernels on)
+            return ctx.gather_sum(grad, back, ctx.copies, ctx.in_dtype), None, None, None, None, None
         g = grad.index_select(0, back)
         if ctx.copies > 1:
             g = g.view(-1, ctx.copies, g.shape[-1]).sum(1, dtype=ctx.in_dtype)
-        return g.to(ctx.in_dtype), None, None, None, None
+        return g.to(ctx.in_dtype), None, None, None, None, None
 
 
 def routing_order(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,10 +206,14 @@ class MoE(nn.Module):
         self.n_routed, self.topk, self.seq_aux_alpha = n_routed, topk, seq_aux_alpha
         self.router = Router(dim, n_routed, topk, route_scale)
         self.experts = RoutedExperts(n_routed, dim, inter_dim, limit, kernels=kernels)
-        self.combine = None  # model.kernels: the fused combine (model/kernels/moe_combine.py)
+        # model.kernels: the fused combine and the dispatch gather's fused gradient (model/kernels/moe_combine.py)
+        self.combine = self.gather_sum = None
         if kernels:
-            from model.kernels.moe_combine import moe_combine_triton  # Triton only when the kernels are on
-            self.combine = moe_combine_triton
+            from model.kernels.moe_combine import (  # Triton only then
+                moe_combine_triton,
+                moe_gather_sum_triton,
+            )
+            self.combine, self.gather_sum = moe_combine_triton, moe_gather_sum_triton
         self.shared = SharedExpert(dim, inter_dim * n_shared, limit, kernels) if n_shared > 0 else None
 
     def dispatch(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -227,7 +234,8 @@ class MoE(nn.Module):
         (and an expert-parallel exchange moves them in it); the copies' gradient is summed in x's
         dtype."""
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else None
-        return _Gather.apply(x, order // self.topk, inv, self.topk, dtype)
+        fused = self.gather_sum is not None and x.dtype != torch.float64 and not torch.compiler.is_compiling()
+        return _Gather.apply(x, order // self.topk, inv, self.topk, dtype, self.gather_sum if fused else None)
 
     def combine_routed(self, y: torch.Tensor, order: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor,
                        out_dtype: torch.dtype) -> torch.Tensor:

@@ -2,13 +2,13 @@
 `MoE.dispatch` (gather back to token order, scale by the routing weights, sum over the k
 experts): output, the expert rows' gradient and the weights' gradient. CPU: Triton's interpreter
 in fp32; the gpu test runs bf16 rows at the `small` step's shape. Also the dispatch's cast
-before its gather under autocast (`_Gather`'s dtype)."""
+before its gather under autocast (`_Gather`'s dtype), and its gradient's fused gather + sum."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from model.kernels.moe_combine import moe_combine_triton
+from model.kernels.moe_combine import moe_combine_triton, moe_gather_sum_triton
 from model.moe import MoE, _Gather, combine_reference
 
 
@@ -89,6 +89,45 @@ def test_dispatch_gather_casts_before_copying_rows():
     want.backward(grad)
     assert xa.grad.dtype == torch.float32
     torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-6, atol=1e-6)
+
+
+def _copies_gradient_reference(grad, back, copies, out_dtype):
+    """_Gather's own backward (no fused sum): gather into row order, sum each row's copies."""
+    x = torch.zeros(grad.shape[0] // copies, grad.shape[1], dtype=out_dtype, requires_grad=True)
+    index = torch.empty_like(back).scatter_(0, back, torch.arange(back.numel()) // copies)
+    _Gather.apply(x, index, back, copies, grad.dtype).backward(grad)
+    return x.grad
+
+
+@pytest.mark.parametrize("rows,copies,D,dtype,out_dtype", [
+    (37, 4, 48, torch.float32, torch.float32), (5, 3, 1100, torch.float32, torch.float32),
+    (29, 4, 64, torch.bfloat16, torch.bfloat16), (29, 4, 64, torch.bfloat16, torch.float32)],
+    ids=["fp32", "wide-rows", "bf16", "bf16-to-fp32"])
+def test_gather_sum_matches_the_gathers_gradient(rows, copies, D, dtype, out_dtype):
+    """moe_gather_sum_triton(g, back, k) is the gradient of k copies of each row placed at
+    back[r*k : (r+1)*k]: row r = sum of those k rows of g, in fp32, rounded once."""
+    g = torch.Generator().manual_seed(5)
+    grad = torch.randn(rows * copies, D, generator=g).to(dtype)
+    back = torch.randperm(rows * copies, generator=g)
+    got = moe_gather_sum_triton(grad, back, copies, out_dtype)
+    want = _copies_gradient_reference(grad, back, copies, out_dtype)
+    by_hand = grad.float()[back].view(rows, copies, D).sum(1).to(out_dtype)
+    assert got.dtype == out_dtype and got.shape == (rows, D)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=8e-3, atol=8e-3)
+    torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(got, by_hand, **tol)
+    with pytest.raises(ValueError, match="moe_gather_sum_triton"):
+        moe_gather_sum_triton(grad[:-1], back[:-1], copies, out_dtype)
+
+
+@pytest.mark.gpu
+def test_gpu_gather_sum_small_step_shape():
+    g = torch.Generator().manual_seed(6)
+    grad = torch.randn(131072, 1024, generator=g).to("cuda", torch.bfloat16)
+    back = torch.randperm(131072, generator=g).cuda()
+    want = grad.float()[back].view(32768, 4, 1024).sum(1)
+    got = moe_gather_sum_triton(grad, back, 4, torch.bfloat16)
+    assert ((got.float() - want).norm() / want.norm()).item() < 4e-3
 
 
 @pytest.mark.gpu
