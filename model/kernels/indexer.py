@@ -240,8 +240,8 @@ def _scores_at_bwd_kernel(q_ptr, w_ptr, k_ptr, c_ptr, g_ptr, dq_ptr, dw_ptr, dk_
                 dkt = tl.dot(tl.trans(dxo), q)
             tl.atomic_add(dk_base + c[:, None] * DI + offs_d[None, :], dkt,
                           mask=valid[:, None] & d_ok[None, :], sem="relaxed")
-    tl.store(dq_ptr + row * (H * DI) + offs_h[:, None] * DI + offs_d[None, :], dq,
-             mask=h_ok[:, None] & d_ok[None, :])  # dq: contiguous fp32 [B, T, H, DI]
+    tl.store(dq_ptr + row * (H * DI) + offs_h[:, None] * DI + offs_d[None, :], dq.to(dq_ptr.dtype.element_ty),
+             mask=h_ok[:, None] & d_ok[None, :])  # dq: contiguous [B, T, H, DI] in q's dtype (rounded once)
     tl.store(dw_ptr + row * H + offs_h, dw, mask=h_ok)  # dw: contiguous fp32 [B, T, H]
 
 
@@ -291,15 +291,17 @@ class _IndexScoresAt(torch.autograd.Function):
         B, T, H, Di = q.shape
         S, P = k.shape[1], cand.shape[-1]
         need_q, need_w, need_k = ctx.needs_input_grad[:3]
-        dq = torch.zeros(B, T, H, Di, dtype=torch.float32, device=q.device)
-        dw = torch.zeros(B, T, H, dtype=torch.float32, device=q.device)
+        # every query's program writes its whole dq and dw row (in q's dtype: no fp32 copy to cast)
+        alloc = torch.empty if P > 0 else torch.zeros
+        dq = alloc(B, T, H, Di, dtype=q.dtype, device=q.device)
+        dw = alloc(B, T, H, dtype=torch.float32, device=q.device)
         dk = torch.zeros(B, S, Di, dtype=torch.float32, device=q.device) if need_k else dq
         if B * T > 0 and P > 0:
             _scores_at_bwd_kernel[(B * T,)](q, w, k, cand, g, dq, dw, dk, T, P, H, S,
                                             *q.stride(), *w.stride(), *k.stride(), *cand.stride(), *g.stride(),
                                             DI=Di, IEEE=q.dtype == torch.float32, NEED_DK=need_k,
                                             **_at_blocks(H, Di, backward=True))
-        return (dq.to(q.dtype) if need_q else None, dw.to(w.dtype) if need_w else None,
+        return (dq if need_q else None, dw.to(w.dtype) if need_w else None,
                 dk.to(k.dtype) if need_k else None, None)
 
 
