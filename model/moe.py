@@ -234,17 +234,21 @@ class MoE(nn.Module):
         (and an expert-parallel exchange moves them in it); the copies' gradient is summed in x's
         dtype."""
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else None
-        fused = self.gather_sum is not None and x.dtype != torch.float64 and not torch.compiler.is_compiling()
-        return _Gather.apply(x, order // self.topk, inv, self.topk, dtype, self.gather_sum if fused else None)
+        gather_sum = self.gather_sum if self._fused(x) else None
+        return _Gather.apply(x, order // self.topk, inv, self.topk, dtype, gather_sum)
 
     def combine_routed(self, y: torch.Tensor, order: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor,
                        out_dtype: torch.dtype) -> torch.Tensor:
         """The experts' rows y [N*k, D] in `order` -> [N, D]: weighted sum over each token's k
         experts, with the fused kernel when the kernels are on."""
-        if self.combine is not None and y.dtype != torch.float64 and not torch.compiler.is_compiling():
-            # (inductor fuses the reference itself; float64 precision checks take the reference)
+        if self._fused(y):
             return self.combine(y, inv, weights, out_dtype)
         return combine_reference(y, inv, order, weights, out_dtype)
+
+    def _fused(self, t: torch.Tensor) -> bool:
+        """Whether the MoE kernels take t: kernels on, not float64 (precision checks take the
+        reference) and not under trainer.compile (inductor fuses the reference itself)."""
+        return self.combine is not None and t.dtype != torch.float64 and not torch.compiler.is_compiling()
 
     def forward(self, x: torch.Tensor, shard=None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, D] -> (y [B, T, D], sequence-wise balance loss scalar). `shard`: where the T

@@ -525,6 +525,13 @@ class _FusedMHCMix(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------- entry points
+def _x_dtype(h: torch.Tensor) -> torch.dtype:
+    """The next sub-layer input's dtype: the autocast dtype under autocast (as the reference's
+    mix_streams einsum gives it, so the norm after it casts nothing), else the streams'."""
+    dev = h.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype
+
+
 @torch.compiler.disable  # trainer.compile: a graph break, launched as is (model/kernels/__init__.py)
 def fused_mhc_step(h: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
                    pre: torch.Tensor, fn: torch.Tensor, eps: float,
@@ -543,8 +550,7 @@ def fused_mhc_step(h: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: t
     # a cast to the streams' dtype here was a copy of [T, D] each way, at every boundary. Under
     # autocast x comes out in the autocast dtype, as the reference's mix_streams einsum gives it,
     # so the norm after it casts nothing either.
-    dev = h.device.type
-    x_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype
+    x_dtype = _x_dtype(h)
     if y.dtype == torch.float64:
         y = y.to(h.dtype)
     # casts and reshapes stay outside the Function, so autograd casts the gradients back
@@ -570,8 +576,7 @@ def fused_mhc_mix(h: torch.Tensor, pre: torch.Tensor, fn: torch.Tensor, eps: flo
     if fn.shape[1] != N * D or pre.shape != (*lead, N):
         raise ValueError(f"shape mismatch: h {tuple(h.shape)}, pre {tuple(pre.shape)}, fn {tuple(fn.shape)}")
     T = math.prod(lead)
-    dev = h.device.type
-    x_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype
+    x_dtype = _x_dtype(h)
     x, mix = _FusedMHCMix.apply(h.reshape(T, N, D).contiguous(), pre.float().reshape(T, N).contiguous(),
                                 fn.float().contiguous(), float(eps), config or MHCKernelConfig(), x_dtype)
     return x.view(*lead, D), mix.view(*lead, M)
