@@ -108,7 +108,17 @@ class CSA2Attention(nn.Module):
         angles = self.rotary.angles(rt.positions)  # [B, T, R/2]
         qr = self.q_norm(self.wq_a(x))  # [B, T, Rq]
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.kv_dim))  # [B, T, H, C]
-        q = self.rotary(q, angles.unsqueeze(-2))
+        # Long sequences run in query chunks: every query's selection and attention depend only on
+        # the whole-sequence KV, so a chunk needs its own rows, the W-1 window rows before it and
+        # the global KV. Each chunk is checkpointed, so its O(chunk * (k + W)) scores live only
+        # while it runs.
+        chunk = self.attn_chunk if 0 < self.attn_chunk < T else T
+        # kernels, one chunk: the attention call rotates q in place and rotates out back on their
+        # 64 RoPE dims, where two rotaries would copy all of q and out each way (~1 ms a layer at
+        # `small`'s micro-batch 8). A checkpointed chunk would rotate its q again on recompute.
+        fold_rope = self.kernels and chunk == T
+        if not fold_rope:
+            q = self.rotary(q, angles.unsqueeze(-2))
         win = self.rotary(self.kv_norm(self.wkv(x)), angles)  # [B, T, C]
         if self.qat:
             win = fake_quant_fp8(win)
@@ -121,12 +131,6 @@ class CSA2Attention(nn.Module):
             if self.index_query is not None:  # the indexer learns only from its own loss: inputs detached
                 iq, iw = self.index_query(qr.detach(), x.detach(), angles, self.rotary, self.qat)
         halo = rt.shard.halo(win, self.window - 1, self.spec.layer_id)  # window rows before the slice
-
-        # Long sequences run in query chunks: every query's selection and attention depend only on
-        # the whole-sequence KV, so a chunk needs its own rows, the W-1 window rows before it and
-        # the global KV. Each chunk is checkpointed, so its O(chunk * (k + W)) scores live only
-        # while it runs.
-        chunk = self.attn_chunk if 0 < self.attn_chunk < T else T
         outs, topk, pool, recall = [], [], [], []
         loss = None
         for lo in range(0, T, chunk):
@@ -140,7 +144,7 @@ class CSA2Attention(nn.Module):
                     pool.append(pool_rows)
             chunk_halo = halo if lo == 0 else win[:, lo - self.window + 1:lo]
             args = (q[:, rows], win[:, rows], chunk_halo, None if iq is None else iq[:, rows],
-                    None if iw is None else iw[:, rows], glob, idx, rt, rows)
+                    None if iw is None else iw[:, rows], glob, idx, rt, rows, angles if fold_rope else None)
             if chunk < T and torch.is_grad_enabled():
                 out, kl = checkpoint(self._attend_rows, *args, use_reentrant=False)
             else:
@@ -148,7 +152,7 @@ class CSA2Attention(nn.Module):
             outs.append(out)
             if kl is not None:
                 loss = kl * ((hi - lo) / T) if loss is None else loss + kl * ((hi - lo) / T)
-            if iq is not None and rt.collect_recall:
+            if iq is not None and rt.collect_recall:  # q is rotated by now, folded or not
                 held = None
                 if self.spec.builds_pool or self.spec.mode == "reindex":
                     held = pool_rows if pool_rows is not None else self._source_pool(rt, rows)
@@ -165,20 +169,25 @@ class CSA2Attention(nn.Module):
             if self.spec.builds_pool or self.spec.mode == "reindex":
                 rt.recall["pool"].append(got[1] / got[2])
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)  # [B, T, H, C]
-        out = self.rotary(out, angles.unsqueeze(-2), inverse=True)  # values carried RoPE
+        if not fold_rope:
+            out = self.rotary(out, angles.unsqueeze(-2), inverse=True)  # values carried RoPE
         grouped = out.flatten(2).unflatten(-1, (self.wo_a.shape[0], -1))  # [B, T, G, H/G*C]
         return self.wo_b(grouped_projection(grouped, self.wo_a).flatten(2))
 
-    def _attend_rows(self, q, win, halo, iq, iw, glob, idx, rt: AttentionRuntime, rows: slice):
-        """Attention of the queries in `rows` and their indexer loss (None when not wanted)."""
+    def _attend_rows(self, q, win, halo, iq, iw, glob, idx, rt: AttentionRuntime, rows: slice,
+                     q_angles: torch.Tensor | None = None):
+        """Attention of the queries in `rows` and their indexer loss (None when not wanted).
+        q_angles (kernels only): q comes unrotated and out goes back rotated by the inverse (the
+        RoPE folded into the kernel call, `sparse_attention_triton`)."""
         attend_idx = idx
         if glob is not None and rt.indexer_mode == "dense":
             attend_idx = rt.all_visible(self.spec.compress_ratio, rows)  # [B, Tc, S]: column j is entry j
         with_kl = iq is not None and rt.with_indexer_loss  # Reuse layers have no indexer of their own
         # p_sel [B, Tc, k] head-summed, only for the indexer loss: with it the kernel's forward
         # writes and re-reads every selected logit ([B, Tc, H, k] fp32)
+        fold = {} if q_angles is None else {"q_angles": q_angles}
         out, p_sel = self.attend(q, win, glob, attend_idx, rt.doc_start[:, rows], self.sink, self.scale,
-                                 self.window, rt.positions[:, rows], halo, want_probs=with_kl)
+                                 self.window, rt.positions[:, rows], halo, want_probs=with_kl, **fold)
         kl = None
         if with_kl:
             keys = rt.index_k[self.spec.kv_source]

@@ -28,8 +28,10 @@ def _run(model, x, y, doc):
 
 
 @pytest.mark.slow
-def test_kernels_match_the_reference_model(monkeypatch):
-    """Query chunks of 16 (two per sequence) so the window crosses a chunk boundary too; loss
+@pytest.mark.parametrize("chunk", [16, 0], ids=["query-chunks", "one-chunk-rope-folded"])
+def test_kernels_match_the_reference_model(monkeypatch, chunk):
+    """Query chunks of 16 (two per sequence) so the window crosses a chunk boundary too, or one
+    chunk, where the attention call applies q's RoPE and undoes out's (q_angles); loss
     chunks of 24 tokens (the fused head + loss, and the reference's checkpointed chunks).
     Sparse attention takes the latent (C = 64) in one chunk a program: in Triton's interpreter
     the cost follows the number of programs and loop steps, and the chunked programs have their
@@ -43,8 +45,8 @@ def test_kernels_match_the_reference_model(monkeypatch):
     for name, size in (("_MIX_T", 64), ("_MIX_D", 128), ("_RED_T", 64), ("_RED_D", 128)):
         monkeypatch.setattr(sm, name, size)
     torch.manual_seed(0)
-    ref = Transformer(dataclasses.replace(CFG, attn_chunk_tokens=16, loss_chunk_tokens=24))
-    ker = Transformer(dataclasses.replace(CFG, attn_chunk_tokens=16, loss_chunk_tokens=24, kernels=True))
+    ref = Transformer(dataclasses.replace(CFG, attn_chunk_tokens=chunk, loss_chunk_tokens=24))
+    ker = Transformer(dataclasses.replace(CFG, attn_chunk_tokens=chunk, loss_chunk_tokens=24, kernels=True))
     ker.load_state_dict(ref.state_dict())
     a, ga = _run(ref, *_batch())
     b, gb = _run(ker, *_batch())

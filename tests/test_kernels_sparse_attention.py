@@ -180,3 +180,79 @@ def test_window_gradient_reads_only_what_the_backward_wrote(monkeypatch, H, halo
     monkeypatch.setattr(sa, "_window_scratch", nan_scratch)
     _check(_inputs(H=H, k=20, W=24, offset=offset, halo=halo))
     _check(_inputs(H=H, W=8, glob=False, halo=halo, offset=offset))
+
+
+def _rope_folded(args: dict, R: int, gout: torch.Tensor, folded: bool):
+    """out and the gradients of the unrotated q (and the rest) with q's RoPE applied by a Rotary
+    before the call and out rotated back after it (folded=False: the reference attention between
+    two reference rotaries), or folded into the kernel call (q_angles)."""
+    from model.rope import Rotary
+
+    rot = Rotary(R, 10_000.0).to(args["q"].device)
+    names = [n for n in ("q", "win_kv", "glob_kv", "sink", "halo") if args[n] is not None]
+    leaves = {n: args[n].detach().clone().requires_grad_(True) for n in names}
+    call = {**args, **leaves}
+    T = args["q"].shape[1]
+    pos = args["positions"]
+    if pos is None:
+        pos = torch.arange(T, device=args["q"].device).expand(args["q"].shape[0], T)
+    angles = rot.angles(pos)  # [B, T, R/2]
+    q = leaves["q"] * 1.0  # a non-leaf: the folded call rotates it in place
+    if folded:
+        out, p = sparse_attention_triton(**{**call, "q": q}, q_angles=angles)
+        q_rot = q  # rotated in place, and recorded so by autograd
+    else:
+        q_rot = call["q"] = rot(q, angles.unsqueeze(-2))
+        out, p = sparse_attention(**call)
+        out = rot(out, angles.unsqueeze(-2), inverse=True)
+        p = None if p is None else p.detach().sum(2)
+    # the rotated q is used after the call too: its gradient joins the attention's
+    ((out.float() * gout).sum() + (q_rot.float() * gout.flip(1)).sum()).backward()
+    return out, p, q_rot.detach(), {n: leaves[n].grad for n in names}
+
+
+@pytest.mark.parametrize("glob,halo", [(True, True), (False, False)], ids=["selected-halo", "window-only"])
+def test_rope_folded_into_the_call(glob, halo):
+    """q_angles: q's rotary applied in place on its trailing R dims by the call, and out rotated
+    back, against Rotary -> reference attention -> inverse Rotary: out, p_sum, the rotated q left in
+    q, and the gradients of the unrotated q, the KV rows and the sink."""
+    args = _inputs(C=32, k=20, W=24, offset=40 if halo else 0, halo=halo, glob=glob)
+    gout = torch.randn(args["q"].shape, generator=torch.Generator().manual_seed(3))
+    out_r, p_r, q_r, g_r = _rope_folded(args, 16, gout, folded=False)
+    out_k, p_k, q_k, g_k = _rope_folded(args, 16, gout, folded=True)
+    torch.testing.assert_close(out_k, out_r, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(q_k, q_r, atol=1e-5, rtol=1e-5)
+    if glob:
+        torch.testing.assert_close(p_k, p_r, atol=1e-4, rtol=1e-4)
+    for n, g in g_r.items():
+        torch.testing.assert_close(g_k[n], g, atol=1e-4, rtol=1e-4, msg=lambda m, n=n: f"grad {n}: {m}")
+
+
+@pytest.mark.gpu
+def test_gpu_rope_folded_bf16_small_heads():
+    """The folded RoPE at `small`'s heads and latent in bf16 against the fp32 reference between two
+    reference rotaries (64 rotated dims of 512)."""
+    args = _inputs(B=1, T=256, H=16, C=512, k=512, W=128, S=1024, offset=512, halo=True, dtype=torch.bfloat16,
+                   device="cuda")
+    gout = torch.randn(args["q"].shape, device="cuda")
+    wide = {n: v.float() if torch.is_tensor(v) and v.is_floating_point() else v for n, v in args.items()}
+    out_r, p_r, q_r, g_r = _rope_folded(wide, 64, gout, folded=False)
+    out_k, p_k, q_k, g_k = _rope_folded(args, 64, gout, folded=True)
+    assert out_k.dtype == torch.bfloat16
+    assert _rel(out_k, out_r) < 1e-2 and _rel(p_k, p_r) < 1e-2 and _rel(q_k, q_r) < 1e-2
+    for n, g in g_r.items():
+        assert _rel(g_k[n], g) < (5e-2 if n == "sink" else 2e-2), (n, _rel(g_k[n], g))
+
+
+def test_rope_folded_refuses_what_it_cannot_rotate_in_place():
+    args = _inputs(C=32, k=20, W=24)
+    B, T, H, C = args["q"].shape
+    with pytest.raises(ValueError, match="contiguous"):
+        sparse_attention_triton(**{**args, "q": args["q"].transpose(1, 2).contiguous().transpose(1, 2)},
+                                q_angles=torch.zeros(B, T, 8))
+    with pytest.raises(ValueError, match="does not fit"):
+        sparse_attention_triton(**args, q_angles=torch.zeros(B, T, C))
+    one = _inputs(B=1, C=32, k=20, W=24)  # a contiguous view of part of a tensor: q_in would not be q
+    longer = torch.cat([one["q"], one["q"]], dim=1)
+    with pytest.raises(ValueError, match="all of the tensor it views"):
+        sparse_attention_triton(**{**one, "q": longer[:, :T]}, q_angles=torch.zeros(1, T, 8))

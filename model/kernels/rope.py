@@ -35,20 +35,22 @@ _VALUES, _WARPS = 4096, 4
 
 @triton.jit
 def _rotary_kernel(X, COS, SIN, OUT, n_rows, share, C, HALF, sign,
-                   BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr):
+                   BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr, COPY_LEAD: tl.constexpr = True):
     # X / OUT [n_rows, C]: the leading C - 2*HALF values of a row pass through, the trailing
     # 2*HALF are HALF pairs (2j, 2j + 1) rotated by angle j; COS / SIN [n_rows // share, HALF]:
     #   even' = even*cos - sign*odd*sin;  odd' = odd*cos + sign*even*sin.
     # A tile is BLOCK_R whole rows: the pass-through part is a plain [BLOCK_R, BLOCK_C] copy
     # (16-byte vectors), and only the rotated part is loaded as [BLOCK_R, BLOCK_P, 2] pairs and
-    # split into its even and odd halves in registers.
+    # split into its even and odd halves in registers. Without COPY_LEAD (in place: OUT is X) the
+    # pass-through part is not touched at all.
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     r_ok = rows < n_rows
     lead = C - 2 * HALF
-    cols = tl.arange(0, BLOCK_C)
-    m = r_ok[:, None] & (cols < lead)[None, :]
-    offs = rows[:, None] * C + cols[None, :]
-    tl.store(OUT + offs, tl.load(X + offs, mask=m), mask=m)
+    if COPY_LEAD:
+        cols = tl.arange(0, BLOCK_C)
+        m = r_ok[:, None] & (cols < lead)[None, :]
+        offs = rows[:, None] * C + cols[None, :]
+        tl.store(OUT + offs, tl.load(X + offs, mask=m), mask=m)
     pairs = tl.arange(0, BLOCK_P)
     rot = r_ok[:, None] & (pairs < HALF)[None, :]  # [BLOCK_R, BLOCK_P]
     at = (rows[:, None] * C + lead + 2 * pairs[None, :])[:, :, None] + tl.arange(0, 2)[None, None, :]
@@ -63,18 +65,42 @@ def _rotary_kernel(X, COS, SIN, OUT, n_rows, share, C, HALF, sign,
     tl.store(OUT + at, tl.join(new_even, new_odd), mask=m2)
 
 
-def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, share: int, inverse: bool) -> torch.Tensor:
+def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, share: int, inverse: bool,
+            in_place: bool = False) -> torch.Tensor:
     C, half = x.shape[-1], cos.shape[-1]
-    rows = x.reshape(-1, C)
-    out = torch.empty_like(rows)
+    rows = x.view(-1, C) if in_place else x.reshape(-1, C)
+    out = rows if in_place else torch.empty_like(rows)
     n_rows = rows.shape[0]
+    block_p = max(16, triton.next_power_of_2(half))
     block_c = max(16, triton.next_power_of_2(C - 2 * half))
-    block_r = max(1, _VALUES // block_c)
+    block_r = max(1, _VALUES // (2 * block_p if in_place else block_c))
     if n_rows:
         _rotary_kernel[(triton.cdiv(n_rows, block_r),)](
             rows, cos, sin, out, n_rows, share, C, half, -1.0 if inverse else 1.0,
-            BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_P=max(16, triton.next_power_of_2(half)), num_warps=_WARPS)
+            BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_P=block_p, COPY_LEAD=not in_place, num_warps=_WARPS)
     return out.view(x.shape)
+
+
+def _rows_per_angle(x: torch.Tensor, cos: torch.Tensor) -> int:
+    share = x.numel() // x.shape[-1] // cos.shape[0] if cos.shape[0] else 1
+    if not x.is_contiguous() or share * cos.shape[0] * x.shape[-1] != x.numel():
+        raise ValueError(f"rotary: x {tuple(x.shape)} must be contiguous with a whole number of rows per angle row "
+                         f"({cos.shape[0]} angle rows)")
+    return share
+
+
+def rotate_trailing_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """x [..., C] contiguous, its trailing 2 * cos.shape[-1] dims rotated in place (the leading
+    ones are neither read nor written: 1/8 of the bytes of a copy for q's 64 of 512); cos / sin
+    fp32 [A, R/2] with x's rows in A equal groups of consecutive rows (one angle row a group, e.g.
+    q [B, T, H, C] and A = B * T). No autograd: for callers that own x and account for the
+    rotation themselves (`model.kernels.sparse_attention`'s q_angles). Returns x."""
+    return _launch(x, cos, sin, _rows_per_angle(x, cos), inverse, in_place=True)
+
+
+def rotary_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """`rotate_trailing_`'s rotation into a new tensor (the whole row copied), no autograd."""
+    return _launch(x, cos, sin, _rows_per_angle(x, cos), inverse)
 
 
 class _Rotary(torch.autograd.Function):

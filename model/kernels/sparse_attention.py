@@ -63,6 +63,7 @@ import triton
 import triton.language as tl
 
 from model.csa import _with_halo, window_doc_start
+from model.kernels.rope import rotary_rows, rotate_trailing_
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 LOG2E = 1.4426950408889634
@@ -271,11 +272,13 @@ def _fwd_kernel(Q, KV, G, IDX, DOC, POS, SINK, OUT, LSE, SL, PSUM, T, H, C, W, K
 
 
 @triton.jit
-def _bwd_kernel(Q, KV, G, IDX, DOC, POS, OUT, DO, LSE, DQ, DG, PW, DSW, DELTA, T, H, C, W, WP, K, S, scale,
+def _bwd_kernel(Q, KV, G, IDX, DOC, POS, OUT, DO, DD, LSE, DQ, DG, PW, DSW, DELTA, T, H, C, W, WP, K, S, scale,
                 qk_scale, BLOCK_WP: tl.constexpr,
                 HAS_GLOB: tl.constexpr, PREC: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_C: tl.constexpr, BLOCK_CV: tl.constexpr, SPLIT: tl.constexpr, BLOCK_K: tl.constexpr,
                 ONE_PASS: tl.constexpr):
+    # DD: the output gradient delta reads with OUT (DO itself, or with the RoPE folded in both in the
+    # rotated-back frame: the rotation is orthogonal, so rowsum(dout * out) is the same in either).
     # DQ like Q; DG [B, S, C] fp32 (atomic adds); PW / DSW [B, T, H, WP] (the window's p and ds * scale
     # in Q's dtype, for _window_dkv_kernel, entry w of query t at column w + t % 8); DELTA [B, T, H] fp32.
     # SPLIT = 2: the program takes two value chunks (offs_v, offs_w) from one recomputation of p, ds.
@@ -293,7 +296,7 @@ def _bwd_kernel(Q, KV, G, IDX, DOC, POS, OUT, DO, LSE, DQ, DG, PW, DSW, DELTA, T
         offs_c = c0 + tl.arange(0, BLOCK_CV)
         hc = h_ok[:, None] & (offs_c < C)[None, :]
         o = tl.load(OUT + pid_q * H * C + offs_h[:, None] * C + offs_c[None, :], mask=hc, other=0.0)
-        do = tl.load(DOrow + offs_h[:, None] * C + offs_c[None, :], mask=hc, other=0.0)
+        do = tl.load(DD + pid_q * H * C + offs_h[:, None] * C + offs_c[None, :], mask=hc, other=0.0)
         delta += tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     lse = tl.load(LSE + pid_q * H + offs_h, mask=h_ok, other=0.0)
     q_v = tl.load(Qrow + offs_h[:, None] * C + offs_v[None, :], mask=hv, other=0.0)
@@ -484,9 +487,21 @@ def _window_scratch(shape, dtype, device):
 
 
 class _SparseAttention(torch.autograd.Function):
+    """q_in: q, or with the RoPE folded in the tensor q views (autograd refuses a Function that
+    modifies a view in place and returns more than one tensor); `shape` is q's [B, T, H, C].
+    With cos / sin (`q_angles`): q arrives unrotated and is rotated in place (q_in marked dirty
+    and returned as a fourth output), and out is rotated back in place before it is returned;
+    both touch only the trailing R dims (`rotate_trailing_`), where a separate rotary would copy
+    all of q and out each way."""
+
     @staticmethod
-    def forward(ctx, q, kv, glob, idx, doc_start, positions, sink, scale, window, want_probs):
-        B, T, H, C = q.shape
+    def forward(ctx, q_in, kv, glob, idx, doc_start, positions, sink, scale, window, want_probs, cos, sin, shape):
+        B, T, H, C = shape
+        q = q_in.view(shape)
+        fold = cos is not None
+        if fold:
+            rotate_trailing_(q, cos, sin)
+            ctx.mark_dirty(q_in)
         has_glob = glob is not None
         want_p = has_glob and want_probs
         if not has_glob:  # window-only layer: dummies the kernel never reads (not empty: no null pointer)
@@ -503,16 +518,22 @@ class _SparseAttention(torch.autograd.Function):
                                      C, window, n_sel, glob.shape[1], scale * LOG2E, HAS_GLOB=has_glob,
                                      WANT_P=want_p, PREC=_prec(q), BLOCK_H=bh, BLOCK_K=_block_k(n_sel),
                                      **_meta("fwd"))
-        ctx.save_for_backward(q, kv, glob, idx, doc_start, positions, sink, out, lse)
-        ctx.has_glob, ctx.scale, ctx.window, ctx.n_sel = has_glob, scale, window, n_sel
+        if fold:
+            rotate_trailing_(out, cos, sin, inverse=True)
+        ctx.save_for_backward(q_in, kv, glob, idx, doc_start, positions, sink, out, lse, cos, sin)
+        ctx.has_glob, ctx.scale, ctx.window, ctx.n_sel, ctx.shape = has_glob, scale, window, n_sel, shape
         ctx.mark_non_differentiable(lse, p_sum)
-        return out, lse, p_sum
+        return (out, lse, p_sum, q_in) if fold else (out, lse, p_sum)
 
     @staticmethod
-    def backward(ctx, dout, _dlse, _dp_sum):
-        q, kv, glob, idx, doc_start, positions, sink, out, lse = ctx.saved_tensors
+    def backward(ctx, dout, _dlse, _dp_sum, dq_out=None):
+        q_in, kv, glob, idx, doc_start, positions, sink, out, lse, cos, sin = ctx.saved_tensors
+        q = q_in.view(ctx.shape)
         B, T, H, C = q.shape
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()
+        # folded RoPE: out and dout are in the rotated-back frame; the kernels take dout in the
+        # attention's (out_attn = R out, so its gradient is R dout), delta reads them as they are
+        d_attn = dout if cos is None else rotary_rows(dout, cos, sin)
         W = ctx.window
         dq = torch.empty_like(q)
         # fp32: atomic accumulation (a dummy the kernel never adds to without global entries)
@@ -521,7 +542,8 @@ class _SparseAttention(torch.autograd.Function):
         pw, dsw = _window_scratch((B, T, H, WP), q.dtype, q.device)
         delta = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
         bh = _block_h(H)
-        _bwd[_grid(B * T, H, C, bh)](q, kv, glob, idx, doc_start, positions, out, dout, lse, dq, dg, pw, dsw, delta,
+        _bwd[_grid(B * T, H, C, bh)](q, kv, glob, idx, doc_start, positions, out, d_attn, dout, lse, dq, dg, pw, dsw,
+                                     delta,
                                      T, H, C, W, WP, ctx.n_sel, glob.shape[1], ctx.scale,
                                      ctx.scale * LOG2E, HAS_GLOB=ctx.has_glob, PREC=_prec(q), BLOCK_H=bh,
                                      BLOCK_K=_block_k(ctx.n_sel), BLOCK_WP=triton.next_power_of_2(WP),
@@ -530,28 +552,50 @@ class _SparseAttention(torch.autograd.Function):
         hp = triton.next_power_of_2(H)
         block_t = max(1, (16 if INTERPRET else 64) // hp)  # (query, head) pairs a GEMM step: K >= 16 / 64
         _window_dkv[lambda m: (triton.cdiv(T + W - 1, m["BLOCK_R"]), triton.cdiv(C, m["BLOCK_CV"]), B)](
-            pw, dsw, q, dout, dkv, T, H, C, W, WP, BLOCK_T=block_t, BLOCK_HP=hp, PREC=_prec(q),
+            pw, dsw, q, d_attn, dkv, T, H, C, W, WP, BLOCK_T=block_t, BLOCK_HP=hp, PREC=_prec(q),
             **_meta("window_dkv"))
         # the sink column's ds is p_sink * (0 - delta): it has no value row
         p_sink = torch.exp2(sink.float() * LOG2E - lse)  # [B, T, H]
         dsink = -(p_sink * delta).sum((0, 1)).to(sink.dtype)
         dglob = dg.to(glob.dtype) if ctx.has_glob else None
-        return dq, dkv, dglob, None, None, None, dsink, None, None, None
+        if cos is not None:  # dq is the rotated q's gradient: rotate it back onto the input's
+            if dq_out is not None:
+                dq += dq_out.view(dq.shape)
+            rotate_trailing_(dq, cos, sin, inverse=True)
+        return dq.view(q_in.shape), dkv, dglob, None, None, None, dsink, None, None, None, None, None, None
 
 
 @torch.compiler.disable  # trainer.compile: a graph break, launched as is (model/kernels/__init__.py)
 def sparse_attention_triton(q: torch.Tensor, win_kv: torch.Tensor, glob_kv: Optional[torch.Tensor],
                             idx: Optional[torch.Tensor], doc_start: torch.Tensor, sink: torch.Tensor,
                             scale: float, window: int, positions: Optional[torch.Tensor] = None,
-                            halo: Optional[torch.Tensor] = None, want_probs: bool = True):
+                            halo: Optional[torch.Tensor] = None, want_probs: bool = True,
+                            q_angles: Optional[torch.Tensor] = None):
     """Arguments as `model.csa.sparse_attention` (q [B, T, H, C]; win_kv [B, T, C]; glob_kv [B, S, C]
     or None; idx [B, T, k] (-1 = empty); doc_start / positions [B, T]; sink [H]; halo [B, W-1, C])
     -> (out [B, T, H, C] in q's dtype, p_sum [B, T, k] fp32 head-summed probabilities on idx
     (0 at -1), or None without glob_kv or with want_probs=False). p_sum carries no gradient.
-    fp32 / bf16 / fp16 inputs (no fp64: use the reference for float64 checks)."""
+    fp32 / bf16 / fp16 inputs (no fp64: use the reference for float64 checks).
+    q_angles [B, T, R/2] (the RoPE folded in): q comes without its rotary, which the call applies
+    to q's trailing R dims in place (q must be contiguous; afterwards it holds the rotated q, as
+    autograd records), and out comes back rotated by the inverse: the values of `Rotary` on q
+    before the call and `Rotary(..., inverse=True)` on out after it, without either's copy of the
+    whole tensor."""
     if q.dtype == torch.float64:
         raise TypeError("sparse_attention_triton: float64 is not supported; use model.csa.sparse_attention")
     B, T, H, C = q.shape
+    cos = sin = q_in = None
+    if q_angles is not None:
+        half = q_angles.shape[-1]
+        if tuple(q_angles.shape) != (B, T, half) or 2 * half > C:
+            raise ValueError(f"sparse_attention_triton: q_angles {tuple(q_angles.shape)} does not fit q {tuple(q.shape)}")
+        q_in = q if q._base is None else q._base  # q's storage as one tensor: a view (q[:, :], unflatten)
+        if not q.is_contiguous() or (q_in is not q and (q_in.data_ptr() != q.data_ptr() or q_in.numel() != q.numel()
+                                                         or not q_in.is_contiguous())):
+            raise ValueError("sparse_attention_triton: q_angles rotates q in place, so q must be contiguous "
+                             "(and all of the tensor it views)")
+        ang = q_angles.float().reshape(B * T, half)
+        cos, sin = ang.cos().contiguous(), ang.sin().contiguous()
     if positions is None:
         positions = torch.arange(T, device=q.device).expand(B, T)
     # [halo | win_kv] as one [B, W-1+T, C] tensor: window key w of query t is row t+w; autograd
@@ -562,8 +606,9 @@ def sparse_attention_triton(q: torch.Tensor, win_kv: torch.Tensor, glob_kv: Opti
     doc_start, positions = doc_start.contiguous(), positions.contiguous()
     if glob_kv is not None:
         glob_kv, idx = glob_kv.to(q.dtype).contiguous(), idx.contiguous()
-    out, _lse, p_sum = _SparseAttention.apply(q, kv, glob_kv, idx, doc_start, positions, sink.contiguous(),
-                                              float(scale), int(window), bool(want_probs))
+    out, _lse, p_sum, *_ = _SparseAttention.apply(q if q_in is None else q_in, kv, glob_kv, idx, doc_start,
+                                                  positions, sink.contiguous(), float(scale), int(window),
+                                                  bool(want_probs), cos, sin, (B, T, H, C))
     if glob_kv is None or not want_probs:
         return out, None
     return out, p_sum
