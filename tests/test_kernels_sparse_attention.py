@@ -211,11 +211,17 @@ def _rope_folded(args: dict, R: int, gout: torch.Tensor, folded: bool):
     return out, p, q_rot.detach(), {n: leaves[n].grad for n in names}
 
 
-@pytest.mark.parametrize("glob,halo", [(True, True), (False, False)], ids=["selected-halo", "window-only"])
-def test_rope_folded_into_the_call(glob, halo):
+@pytest.mark.parametrize("glob,halo,block_cv,split", [(True, True, 16, 1), (False, False, 16, 1),
+                                                      (True, True, 32, 1), (True, False, 16, 2)],
+                         ids=["selected-halo", "window-only", "one-pass", "two-chunks"])
+def test_rope_folded_into_the_call(monkeypatch, glob, halo, block_cv, split):
     """q_angles: q's rotary applied in place on its trailing R dims by the call, and out rotated
     back, against Rotary -> reference attention -> inverse Rotary: out, p_sum, the rotated q left in
-    q, and the gradients of the unrotated q, the KV rows and the sink."""
+    q, and the gradients of the unrotated q, the KV rows and the sink; the backward in value chunks
+    (the logits streamed), in one pass, and two chunks a program."""
+    import model.kernels.sparse_attention as sa
+
+    monkeypatch.setattr(sa, "_FIXED", dict(sa._FIXED, BLOCK_CV=block_cv, SPLIT=split))
     args = _inputs(C=32, k=20, W=24, offset=40 if halo else 0, halo=halo, glob=glob)
     gout = torch.randn(args["q"].shape, generator=torch.Generator().manual_seed(3))
     out_r, p_r, q_r, g_r = _rope_folded(args, 16, gout, folded=False)

@@ -31,6 +31,10 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # values at 4 or 8 warps 0.267-0.275 ms (96% of copy), 16384 0.38; the pairs-only layout before
 # took 0.385 ms.
 _VALUES, _WARPS = 4096, 4
+# In place (only the rotated dims, `rotate_trailing_`): q's 64 of 512 a row, same tensor, same GPU:
+# programs of 8 rows at 1 warp 0.055 ms, 16 rows 0.09-0.12, 32-256 rows 0.25-1.0 (as slow as
+# copying the whole row, 0.26).
+_VALUES_IN_PLACE, _WARPS_IN_PLACE = 512, 1
 
 
 @triton.jit
@@ -73,11 +77,12 @@ def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, share: int, i
     n_rows = rows.shape[0]
     block_p = max(16, triton.next_power_of_2(half))
     block_c = max(16, triton.next_power_of_2(C - 2 * half))
-    block_r = max(1, _VALUES // (2 * block_p if in_place else block_c))
+    block_r = max(1, (_VALUES_IN_PLACE if in_place else _VALUES) // (2 * block_p if in_place else block_c))
     if n_rows:
         _rotary_kernel[(triton.cdiv(n_rows, block_r),)](
             rows, cos, sin, out, n_rows, share, C, half, -1.0 if inverse else 1.0,
-            BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_P=block_p, COPY_LEAD=not in_place, num_warps=_WARPS)
+            BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_P=block_p, COPY_LEAD=not in_place,
+            num_warps=_WARPS_IN_PLACE if in_place else _WARPS)
     return out.view(x.shape)
 
 

@@ -502,6 +502,7 @@ class _SparseAttention(torch.autograd.Function):
         if fold:
             rotate_trailing_(q, cos, sin)
             ctx.mark_dirty(q_in)
+        ctx.set_materialize_grads(False)  # no zero-filled [B, T, H, C] for the rotated q nothing reads
         has_glob = glob is not None
         want_p = has_glob and want_probs
         if not has_glob:  # window-only layer: dummies the kernel never reads (not empty: no null pointer)
