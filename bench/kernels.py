@@ -4,6 +4,8 @@ prints one JSON object (and writes it to --out).
 Sections (bench/kernels_<name>.py, each `bench(device) -> dict`):
   quant      KV quantise+pack / unpack+dequantise: GB/s as a fraction of device copy bandwidth
   attention  sparse attention fwd / fwd+bwd at 8K-128K context vs dense causal SDPA
+  attention_floor  the same kernels at `small`'s step shape vs their traffic floor (measured
+             gather and fp32 atomic-add rates on the kernels' own index tensor)
   indexer    indexer scoring TFLOP/s; Reindex cost at 16K vs 128K (pool-bounded); top-k
   mhc        fused single-pass mHC vs the eager composition; bytes moved vs (2n+2)·d
   engram     hash + gather of random rows: GB/s vs copy bandwidth, GPU and pinned-host table
@@ -30,7 +32,7 @@ import torch
 
 from bench import provenance
 
-SECTIONS = ("quant", "attention", "indexer", "mhc", "engram", "e2e", "e2e_batch", "e2e_profile", "small_ops")
+SECTIONS = ("quant", "attention", "attention_floor", "indexer", "mhc", "engram", "e2e", "e2e_batch", "e2e_profile", "small_ops")
 
 
 def main() -> None:

@@ -402,14 +402,20 @@ _FIXED = dict(BLOCK_N=16, BLOCK_C=16, BLOCK_CV=16, SPLIT=1)
 _one_pass = triton.heuristics({"ONE_PASS": lambda a: a["BLOCK_CV"] * a.get("SPLIT", 1) >= a["C"]})
 
 
-def _cfg(cv, w, st, n=64, split=None):
+def _cfg(cv, w, st, n=64, split=None, maxnreg=None):
     meta = dict(BLOCK_N=n, BLOCK_C=64, BLOCK_CV=cv, **({} if split is None else {"SPLIT": split}))
-    return triton.Config(meta, num_warps=w, num_stages=st)
+    return triton.Config(meta, num_warps=w, num_stages=st, maxnreg=maxnreg)
 
 
+# maxnreg=168: the one-pass forward at 512 / 32 / 4 warps / 2 stages takes 246 registers a thread
+# uncapped, so 2 programs an SM (8 warps; ncu: 12.5% occupancy, latency-bound, L2 at 37% of its
+# throughput); capped at 168 (38 spilled) 3 fit: 6.94 -> 6.45 ms at micro-batch 8 x 4096, H = 16,
+# k = 512 (H200). 128 registers (4 programs) spilled more and took 7.22 ms; the backward lost at
+# either cap (13.1 -> 23.8 / 28.4 ms).
 _FWD_CONFIGS = [_cfg(128, 4, 2), _cfg(128, 8, 2), _cfg(256, 8, 2), _cfg(64, 4, 3),
                 _cfg(512, 4, 3), _cfg(512, 4, 2), _cfg(256, 4, 3),
-                _cfg(512, 4, 3, 32), _cfg(512, 4, 2, 32), _cfg(512, 8, 2, 32), _cfg(512, 4, 3, 16)]
+                _cfg(512, 4, 3, 32), _cfg(512, 4, 2, 32), _cfg(512, 8, 2, 32), _cfg(512, 4, 3, 16),
+                _cfg(512, 4, 2, 32, maxnreg=168)]
 _BWD_CONFIGS = ([_cfg(128, 8, 2, 64, 1), _cfg(64, 8, 2, 64, 1), _cfg(128, 8, 2, 32, 1), _cfg(128, 8, 3, 64, 1),
                  _cfg(256, 4, 3, 32, 1), _cfg(256, 4, 2, 64, 1), _cfg(256, 2, 2, 32, 1), _cfg(512, 4, 2, 32, 1)]
                 + [_cfg(256, 8, 2, 64, 2), _cfg(256, 8, 2, 32, 2), _cfg(256, 4, 2, 32, 2),
