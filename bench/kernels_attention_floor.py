@@ -66,18 +66,16 @@ def _selection(S: int, ratio: int, device) -> torch.Tensor:
     return select_topk_triton(scores.masked_fill(~visible, float("-inf")), K)
 
 
-def _ceilings(glob: torch.Tensor, idx: torch.Tensor) -> tuple[float, float]:
-    """(gather, atomic) GB/s over the selected rows: the best of a few tile shapes each."""
+def _ceilings(glob: torch.Tensor, idx: torch.Tensor, n_rows: int) -> tuple[float, float]:
+    """(gather, atomic) GB/s over idx's n_rows selected rows: the best of a few tile shapes each."""
     S = glob.shape[1]
-    n_rows = int((idx >= 0).sum())
     out = torch.empty(B * T, C, device=glob.device)
     dg = torch.zeros(B, S, C, device=glob.device)
     gather_ms = min(timed_ms(lambda bn=bn, st=st: _gather_rows[(B * T,)](
         glob, idx, out, T, S, K, C=C, BLOCK_N=bn, num_warps=4, num_stages=st)) for bn, st in ((16, 3), (32, 3), (16, 4)))
     atomic_ms = min(timed_ms(lambda bn=bn: _add_rows[(B * T,)](dg, idx, T, S, K, C=C, BLOCK_N=bn, num_warps=4))
                     for bn in (16, 32))
-    gather, atomic = n_rows * C * glob.element_size() / gather_ms / 1e6, n_rows * C * 4 / atomic_ms / 1e6
-    return gather, atomic
+    return n_rows * C * glob.element_size() / gather_ms / 1e6, n_rows * C * 4 / atomic_ms / 1e6
 
 
 def _layer(ratio: int, device) -> dict:
@@ -99,8 +97,8 @@ def _layer(ratio: int, device) -> dict:
         torch.autograd.grad(fwd(), [q, win, glob, sink], dout)
 
     fwd_ms, fwd_bwd_ms = timed_ms(fwd), timed_ms(fwd_bwd)
-    gather_gbs, atomic_gbs = _ceilings(glob.detach(), idx)
     selected = int((idx >= 0).sum())
+    gather_gbs, atomic_gbs = _ceilings(glob.detach(), idx, selected)
     window = B * sum(min(W, t + 1) for t in range(T))  # no halo: query t sees t + 1 window rows
     gather_ms = (selected + window) * C * 2 / gather_gbs / 1e6
     atomic_ms = selected * C * 4 / atomic_gbs / 1e6
