@@ -117,7 +117,7 @@ def test_fp32_inputs_tune_over_one_config():
 def test_head_blocks_and_no_probs():
     args = _inputs(B=1, T=12, H=20, k=16)  # 20 heads: a masked partial head block
     _check(args)
-    # 80 heads: two head blocks of 64, each adding its heads' part of p_sum
+    # 80 heads: two head blocks of 64; p_sum sums the logits both stored
     _check(_inputs(B=1, T=6, H=80, k=16, W=4))
     out, p = sparse_attention_triton(**args, want_probs=False)
     assert p is None and out.shape == args["q"].shape

@@ -30,9 +30,13 @@ them, a GEMM with K = (query, head) pairs. That replaced W atomic adds of C fp32
 H200, micro-batch 8 x 4096, H = 16, one process, forward+backward of a layer 22.1 -> 20.9 ms
 (selections, m = 1), 21.1 -> 19.9 (m = 2), 5.09 -> 3.96 (window only).
 p_sum, only when asked for: the final normaliser is unknown while the forward streams, so the
-forward writes each selected logit ([B, T, H, k] fp32 scratch) and, once its LSE is known, reads
-them back (L2-hot, same program) and sums exp2(logit - LSE) over heads. This replaced a second,
-QK-only pass over the selected rows (7 calls, 15.1 ms of the `small` step's forward+backward).
+forward writes each selected logit ([B, T, H, k] fp32 scratch), and `_psum_kernel`, launched after
+it, sums exp2(logit - LSE) over heads (one program a query, every slot written: no fill, no
+atomics). This replaced a second, QK-only pass over the selected rows (7 calls, 15.1 ms of the
+`small` step's forward+backward). The sum had first been the forward's epilogue, reading the
+logits back in the program that wrote them: at micro-batch 8 x 4096, H = 16, k = 512 (H200) the
+forward took 6.56 ms with it and 5.72 ms storing the logits only, the separate pass 0.46 ms (6.19
+in all; 6.31 -> 6.01 at m = 2); without p_sum, 5.43.
 
 A backward program may take SPLIT = 2 consecutive value chunks (two dq accumulators, two dK = dV
 adds a key block) from one recomputation of the logits: at H = 16, C = 512 (`small`) the chunk of
@@ -63,7 +67,7 @@ import triton
 import triton.language as tl
 
 from model.csa import _with_halo, window_doc_start
-from model.kernels.rope import rotary_rows, rotate_trailing_
+from model.kernels.rope import rotate_trailing_
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 LOG2E = 1.4426950408889634
@@ -91,7 +95,7 @@ def _fwd_block(Qrow, KV, rows, n_ok, q, m, den, acc, offs_h, h_ok, offs_v, v_ok,
     program's value chunk is all of C): the [BLOCK_N, C] rows are loaded once and feed both dots,
     against q [BLOCK_H, C] held by the caller; otherwise the logits stream C in BLOCK_C pieces.
     STORE_S (where store_s): the block's logits (log2 units, -inf where masked) go to
-    SLrow[h, offs_n], for the p_sum epilogue."""
+    SLrow[h, offs_n], for `_psum_kernel`."""
     dt = Qrow.dtype.element_ty
     if ONE_PASS:
         v = tl.load(KV + rows[:, None] * C + offs_v[None, :], mask=n_ok[:, None] & v_ok[None, :], other=0.0).to(dt)
@@ -143,7 +147,18 @@ def _value_chunks(KV, rows, n_ok, offs_v, v_ok, offs_w, w_ok, C, dt, SPLIT: tl.c
 
 
 @triton.jit
-def _bwd_block(Qrow, DOrow, KV, DKV, rows, n_ok, q_v, do_v, q_w, do_w, lse, delta, dq, dq_w, offs_h, h_ok,
+def _load_dout(DO, DR, rows, cols, mask, C, R):
+    """The output gradient in the attention's frame at [rows, cols] -> [len(rows), len(cols)]: the
+    leading C - R columns from DO [*, C] (the RoPE does not touch them), the trailing R from DR [*, R]
+    (dout's rotated tail, `_SparseAttention.backward`). R = 0: all from DO."""
+    lead = C - R
+    x = tl.load(DO + rows[:, None] * C + cols[None, :], mask=mask & (cols < lead)[None, :], other=0.0)
+    tail = tl.load(DR + rows[:, None] * R + (cols - lead)[None, :], mask=mask & (cols >= lead)[None, :], other=0.0)
+    return tl.where((cols >= lead)[None, :], tail, x)
+
+
+@triton.jit
+def _bwd_block(Qrow, DOrow, DRrow, R, KV, DKV, rows, n_ok, q_v, do_v, q_w, do_w, lse, delta, dq, dq_w, offs_h, h_ok,
                offs_v, v_ok, offs_w, w_ok, C, scale, qk_scale, PWrow, DSWrow, offs_n, W, WP, store_p,
                BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, PREC: tl.constexpr,
                SPLIT: tl.constexpr, ONE_PASS: tl.constexpr, WINDOW: tl.constexpr):
@@ -173,7 +188,7 @@ def _bwd_block(Qrow, DOrow, KV, DKV, rows, n_ok, q_v, do_v, q_w, do_w, lse, delt
             kt = tl.trans(kc.to(dt))
             s += tl.dot(tl.load(Qrow + offs_h[:, None] * C + offs_c[None, :], mask=hc, other=0.0), kt,
                         input_precision=PREC)
-            dp += tl.dot(tl.load(DOrow + offs_h[:, None] * C + offs_c[None, :], mask=hc, other=0.0), kt,
+            dp += tl.dot(_load_dout(DOrow, DRrow, offs_h, offs_c, hc, C, R), kt,
                          input_precision=PREC)
         v, v_w = _value_chunks(KV, rows, n_ok, offs_v, v_ok, offs_w, w_ok, C, dt, SPLIT)
     ok = h_ok[:, None] & n_ok[None, :]
@@ -216,13 +231,14 @@ def _program(T, H, C, BLOCK_H: tl.constexpr, BLOCK_CV: tl.constexpr, SPLIT: tl.c
 
 
 @triton.jit
-def _fwd_kernel(Q, KV, G, IDX, DOC, POS, SINK, OUT, LSE, SL, PSUM, T, H, C, W, K, S, qk_scale,
+def _fwd_kernel(Q, KV, G, IDX, DOC, POS, SINK, OUT, LSE, SL, T, H, C, W, K, S, qk_scale,
                 HAS_GLOB: tl.constexpr, WANT_P: tl.constexpr, PREC: tl.constexpr, BLOCK_H: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_CV: tl.constexpr, BLOCK_K: tl.constexpr,
                 ONE_PASS: tl.constexpr):
     # Q/OUT [B, T, H, C]; KV [B, W-1+T, C] (halo rows first); G [B, S, C]; IDX [B, T, K];
     # DOC/POS [B, T]; SINK [H]; LSE [B, T, H] (log2 units).
-    # WANT_P: SL [B, T, H, K] fp32 scratch for the selected logits, PSUM [B, T, K] fp32 zeroed.
+    # WANT_P: SL [B, T, H, K] fp32 scratch for the selected logits (log2 units; written up to the
+    # query's last selected slot), read by _psum_kernel.
     pid_q, b, t, offs_h, offs_v, first = _program(T, H, C, BLOCK_H, BLOCK_CV)
     h_ok = offs_h < H
     v_ok = offs_v < C
@@ -260,25 +276,38 @@ def _fwd_kernel(Q, KV, G, IDX, DOC, POS, SINK, OUT, LSE, SL, PSUM, T, H, C, W, K
     lse = m + tl.log2(den)
     if first:  # every C-chunk program has the same m, den
         tl.store(LSE + pid_q * H + offs_h, lse, mask=h_ok)
-        if WANT_P:  # p_sum over this program's heads, from the logits it stored (L2-hot)
-            tl.debug_barrier()  # the stores above came from other threads' registers
-            for n0 in range(0, end, BLOCK_N):
-                offs_n = n0 + tl.arange(0, BLOCK_N)
-                ok = h_ok[:, None] & (offs_n < K)[None, :]
-                sl = tl.load(SLrow + offs_h[:, None] * K + offs_n[None, :], mask=ok, other=float("-inf"))
-                # atomic: with more than BLOCK_H heads each head block adds its part
-                tl.atomic_add(PSUM + pid_q * K + offs_n, tl.sum(tl.exp2(sl - lse[:, None]), 0),
-                              mask=offs_n < K, sem="relaxed")
 
 
 @triton.jit
-def _bwd_kernel(Q, KV, G, IDX, DOC, POS, OUT, DO, DD, LSE, DQ, DG, PW, DSW, DELTA, T, H, C, W, WP, K, S, scale,
+def _psum_kernel(SL, LSE, IDX, PSUM, H, K, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """PSUM [B, T, K] = sum over heads of exp2(SL - LSE) at the query's selected slots, 0 past its last
+    one (SL is not written there). One program a query, all its heads."""
+    pid_q = tl.program_id(0).to(tl.int64)
+    end = _selected_end(IDX + pid_q * K, K, BLOCK_K)
+    for n0 in range(0, K, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < end
+        p = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            offs_h = h0 + tl.arange(0, BLOCK_H)
+            h_ok = offs_h < H
+            lse = tl.load(LSE + pid_q * H + offs_h, mask=h_ok, other=0.0)
+            sl = tl.load(SL + (pid_q * H + offs_h[:, None]) * K + offs_n[None, :], mask=h_ok[:, None] & n_ok[None, :],
+                         other=float("-inf"))
+            p += tl.sum(tl.exp2(sl - lse[:, None]), 0)
+        tl.store(PSUM + pid_q * K + offs_n, p, mask=offs_n < K)
+
+
+@triton.jit
+def _bwd_kernel(Q, KV, G, IDX, DOC, POS, OUT, DO, DR, LSE, DQ, DG, PW, DSW, DELTA, T, H, C, W, WP, K, S, R, scale,
                 qk_scale, BLOCK_WP: tl.constexpr,
                 HAS_GLOB: tl.constexpr, PREC: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_C: tl.constexpr, BLOCK_CV: tl.constexpr, SPLIT: tl.constexpr, BLOCK_K: tl.constexpr,
                 ONE_PASS: tl.constexpr):
-    # DD: the output gradient delta reads with OUT (DO itself, or with the RoPE folded in both in the
-    # rotated-back frame: the rotation is orthogonal, so rowsum(dout * out) is the same in either).
+    # DO: the output gradient as the caller got it, DR [B, T, H, R] its trailing R dims rotated into the
+    # attention's frame (the RoPE folded in; R = 0 without): the dots read them joined (`_load_dout`).
+    # delta = rowsum(dout * out) reads DO with OUT, both in the rotated-back frame: the rotation is
+    # orthogonal, so it is the same as in the attention's.
     # DQ like Q; DG [B, S, C] fp32 (atomic adds); PW / DSW [B, T, H, WP] (the window's p and ds * scale
     # in Q's dtype, for _window_dkv_kernel, entry w of query t at column w + t % 8); DELTA [B, T, H] fp32.
     # SPLIT = 2: the program takes two value chunks (offs_v, offs_w) from one recomputation of p, ds.
@@ -291,18 +320,19 @@ def _bwd_kernel(Q, KV, G, IDX, DOC, POS, OUT, DO, DD, LSE, DQ, DG, PW, DSW, DELT
     hw = h_ok[:, None] & w_ok[None, :]
     Qrow = Q + pid_q * H * C
     DOrow = DO + pid_q * H * C
+    DRrow = DR + pid_q * H * R
     delta = tl.zeros([BLOCK_H], dtype=tl.float32)  # rowsum(dout * out) over all of C
     for c0 in range(0, C, BLOCK_CV):
         offs_c = c0 + tl.arange(0, BLOCK_CV)
         hc = h_ok[:, None] & (offs_c < C)[None, :]
         o = tl.load(OUT + pid_q * H * C + offs_h[:, None] * C + offs_c[None, :], mask=hc, other=0.0)
-        do = tl.load(DD + pid_q * H * C + offs_h[:, None] * C + offs_c[None, :], mask=hc, other=0.0)
+        do = tl.load(DOrow + offs_h[:, None] * C + offs_c[None, :], mask=hc, other=0.0)
         delta += tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     lse = tl.load(LSE + pid_q * H + offs_h, mask=h_ok, other=0.0)
     q_v = tl.load(Qrow + offs_h[:, None] * C + offs_v[None, :], mask=hv, other=0.0)
-    do_v = tl.load(DOrow + offs_h[:, None] * C + offs_v[None, :], mask=hv, other=0.0)
+    do_v = _load_dout(DOrow, DRrow, offs_h, offs_v, hv, C, R)
     q_w = tl.load(Qrow + offs_h[:, None] * C + offs_w[None, :], mask=hw, other=0.0)
-    do_w = tl.load(DOrow + offs_h[:, None] * C + offs_w[None, :], mask=hw, other=0.0)
+    do_w = _load_dout(DOrow, DRrow, offs_h, offs_w, hw, C, R)
     dq = tl.zeros([BLOCK_H, BLOCK_CV], dtype=tl.float32)
     dq_w = tl.zeros([BLOCK_H, BLOCK_CV], dtype=tl.float32)
     w_lo = tl.maximum(tl.load(DOC + pid_q) - tl.load(POS + pid_q) + W - 1, 0)
@@ -318,7 +348,7 @@ def _bwd_kernel(Q, KV, G, IDX, DOC, POS, OUT, DO, DD, LSE, DQ, DG, PW, DSW, DELT
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = (offs_n >= w_lo) & (offs_n < W)
         rows = b * (T + W - 1) + t + offs_n
-        dq, dq_w = _bwd_block(Qrow, DOrow, KV, DG, rows, n_ok, q_v, do_v, q_w, do_w, lse, delta, dq, dq_w,
+        dq, dq_w = _bwd_block(Qrow, DOrow, DRrow, R, KV, DG, rows, n_ok, q_v, do_v, q_w, do_w, lse, delta, dq, dq_w,
                               offs_h, h_ok, offs_v, v_ok, offs_w, w_ok, C, scale, qk_scale,
                               PW + pid_q * H * WP + t % 8, DSW + pid_q * H * WP + t % 8, offs_n, W, WP, first,
                               BLOCK_H, BLOCK_N, BLOCK_C, PREC, SPLIT, ONE_PASS, True)
@@ -328,7 +358,7 @@ def _bwd_kernel(Q, KV, G, IDX, DOC, POS, OUT, DO, DD, LSE, DQ, DG, PW, DSW, DELT
             ids = tl.load(IDX + pid_q * K + offs_n, mask=offs_n < K, other=-1).to(tl.int64)
             n_ok = ids >= 0
             rows = b * S + tl.where(n_ok, ids, 0)
-            dq, dq_w = _bwd_block(Qrow, DOrow, G, DG, rows, n_ok, q_v, do_v, q_w, do_w, lse, delta, dq, dq_w,
+            dq, dq_w = _bwd_block(Qrow, DOrow, DRrow, R, G, DG, rows, n_ok, q_v, do_v, q_w, do_w, lse, delta, dq, dq_w,
                                   offs_h, h_ok, offs_v, v_ok, offs_w, w_ok, C, scale, qk_scale,
                                   PW, DSW, offs_n, W, WP, False,
                                   BLOCK_H, BLOCK_N, BLOCK_C, PREC, SPLIT, ONE_PASS, False)
@@ -342,7 +372,7 @@ def _bwd_kernel(Q, KV, G, IDX, DOC, POS, OUT, DO, DD, LSE, DQ, DG, PW, DSW, DELT
 
 
 @triton.jit
-def _window_dkv_kernel(PW, DSW, Q, DO, DKV, T, H, C, W, WP, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
+def _window_dkv_kernel(PW, DSW, Q, DO, DR, DKV, T, H, C, W, WP, R, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
                        BLOCK_HP: tl.constexpr, BLOCK_CV: tl.constexpr, PREC: tl.constexpr):
     """dK = dV of the window rows without atomics: program (row block, value chunk, batch) owns
     rows r of KV [B, W-1+T, C] (halo rows first). Query t's window key w is row t + w, so the rows
@@ -350,7 +380,8 @@ def _window_dkv_kernel(PW, DSW, Q, DO, DKV, T, H, C, W, WP, BLOCK_R: tl.constexp
     a GEMM over the band, BLOCK_T queries x BLOCK_HP heads a step (K = 64 on a GPU).
     Query t's entries sit at columns w + t % 8 of rows WP (a multiple of 16) long, so a row block's
     entries start 16-byte aligned for every query (column r - (t - t % 8)) and load as vectors;
-    at column w they would be shifted by one element a query."""
+    at column w they would be shifted by one element a query. dout is read in the attention's
+    frame as `_bwd_kernel` reads it (DO with its rotated tail DR, `_load_dout`)."""
     pid_r = tl.program_id(0)
     b = tl.program_id(2).to(tl.int64)
     r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -375,7 +406,7 @@ def _window_dkv_kernel(PW, DSW, Q, DO, DKV, T, H, C, W, WP, BLOCK_R: tl.constexp
         ds = tl.load(DSW + at, mask=ok, other=0.0)
         row = (bt * H + j_h)[:, None] * C + offs_v[None, :]  # [pairs, BLOCK_CV] of q / dout
         vm = pair_ok[:, None] & v_ok[None, :]
-        acc = tl.dot(tl.trans(p), tl.load(DO + row, mask=vm, other=0.0), acc, input_precision=PREC)
+        acc = tl.dot(tl.trans(p), _load_dout(DO, DR, bt * H + j_h, offs_v, vm, C, R), acc, input_precision=PREC)
         acc = tl.dot(tl.trans(ds), tl.load(Q + row, mask=vm, other=0.0), acc, input_precision=PREC)
     tl.store(DKV + (b * (T + W - 1) + r)[:, None] * C + offs_v[None, :], acc.to(DKV.dtype.element_ty),
              mask=(r < T + W - 1)[:, None] & v_ok[None, :])
@@ -450,9 +481,7 @@ if INTERPRET:
     _fwd, _bwd, _window_dkv = _one_pass(_fwd_kernel), _one_pass(_bwd_kernel), _window_dkv_kernel
 else:
     _fp32 = {"early_config_prune": _fp32_one_config}
-    # PSUM takes atomic adds (zeroed between tuning runs); SL is written before it is read
-    _fwd = triton.autotune(_FWD_CONFIGS, key=["H", "C", "HAS_GLOB", "WANT_P"], reset_to_zero=["PSUM"],
-                           prune_configs_by=_fp32)(_one_pass(_fwd_kernel))
+    _fwd = triton.autotune(_FWD_CONFIGS, key=["H", "C", "HAS_GLOB", "WANT_P"], prune_configs_by=_fp32)(_one_pass(_fwd_kernel))
     _bwd = triton.autotune(_BWD_CONFIGS, key=["H", "C", "HAS_GLOB"], reset_to_zero=["DG"],
                            prune_configs_by=_fp32)(_one_pass(_bwd_kernel))
     _window_dkv = triton.autotune(_WIN_CONFIGS, key=["H", "C", "W", "BLOCK_T"],
@@ -516,15 +545,17 @@ class _SparseAttention(torch.autograd.Function):
         n_sel = idx.shape[-1] if has_glob else 0
         out = torch.empty_like(q)
         lse = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
-        # p_sum: slots past a query's last selected one stay 0. The logits scratch is written
-        # where it is read (only the visited key blocks), so it needs no fill.
-        p_sum = torch.zeros(idx.shape if want_p else (1,), dtype=torch.float32, device=q.device)
+        # the logits scratch is written where it is read (only the visited key blocks): no fill
         logits = torch.empty((B, T, H, n_sel) if want_p else (1,), dtype=torch.float32, device=q.device)
         bh = _block_h(H)
-        _fwd[_grid(B * T, H, C, bh)](q, kv, glob, idx, doc_start, positions, sink, out, lse, logits, p_sum, T, H,
+        _fwd[_grid(B * T, H, C, bh)](q, kv, glob, idx, doc_start, positions, sink, out, lse, logits, T, H,
                                      C, window, n_sel, glob.shape[1], scale * LOG2E, HAS_GLOB=has_glob,
                                      WANT_P=want_p, PREC=_prec(q), BLOCK_H=bh, BLOCK_K=_block_k(n_sel),
                                      **_meta("fwd"))
+        p_sum = torch.empty(idx.shape if want_p else (1,), dtype=torch.float32, device=q.device)
+        if want_p and B * T > 0:
+            _psum_kernel[(B * T,)](logits, lse, idx, p_sum, H, n_sel, BLOCK_H=bh, BLOCK_K=_block_k(n_sel),
+                                   BLOCK_N=16 if INTERPRET else 128)
         if fold:
             rotate_trailing_(out, cos, sin, inverse=True)
         ctx.save_for_backward(q_in, kv, glob, idx, doc_start, positions, sink, out, lse, cos, sin)
@@ -538,9 +569,17 @@ class _SparseAttention(torch.autograd.Function):
         q = q_in.view(ctx.shape)
         B, T, H, C = q.shape
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()
-        # folded RoPE: out and dout are in the rotated-back frame; the kernels take dout in the
-        # attention's (out_attn = R out, so its gradient is R dout), delta reads them as they are
-        d_attn = dout if cos is None else rotary_rows(dout, cos, sin)
+        # folded RoPE: out and dout are in the rotated-back frame; the kernels' dots take dout in the
+        # attention's (out_attn = R out, so its gradient is R dout). Only dout's trailing R dims
+        # change: those are copied out and rotated (d_tail, 1/8 of dout's bytes at `small`'s 64 of
+        # 512), the kernels read the rest from dout itself. A rotated copy of all of dout had cost
+        # 4.3 ms of a `small` step; the backward's GPU time went 14.42 -> 14.35 ms (m = 1) and
+        # 13.72 -> 13.62 (m = 2) a layer (H200, micro-batch 8 x 4096, H = 16, k = 512, two passes
+        # each). delta reads dout as it is, with out.
+        R = 0 if cos is None else 2 * cos.shape[-1]
+        d_tail = dout  # a dummy the kernels never read at R = 0
+        if R:
+            d_tail = rotate_trailing_(dout[..., C - R:].contiguous(), cos, sin)
         W = ctx.window
         dq = torch.empty_like(q)
         # fp32: atomic accumulation (a dummy the kernel never adds to without global entries)
@@ -549,9 +588,9 @@ class _SparseAttention(torch.autograd.Function):
         pw, dsw = _window_scratch((B, T, H, WP), q.dtype, q.device)
         delta = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
         bh = _block_h(H)
-        _bwd[_grid(B * T, H, C, bh)](q, kv, glob, idx, doc_start, positions, out, d_attn, dout, lse, dq, dg, pw, dsw,
+        _bwd[_grid(B * T, H, C, bh)](q, kv, glob, idx, doc_start, positions, out, dout, d_tail, lse, dq, dg, pw, dsw,
                                      delta,
-                                     T, H, C, W, WP, ctx.n_sel, glob.shape[1], ctx.scale,
+                                     T, H, C, W, WP, ctx.n_sel, glob.shape[1], R, ctx.scale,
                                      ctx.scale * LOG2E, HAS_GLOB=ctx.has_glob, PREC=_prec(q), BLOCK_H=bh,
                                      BLOCK_K=_block_k(ctx.n_sel), BLOCK_WP=triton.next_power_of_2(WP),
                                      **_meta("bwd"))
@@ -559,7 +598,7 @@ class _SparseAttention(torch.autograd.Function):
         hp = triton.next_power_of_2(H)
         block_t = max(1, (16 if INTERPRET else 64) // hp)  # (query, head) pairs a GEMM step: K >= 16 / 64
         _window_dkv[lambda m: (triton.cdiv(T + W - 1, m["BLOCK_R"]), triton.cdiv(C, m["BLOCK_CV"]), B)](
-            pw, dsw, q, d_attn, dkv, T, H, C, W, WP, BLOCK_T=block_t, BLOCK_HP=hp, PREC=_prec(q),
+            pw, dsw, q, dout, d_tail, dkv, T, H, C, W, WP, R, BLOCK_T=block_t, BLOCK_HP=hp, PREC=_prec(q),
             **_meta("window_dkv"))
         # the sink column's ds is p_sink * (0 - delta): it has no value row
         p_sink = torch.exp2(sink.float() * LOG2E - lse)  # [B, T, H]
