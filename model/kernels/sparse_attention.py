@@ -147,19 +147,14 @@ def _value_chunks(KV, rows, n_ok, offs_v, v_ok, offs_w, w_ok, C, dt, SPLIT: tl.c
 
 
 @triton.jit
-def _load_dout(DO, DR, rows, cols, mask, C, R, has_tail):
+def _load_dout(DO, DR, rows, cols, mask, C, R):
     """The output gradient in the attention's frame at [rows, cols] -> [len(rows), len(cols)]: the
     leading C - R columns from DO [*, C] (the RoPE does not touch them), the trailing R from DR [*, R]
-    (dout's rotated tail, `_SparseAttention.backward`). R = 0: all from DO. has_tail (a scalar):
-    some of cols may be >= C - R; where it is false the DR load is not issued at all (the window
-    kernel's value chunks before the tail: its loop took 0.09 ms more a call with the masked load)."""
+    (dout's rotated tail, `_SparseAttention.backward`). R = 0: all from DO."""
     lead = C - R
     x = tl.load(DO + rows[:, None] * C + cols[None, :], mask=mask & (cols < lead)[None, :], other=0.0)
-    if has_tail:
-        tail = tl.load(DR + rows[:, None] * R + (cols - lead)[None, :], mask=mask & (cols >= lead)[None, :],
-                       other=0.0)
-        x = tl.where((cols >= lead)[None, :], tail, x)
-    return x
+    tail = tl.load(DR + rows[:, None] * R + (cols - lead)[None, :], mask=mask & (cols >= lead)[None, :], other=0.0)
+    return tl.where((cols >= lead)[None, :], tail, x)
 
 
 @triton.jit
@@ -193,7 +188,7 @@ def _bwd_block(Qrow, DOrow, DRrow, R, KV, DKV, rows, n_ok, q_v, do_v, q_w, do_w,
             kt = tl.trans(kc.to(dt))
             s += tl.dot(tl.load(Qrow + offs_h[:, None] * C + offs_c[None, :], mask=hc, other=0.0), kt,
                         input_precision=PREC)
-            dp += tl.dot(_load_dout(DOrow, DRrow, offs_h, offs_c, hc, C, R, c0 + BLOCK_C > C - R), kt,
+            dp += tl.dot(_load_dout(DOrow, DRrow, offs_h, offs_c, hc, C, R), kt,
                          input_precision=PREC)
         v, v_w = _value_chunks(KV, rows, n_ok, offs_v, v_ok, offs_w, w_ok, C, dt, SPLIT)
     ok = h_ok[:, None] & n_ok[None, :]
@@ -335,9 +330,9 @@ def _bwd_kernel(Q, KV, G, IDX, DOC, POS, OUT, DO, DR, LSE, DQ, DG, PW, DSW, DELT
         delta += tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     lse = tl.load(LSE + pid_q * H + offs_h, mask=h_ok, other=0.0)
     q_v = tl.load(Qrow + offs_h[:, None] * C + offs_v[None, :], mask=hv, other=0.0)
-    do_v = _load_dout(DOrow, DRrow, offs_h, offs_v, hv, C, R, R > 0)
+    do_v = _load_dout(DOrow, DRrow, offs_h, offs_v, hv, C, R)
     q_w = tl.load(Qrow + offs_h[:, None] * C + offs_w[None, :], mask=hw, other=0.0)
-    do_w = _load_dout(DOrow, DRrow, offs_h, offs_w, hw, C, R, R > 0)
+    do_w = _load_dout(DOrow, DRrow, offs_h, offs_w, hw, C, R)
     dq = tl.zeros([BLOCK_H, BLOCK_CV], dtype=tl.float32)
     dq_w = tl.zeros([BLOCK_H, BLOCK_CV], dtype=tl.float32)
     w_lo = tl.maximum(tl.load(DOC + pid_q) - tl.load(POS + pid_q) + W - 1, 0)
@@ -395,7 +390,6 @@ def _window_dkv_kernel(PW, DSW, Q, DO, DR, DKV, T, H, C, W, WP, R, BLOCK_R: tl.c
     j = tl.arange(0, BLOCK_T * BLOCK_HP)  # (query, head) pairs of a step
     j_t, j_h = j // BLOCK_HP, j % BLOCK_HP
     acc = tl.zeros([BLOCK_R, BLOCK_CV], dtype=tl.float32)
-    has_tail = (tl.program_id(1) + 1) * BLOCK_CV > C - R  # this value chunk reaches dout's rotated tail
     t_lo = tl.maximum(pid_r * BLOCK_R - (W - 1), 0)
     t_hi = tl.minimum(pid_r * BLOCK_R + BLOCK_R, T)  # exclusive
     for t0 in range(t_lo, t_hi, BLOCK_T):
@@ -412,7 +406,7 @@ def _window_dkv_kernel(PW, DSW, Q, DO, DR, DKV, T, H, C, W, WP, R, BLOCK_R: tl.c
         ds = tl.load(DSW + at, mask=ok, other=0.0)
         row = (bt * H + j_h)[:, None] * C + offs_v[None, :]  # [pairs, BLOCK_CV] of q / dout
         vm = pair_ok[:, None] & v_ok[None, :]
-        acc = tl.dot(tl.trans(p), _load_dout(DO, DR, bt * H + j_h, offs_v, vm, C, R, has_tail), acc, input_precision=PREC)
+        acc = tl.dot(tl.trans(p), _load_dout(DO, DR, bt * H + j_h, offs_v, vm, C, R), acc, input_precision=PREC)
         acc = tl.dot(tl.trans(ds), tl.load(Q + row, mask=vm, other=0.0), acc, input_precision=PREC)
     tl.store(DKV + (b * (T + W - 1) + r)[:, None] * C + offs_v[None, :], acc.to(DKV.dtype.element_ty),
              mask=(r < T + W - 1)[:, None] & v_ok[None, :])
