@@ -67,7 +67,7 @@ import triton
 import triton.language as tl
 
 from model.csa import _with_halo, window_doc_start
-from model.kernels.rope import rotate_trailing_
+from model.kernels.rope import rotary_rows, rotate_trailing_
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 LOG2E = 1.4426950408889634
@@ -147,18 +147,7 @@ def _value_chunks(KV, rows, n_ok, offs_v, v_ok, offs_w, w_ok, C, dt, SPLIT: tl.c
 
 
 @triton.jit
-def _load_dout(DO, DR, rows, cols, mask, C, R):
-    """The output gradient in the attention's frame at [rows, cols] -> [len(rows), len(cols)]: the
-    leading C - R columns from DO [*, C] (the RoPE does not touch them), the trailing R from DR [*, R]
-    (dout's rotated tail, `_SparseAttention.backward`). R = 0: all from DO."""
-    lead = C - R
-    x = tl.load(DO + rows[:, None] * C + cols[None, :], mask=mask & (cols < lead)[None, :], other=0.0)
-    tail = tl.load(DR + rows[:, None] * R + (cols - lead)[None, :], mask=mask & (cols >= lead)[None, :], other=0.0)
-    return tl.where((cols >= lead)[None, :], tail, x)
-
-
-@triton.jit
-def _bwd_block(Qrow, DOrow, DRrow, R, KV, DKV, rows, n_ok, q_v, do_v, q_w, do_w, lse, delta, dq, dq_w, offs_h, h_ok,
+def _bwd_block(Qrow, DOrow, KV, DKV, rows, n_ok, q_v, do_v, q_w, do_w, lse, delta, dq, dq_w, offs_h, h_ok,
                offs_v, v_ok, offs_w, w_ok, C, scale, qk_scale, PWrow, DSWrow, offs_n, W, WP, store_p,
                BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, PREC: tl.constexpr,
                SPLIT: tl.constexpr, ONE_PASS: tl.constexpr, WINDOW: tl.constexpr):
@@ -188,7 +177,7 @@ def _bwd_block(Qrow, DOrow, DRrow, R, KV, DKV, rows, n_ok, q_v, do_v, q_w, do_w,
             kt = tl.trans(kc.to(dt))
             s += tl.dot(tl.load(Qrow + offs_h[:, None] * C + offs_c[None, :], mask=hc, other=0.0), kt,
                         input_precision=PREC)
-            dp += tl.dot(_load_dout(DOrow, DRrow, offs_h, offs_c, hc, C, R), kt,
+            dp += tl.dot(tl.load(DOrow + offs_h[:, None] * C + offs_c[None, :], mask=hc, other=0.0), kt,
                          input_precision=PREC)
         v, v_w = _value_chunks(KV, rows, n_ok, offs_v, v_ok, offs_w, w_ok, C, dt, SPLIT)
     ok = h_ok[:, None] & n_ok[None, :]
@@ -299,15 +288,13 @@ def _psum_kernel(SL, LSE, IDX, PSUM, H, K, BLOCK_H: tl.constexpr, BLOCK_N: tl.co
 
 
 @triton.jit
-def _bwd_kernel(Q, KV, G, IDX, DOC, POS, OUT, DO, DR, LSE, DQ, DG, PW, DSW, DELTA, T, H, C, W, WP, K, S, R, scale,
+def _bwd_kernel(Q, KV, G, IDX, DOC, POS, OUT, DO, DD, LSE, DQ, DG, PW, DSW, DELTA, T, H, C, W, WP, K, S, scale,
                 qk_scale, BLOCK_WP: tl.constexpr,
                 HAS_GLOB: tl.constexpr, PREC: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_C: tl.constexpr, BLOCK_CV: tl.constexpr, SPLIT: tl.constexpr, BLOCK_K: tl.constexpr,
                 ONE_PASS: tl.constexpr):
-    # DO: the output gradient as the caller got it, DR [B, T, H, R] its trailing R dims rotated into the
-    # attention's frame (the RoPE folded in; R = 0 without): the dots read them joined (`_load_dout`).
-    # delta = rowsum(dout * out) reads DO with OUT, both in the rotated-back frame: the rotation is
-    # orthogonal, so it is the same as in the attention's.
+    # DD: the output gradient delta reads with OUT (DO itself, or with the RoPE folded in both in the
+    # rotated-back frame: the rotation is orthogonal, so rowsum(dout * out) is the same in either).
     # DQ like Q; DG [B, S, C] fp32 (atomic adds); PW / DSW [B, T, H, WP] (the window's p and ds * scale
     # in Q's dtype, for _window_dkv_kernel, entry w of query t at column w + t % 8); DELTA [B, T, H] fp32.
     # SPLIT = 2: the program takes two value chunks (offs_v, offs_w) from one recomputation of p, ds.
@@ -320,19 +307,18 @@ def _bwd_kernel(Q, KV, G, IDX, DOC, POS, OUT, DO, DR, LSE, DQ, DG, PW, DSW, DELT
     hw = h_ok[:, None] & w_ok[None, :]
     Qrow = Q + pid_q * H * C
     DOrow = DO + pid_q * H * C
-    DRrow = DR + pid_q * H * R
     delta = tl.zeros([BLOCK_H], dtype=tl.float32)  # rowsum(dout * out) over all of C
     for c0 in range(0, C, BLOCK_CV):
         offs_c = c0 + tl.arange(0, BLOCK_CV)
         hc = h_ok[:, None] & (offs_c < C)[None, :]
         o = tl.load(OUT + pid_q * H * C + offs_h[:, None] * C + offs_c[None, :], mask=hc, other=0.0)
-        do = tl.load(DOrow + offs_h[:, None] * C + offs_c[None, :], mask=hc, other=0.0)
+        do = tl.load(DD + pid_q * H * C + offs_h[:, None] * C + offs_c[None, :], mask=hc, other=0.0)
         delta += tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     lse = tl.load(LSE + pid_q * H + offs_h, mask=h_ok, other=0.0)
     q_v = tl.load(Qrow + offs_h[:, None] * C + offs_v[None, :], mask=hv, other=0.0)
-    do_v = _load_dout(DOrow, DRrow, offs_h, offs_v, hv, C, R)
+    do_v = tl.load(DOrow + offs_h[:, None] * C + offs_v[None, :], mask=hv, other=0.0)
     q_w = tl.load(Qrow + offs_h[:, None] * C + offs_w[None, :], mask=hw, other=0.0)
-    do_w = _load_dout(DOrow, DRrow, offs_h, offs_w, hw, C, R)
+    do_w = tl.load(DOrow + offs_h[:, None] * C + offs_w[None, :], mask=hw, other=0.0)
     dq = tl.zeros([BLOCK_H, BLOCK_CV], dtype=tl.float32)
     dq_w = tl.zeros([BLOCK_H, BLOCK_CV], dtype=tl.float32)
     w_lo = tl.maximum(tl.load(DOC + pid_q) - tl.load(POS + pid_q) + W - 1, 0)
@@ -348,7 +334,7 @@ def _bwd_kernel(Q, KV, G, IDX, DOC, POS, OUT, DO, DR, LSE, DQ, DG, PW, DSW, DELT
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = (offs_n >= w_lo) & (offs_n < W)
         rows = b * (T + W - 1) + t + offs_n
-        dq, dq_w = _bwd_block(Qrow, DOrow, DRrow, R, KV, DG, rows, n_ok, q_v, do_v, q_w, do_w, lse, delta, dq, dq_w,
+        dq, dq_w = _bwd_block(Qrow, DOrow, KV, DG, rows, n_ok, q_v, do_v, q_w, do_w, lse, delta, dq, dq_w,
                               offs_h, h_ok, offs_v, v_ok, offs_w, w_ok, C, scale, qk_scale,
                               PW + pid_q * H * WP + t % 8, DSW + pid_q * H * WP + t % 8, offs_n, W, WP, first,
                               BLOCK_H, BLOCK_N, BLOCK_C, PREC, SPLIT, ONE_PASS, True)
@@ -358,7 +344,7 @@ def _bwd_kernel(Q, KV, G, IDX, DOC, POS, OUT, DO, DR, LSE, DQ, DG, PW, DSW, DELT
             ids = tl.load(IDX + pid_q * K + offs_n, mask=offs_n < K, other=-1).to(tl.int64)
             n_ok = ids >= 0
             rows = b * S + tl.where(n_ok, ids, 0)
-            dq, dq_w = _bwd_block(Qrow, DOrow, DRrow, R, G, DG, rows, n_ok, q_v, do_v, q_w, do_w, lse, delta, dq, dq_w,
+            dq, dq_w = _bwd_block(Qrow, DOrow, G, DG, rows, n_ok, q_v, do_v, q_w, do_w, lse, delta, dq, dq_w,
                                   offs_h, h_ok, offs_v, v_ok, offs_w, w_ok, C, scale, qk_scale,
                                   PW, DSW, offs_n, W, WP, False,
                                   BLOCK_H, BLOCK_N, BLOCK_C, PREC, SPLIT, ONE_PASS, False)
@@ -372,7 +358,7 @@ def _bwd_kernel(Q, KV, G, IDX, DOC, POS, OUT, DO, DR, LSE, DQ, DG, PW, DSW, DELT
 
 
 @triton.jit
-def _window_dkv_kernel(PW, DSW, Q, DO, DR, DKV, T, H, C, W, WP, R, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
+def _window_dkv_kernel(PW, DSW, Q, DO, DKV, T, H, C, W, WP, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
                        BLOCK_HP: tl.constexpr, BLOCK_CV: tl.constexpr, PREC: tl.constexpr):
     """dK = dV of the window rows without atomics: program (row block, value chunk, batch) owns
     rows r of KV [B, W-1+T, C] (halo rows first). Query t's window key w is row t + w, so the rows
@@ -380,8 +366,7 @@ def _window_dkv_kernel(PW, DSW, Q, DO, DR, DKV, T, H, C, W, WP, R, BLOCK_R: tl.c
     a GEMM over the band, BLOCK_T queries x BLOCK_HP heads a step (K = 64 on a GPU).
     Query t's entries sit at columns w + t % 8 of rows WP (a multiple of 16) long, so a row block's
     entries start 16-byte aligned for every query (column r - (t - t % 8)) and load as vectors;
-    at column w they would be shifted by one element a query. dout is read in the attention's
-    frame as `_bwd_kernel` reads it (DO with its rotated tail DR, `_load_dout`)."""
+    at column w they would be shifted by one element a query."""
     pid_r = tl.program_id(0)
     b = tl.program_id(2).to(tl.int64)
     r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -406,7 +391,7 @@ def _window_dkv_kernel(PW, DSW, Q, DO, DR, DKV, T, H, C, W, WP, R, BLOCK_R: tl.c
         ds = tl.load(DSW + at, mask=ok, other=0.0)
         row = (bt * H + j_h)[:, None] * C + offs_v[None, :]  # [pairs, BLOCK_CV] of q / dout
         vm = pair_ok[:, None] & v_ok[None, :]
-        acc = tl.dot(tl.trans(p), _load_dout(DO, DR, bt * H + j_h, offs_v, vm, C, R), acc, input_precision=PREC)
+        acc = tl.dot(tl.trans(p), tl.load(DO + row, mask=vm, other=0.0), acc, input_precision=PREC)
         acc = tl.dot(tl.trans(ds), tl.load(Q + row, mask=vm, other=0.0), acc, input_precision=PREC)
     tl.store(DKV + (b * (T + W - 1) + r)[:, None] * C + offs_v[None, :], acc.to(DKV.dtype.element_ty),
              mask=(r < T + W - 1)[:, None] & v_ok[None, :])
@@ -569,17 +554,9 @@ class _SparseAttention(torch.autograd.Function):
         q = q_in.view(ctx.shape)
         B, T, H, C = q.shape
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()
-        # folded RoPE: out and dout are in the rotated-back frame; the kernels' dots take dout in the
-        # attention's (out_attn = R out, so its gradient is R dout). Only dout's trailing R dims
-        # change: those are copied out and rotated (d_tail, 1/8 of dout's bytes at `small`'s 64 of
-        # 512), the kernels read the rest from dout itself. A rotated copy of all of dout had cost
-        # 4.3 ms of a `small` step; the backward's GPU time went 14.42 -> 14.35 ms (m = 1) and
-        # 13.72 -> 13.62 (m = 2) a layer (H200, micro-batch 8 x 4096, H = 16, k = 512, two passes
-        # each). delta reads dout as it is, with out.
-        R = 0 if cos is None else 2 * cos.shape[-1]
-        d_tail = dout  # a dummy the kernels never read at R = 0
-        if R:
-            d_tail = rotate_trailing_(dout[..., C - R:].contiguous(), cos, sin)
+        # folded RoPE: out and dout are in the rotated-back frame; the kernels take dout in the
+        # attention's (out_attn = R out, so its gradient is R dout), delta reads them as they are
+        d_attn = dout if cos is None else rotary_rows(dout, cos, sin)
         W = ctx.window
         dq = torch.empty_like(q)
         # fp32: atomic accumulation (a dummy the kernel never adds to without global entries)
@@ -588,9 +565,9 @@ class _SparseAttention(torch.autograd.Function):
         pw, dsw = _window_scratch((B, T, H, WP), q.dtype, q.device)
         delta = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
         bh = _block_h(H)
-        _bwd[_grid(B * T, H, C, bh)](q, kv, glob, idx, doc_start, positions, out, dout, d_tail, lse, dq, dg, pw, dsw,
+        _bwd[_grid(B * T, H, C, bh)](q, kv, glob, idx, doc_start, positions, out, d_attn, dout, lse, dq, dg, pw, dsw,
                                      delta,
-                                     T, H, C, W, WP, ctx.n_sel, glob.shape[1], R, ctx.scale,
+                                     T, H, C, W, WP, ctx.n_sel, glob.shape[1], ctx.scale,
                                      ctx.scale * LOG2E, HAS_GLOB=ctx.has_glob, PREC=_prec(q), BLOCK_H=bh,
                                      BLOCK_K=_block_k(ctx.n_sel), BLOCK_WP=triton.next_power_of_2(WP),
                                      **_meta("bwd"))
@@ -598,7 +575,7 @@ class _SparseAttention(torch.autograd.Function):
         hp = triton.next_power_of_2(H)
         block_t = max(1, (16 if INTERPRET else 64) // hp)  # (query, head) pairs a GEMM step: K >= 16 / 64
         _window_dkv[lambda m: (triton.cdiv(T + W - 1, m["BLOCK_R"]), triton.cdiv(C, m["BLOCK_CV"]), B)](
-            pw, dsw, q, dout, d_tail, dkv, T, H, C, W, WP, R, BLOCK_T=block_t, BLOCK_HP=hp, PREC=_prec(q),
+            pw, dsw, q, d_attn, dkv, T, H, C, W, WP, BLOCK_T=block_t, BLOCK_HP=hp, PREC=_prec(q),
             **_meta("window_dkv"))
         # the sink column's ds is p_sink * (0 - delta): it has no value row
         p_sink = torch.exp2(sink.float() * LOG2E - lse)  # [B, T, H]
