@@ -247,11 +247,9 @@ def _fwd_kernel(Q, KV, G, IDX, DOC, POS, SINK, OUT, LSE, SL, T, H, C, W, K, S, q
         rows = b * (T + W - 1) + t + offs_n
         m, den, acc = _fwd_block(Qrow, KV, rows, n_ok, q, m, den, acc, offs_h, h_ok, offs_v, v_ok, C, qk_scale,
                                  SL, offs_n, K, first, BLOCK_H, BLOCK_N, BLOCK_C, PREC, ONE_PASS, False)
-    SLrow = SL + pid_q * H * K
-    end = 0
     if HAS_GLOB:
-        end = _selected_end(IDX + pid_q * K, K, BLOCK_K)
-        for n0 in range(0, end, BLOCK_N):
+        SLrow = SL + pid_q * H * K
+        for n0 in range(0, _selected_end(IDX + pid_q * K, K, BLOCK_K), BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             ids = tl.load(IDX + pid_q * K + offs_n, mask=offs_n < K, other=-1).to(tl.int64)
             n_ok = ids >= 0
@@ -466,7 +464,8 @@ if INTERPRET:
     _fwd, _bwd, _window_dkv = _one_pass(_fwd_kernel), _one_pass(_bwd_kernel), _window_dkv_kernel
 else:
     _fp32 = {"early_config_prune": _fp32_one_config}
-    _fwd = triton.autotune(_FWD_CONFIGS, key=["H", "C", "HAS_GLOB", "WANT_P"], prune_configs_by=_fp32)(_one_pass(_fwd_kernel))
+    _fwd = triton.autotune(_FWD_CONFIGS, key=["H", "C", "HAS_GLOB", "WANT_P"],
+                           prune_configs_by=_fp32)(_one_pass(_fwd_kernel))
     _bwd = triton.autotune(_BWD_CONFIGS, key=["H", "C", "HAS_GLOB"], reset_to_zero=["DG"],
                            prune_configs_by=_fp32)(_one_pass(_bwd_kernel))
     _window_dkv = triton.autotune(_WIN_CONFIGS, key=["H", "C", "W", "BLOCK_T"],
