@@ -21,12 +21,12 @@ def timed_ms(fn, reps: int = 20, warmup: int = 3) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def kernel_ms(fn, reps: int = 10, warmup: int = 3) -> float:
+def kernel_ms(fn, reps: int = 10, warmup: int = 3, name: str | None = None) -> float:
     """GPU milliseconds per call of fn(): the summed durations of the CUDA kernels (and copies) it
-    launches, from the profiler. For ops whose wall time per call is the host's launch overhead
-    (a norm over [32768, 1024] is ~0.05 ms of GPU work behind ~0.1 ms of Python and launches),
-    and that in a GPU-bound step cost only their kernels' time; unlike graph_ms it needs no
-    capturable fn (autograd backward)."""
+    launches, from the profiler; with `name`, only those of the kernels called that. For ops whose
+    wall time per call is the host's launch overhead (a norm over [32768, 1024] is ~0.05 ms of GPU
+    work behind ~0.1 ms of Python and launches), and that in a GPU-bound step cost only their
+    kernels' time; unlike graph_ms it needs no capturable fn (autograd backward)."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(warmup):
@@ -36,7 +36,8 @@ def kernel_ms(fn, reps: int = 10, warmup: int = 3) -> float:
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3 / reps
+    return sum(e.self_device_time_total for e in prof.key_averages()
+               if name is None or e.key == name) / 1e3 / reps
 
 
 def graph_ms(fn, calls: int = 20, reps: int = 9, warmup: int = 3) -> float:

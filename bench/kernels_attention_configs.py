@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from bench.kernel_timing import kernel_ms
 from bench.kernels_attention_floor import B, C, H, K, T, W, _selection
 
 
@@ -36,20 +37,6 @@ def _prefetches(cfg) -> bool:
     return "SEL_STAGES" in cfg.kwargs or ("BLOCK_P" in cfg.kwargs and cfg.num_stages > 4)
 
 
-def _kernel_ms(fn, name: str, reps: int = 10, warmup: int = 2) -> float:
-    """GPU milliseconds per call of fn() spent in the kernels called `name`."""
-    from torch.profiler import ProfilerActivity, profile
-
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in prof.key_averages() if e.key == name) / 1e3 / reps
-
-
 def _sweep(tuner, run, name: str, keep=lambda cfg: True) -> list[dict]:
     """Pin each config of `tuner` that `keep` accepts and time kernel `name` under run(); the list is
     restored."""
@@ -62,7 +49,7 @@ def _sweep(tuner, run, name: str, keep=lambda cfg: True) -> list[dict]:
             tuner.configs = [cfg]
             tuner.cache.clear()
             try:
-                ms = _kernel_ms(run, name)
+                ms = kernel_ms(run, warmup=2, name=name)
             except Exception as e:  # a config that does not build here (shared memory) is a row too
                 rows.append({"config": _label(cfg), "error": f"{type(e).__name__}: {str(e)[:120]}"})
                 continue
