@@ -33,8 +33,8 @@ import torch
 
 from bench import provenance
 
-SECTIONS = ("quant", "attention", "attention_floor", "attention_configs", "indexer", "mhc", "engram", "e2e", "e2e_batch",
-            "e2e_profile", "small_ops")
+SECTIONS = ("quant", "attention", "attention_floor", "attention_configs", "indexer", "mhc", "engram", "e2e",
+            "e2e_batch", "e2e_profile", "small_ops")
 
 
 def main() -> None:

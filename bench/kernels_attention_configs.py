@@ -80,7 +80,8 @@ def bench(device) -> dict:
     dout = torch.randn(B, T, H, C, device=dev, dtype=torch.bfloat16)
 
     def fwd(want_probs: bool):
-        return sa.sparse_attention_triton(q, win, glob, idx, doc, sink, C ** -0.5, W, want_probs=want_probs)[0]
+        out, _ = sa.sparse_attention_triton(q, win, glob, idx, doc, sink, C ** -0.5, W, want_probs=want_probs)
+        return out
 
     def fwd_bwd():
         torch.autograd.grad(fwd(False), [q, win, glob, sink], dout)

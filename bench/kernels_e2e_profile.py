@@ -27,7 +27,8 @@ from trainer.metrics import device_peak_flops
 
 # first match wins; the Triton kernels' names are those in model/kernels/
 CATEGORIES = (
-    ("sparse_attention", r"^(_fwd_kernel|_bwd_kernel|_window_dkv_kernel|_psum_kernel)$"),  # swiglu's are _swiglu_*
+    # swiglu's kernels are _swiglu_*
+    ("sparse_attention", r"^(_fwd_kernel|_bwd_kernel|_window_dkv_kernel|_psum_kernel)$"),
     ("indexer", r"^_scores"),
     ("mhc_sinkhorn", r"^(_mhc_|_sinkhorn_)"),
     ("gemm", r"nvjet|gemm|cutlass|xmma|wgmma|cublas"),

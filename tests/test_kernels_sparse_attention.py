@@ -152,8 +152,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("H,halo", [(64, False), (64, True), (16, True)], ids=["H64", "H64-halo", "H16-halo"])
 def test_gpu_bf16_full_scale(H, halo):
     """H = 64 (`flash`) and H = 16 (`small`): the autotuner picks chunked and one-pass configs."""
-    _check_gpu_bf16(_inputs(B=1, T=256, H=H, C=512, k=512, W=128, S=1024, offset=512 if halo else 0, halo=halo,
-                            dtype=torch.bfloat16, device="cuda"))
+    _check_gpu_bf16(_inputs(B=1, T=256, H=H, C=512, k=512, W=128, S=1024, offset=512 if halo else 0,
+                            halo=halo, dtype=torch.bfloat16, device="cuda"))
 
 
 @pytest.mark.gpu

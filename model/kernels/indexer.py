@@ -252,7 +252,7 @@ def _at_blocks(H: int, Di: int, backward: bool = False) -> dict:
         return {"BLOCK_H": block_h, "BLOCK_D": block_d, "BLOCK_P": 16}
     # [BH, BP] logits in fp32 plus a [BP, BD] key tile: 64 candidates per tile at H=64, Di=128
     block_p = 64 if block_h * block_d <= 64 * 128 else 32
-    if backward and block_h * block_d <= 16 * 128:  # `small` (16 heads x 128): `_scores_at_bwd_small` tunes
+    if backward and block_h * block_d <= 16 * 128:  # `small` (16 heads x 128): tuned by _scores_at_bwd_small
         return {"BLOCK_H": block_h, "BLOCK_D": block_d}
     # the backward also holds dq [BH, BD] and a dk tile [BP, BD] in fp32: twice the warps
     return {"BLOCK_H": block_h, "BLOCK_D": block_d, "BLOCK_P": block_p, "num_warps": 8 if backward else 4}
@@ -276,9 +276,9 @@ def _first_config_for_fp32(configs, named_args, **kwargs):
 if not INTERPRET:
     # the dk atomics accumulate: zeroed before every timed run (dk is dq when k needs no gradient,
     # which every run rewrites in full, so zeroing it is harmless)
-    _scores_at_bwd_small = triton.autotune(_AT_BWD_SMALL, key=["H", "DI", "IEEE", "NEED_DK"], reset_to_zero=["dk_ptr"],
-                                           prune_configs_by={"early_config_prune": _first_config_for_fp32}
-                                           )(_scores_at_bwd_kernel)
+    _scores_at_bwd_small = triton.autotune(
+        _AT_BWD_SMALL, key=["H", "DI", "IEEE", "NEED_DK"], reset_to_zero=["dk_ptr"],
+        prune_configs_by={"early_config_prune": _first_config_for_fp32})(_scores_at_bwd_kernel)
 
 
 def _scores_at_forward(q, w, k, cand) -> torch.Tensor:
@@ -319,7 +319,8 @@ class _IndexScoresAt(torch.autograd.Function):
         dk = torch.zeros(B, S, Di, dtype=torch.float32, device=q.device) if need_k else dq
         if B * T > 0 and P > 0:
             blocks = _at_blocks(H, Di, backward=True)
-            kernel = _scores_at_bwd_small if "BLOCK_P" not in blocks else _scores_at_bwd_kernel
+            # no BLOCK_P: `small`'s shape, whose tile and stages the autotuner picks
+            kernel = _scores_at_bwd_kernel if "BLOCK_P" in blocks else _scores_at_bwd_small
             kernel[(B * T,)](q, w, k, cand, g, dq, dw, dk, T, P, H, S,
                              *q.stride(), *w.stride(), *k.stride(), *cand.stride(), *g.stride(),
                              DI=Di, IEEE=q.dtype == torch.float32, NEED_DK=need_k, **blocks)

@@ -267,7 +267,8 @@ def _fwd_kernel(Q, KV, G, IDX, DOC, POS, SINK, OUT, LSE, SL, T, H, C, W, K, S, q
 
 
 @triton.jit
-def _psum_kernel(SL, LSE, IDX, PSUM, H, K, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _psum_kernel(SL, LSE, IDX, PSUM, H, K, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
     """PSUM [B, T, K] = sum over heads of exp2(SL - LSE) at the query's selected slots, 0 past its last
     one (SL is not written there). One program a query, all its heads."""
     pid_q = tl.program_id(0).to(tl.int64)
@@ -280,8 +281,8 @@ def _psum_kernel(SL, LSE, IDX, PSUM, H, K, BLOCK_H: tl.constexpr, BLOCK_N: tl.co
             offs_h = h0 + tl.arange(0, BLOCK_H)
             h_ok = offs_h < H
             lse = tl.load(LSE + pid_q * H + offs_h, mask=h_ok, other=0.0)
-            sl = tl.load(SL + (pid_q * H + offs_h[:, None]) * K + offs_n[None, :], mask=h_ok[:, None] & n_ok[None, :],
-                         other=float("-inf"))
+            sl = tl.load(SL + (pid_q * H + offs_h[:, None]) * K + offs_n[None, :],
+                         mask=h_ok[:, None] & n_ok[None, :], other=float("-inf"))
             p += tl.sum(tl.exp2(sl - lse[:, None]), 0)
         tl.store(PSUM + pid_q * K + offs_n, p, mask=offs_n < K)
 
@@ -424,7 +425,7 @@ def _cfg(cv, w, st, n=64, split=None, maxnreg=None, sel=None):
 
 
 # _SEL_PREFETCH: the selected-key loop's pipeline depth in the configs that set one. A key block's
-# row addresses come from the idx load of the same iteration, and at the kernels' num_stages of 2-3
+# row addresses come from the idx load of the same iteration, and at the kernels' num_stages of 2-4
 # Triton 3.6's pipeliner gives that gather one shared-memory buffer: the next block's cp.async is
 # issued after the current block's dots and waited for at the top of the next iteration, so a
 # program never has a gather in flight while it computes (offline sm_90 builds, TTGIR: one
