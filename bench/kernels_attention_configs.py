@@ -5,13 +5,10 @@ The autotuner keeps only its pick; this says what each candidate costs, so a con
 (`model/kernels/sparse_attention.py`: `_FWD_CONFIGS`, `_BWD_CONFIGS`) is judged in one run. Each
 config is pinned in turn (the autotuner's list cut to that one) and the kernel's own GPU time is read
 from the profiler by kernel name: `_fwd_kernel` with and without p_sum (`fwd`, `fwd_p`; the step has
-layers of both kinds) and `_bwd_kernel` (`bwd`; its forward runs at the autotuned pick). Rows with
-`sel` set prefetch the selected rows two key blocks ahead (`_SEL_PREFETCH`); `prefetch_vs_plain` is
-the best plain config's time over the best prefetching one's (> 1: prefetch is faster).
+layers of both kinds) and `_bwd_kernel` (`bwd`; its forward runs at the autotuned pick); `*_best`
+is the fastest row.
 Only configs whose value chunks cover C (ONE_PASS) are timed: at H = 16 the others lost by 1.5-4x
-(sweeps recorded in the module's comments). `indexer_kl_bwd` does the same for the indexer KL's
-backward at the selected entries (`model/kernels/indexer.py`, `_AT_BWD_SMALL`: 16 index heads x 128,
-the same selections as candidates); its prefetching config is the one with more than 4 stages.
+(sweeps recorded in the module's comments).
 """
 from __future__ import annotations
 
@@ -23,18 +20,12 @@ from bench.kernels_attention_floor import B, C, H, K, T, W, _selection
 
 def _label(cfg) -> str:
     kw = cfg.kwargs
-    if "BLOCK_P" in kw:  # the indexer's
-        return f"p{kw['BLOCK_P']} w{cfg.num_warps} st{cfg.num_stages}"
     return (f"cv{kw['BLOCK_CV']}x{kw.get('SPLIT', 1)} n{kw['BLOCK_N']} w{cfg.num_warps} st{cfg.num_stages}"
-            f" sel{kw.get('SEL_STAGES')} r{cfg.maxnreg}")
+            f" r{cfg.maxnreg}")
 
 
 def _one_pass(cfg) -> bool:
     return cfg.kwargs["BLOCK_CV"] * cfg.kwargs.get("SPLIT", 1) >= C
-
-
-def _prefetches(cfg) -> bool:
-    return "SEL_STAGES" in cfg.kwargs or ("BLOCK_P" in cfg.kwargs and cfg.num_stages > 4)
 
 
 def _sweep(tuner, run, name: str, keep=lambda cfg: True) -> list[dict]:
@@ -53,20 +44,19 @@ def _sweep(tuner, run, name: str, keep=lambda cfg: True) -> list[dict]:
             except Exception as e:  # a config that does not build here (shared memory) is a row too
                 rows.append({"config": _label(cfg), "error": f"{type(e).__name__}: {str(e)[:120]}"})
                 continue
-            rows.append({"config": _label(cfg), "ms": ms, "prefetch": _prefetches(cfg)})
+            rows.append({"config": _label(cfg), "ms": ms})
     finally:
         tuner.configs = configs
         tuner.cache.clear()
     return rows
 
 
-def _best(rows: list[dict], prefetch: bool) -> dict | None:
-    ok = [r for r in rows if "ms" in r and r["prefetch"] == prefetch]
+def _best(rows: list[dict]) -> dict | None:
+    ok = [r for r in rows if "ms" in r]
     return min(ok, key=lambda r: r["ms"]) if ok else None
 
 
 def bench(device) -> dict:
-    import model.kernels.indexer as ki
     import model.kernels.sparse_attention as sa
 
     torch.cuda.set_device(device)
@@ -86,26 +76,14 @@ def bench(device) -> dict:
     def fwd_bwd():
         torch.autograd.grad(fwd(False), [q, win, glob, sink], dout)
 
-    out = {"micro_batch": B, "queries": T, "heads": H, "latent": C, "topk": K, "window": W, "S": T,
-           "prefetch_stages": sa._SEL_PREFETCH}
+    out = {"micro_batch": B, "queries": T, "heads": H, "latent": C, "topk": K, "window": W, "S": T}
     with torch.no_grad():
         out["fwd"] = _sweep(sa._fwd, lambda: fwd(False), "_fwd_kernel", _one_pass)
         out["fwd_p"] = _sweep(sa._fwd, lambda: fwd(True), "_fwd_kernel", _one_pass)
     out["bwd"] = _sweep(sa._bwd, fwd_bwd, "_bwd_kernel", _one_pass)
 
-    iq = torch.randn(B, T, 16, 128, device=dev, generator=g, dtype=torch.bfloat16).requires_grad_()
-    iw = torch.randn(B, T, 16, device=dev, generator=g, dtype=torch.bfloat16).requires_grad_()
-    ik = torch.randn(B, T, 128, device=dev, generator=g, dtype=torch.bfloat16).requires_grad_()
-    up = torch.randn(B, T, K, device=dev, generator=g)
-
-    def scores_fwd_bwd():
-        torch.autograd.grad(ki.index_scores_at_triton(iq, iw, ik, idx), [iq, iw, ik], up)
-
-    out["indexer_kl_bwd"] = _sweep(ki._scores_at_bwd_small, scores_fwd_bwd, "_scores_at_bwd_kernel")
-    for part in ("fwd", "fwd_p", "bwd", "indexer_kl_bwd"):
-        plain, pre = _best(out[part], False), _best(out[part], True)
-        out[f"{part}_best_plain"], out[f"{part}_best_prefetch"] = plain, pre
-        out[f"{part}_prefetch_vs_plain"] = plain["ms"] / pre["ms"] if plain and pre else None
+    for part in ("fwd", "fwd_p", "bwd"):
+        out[f"{part}_best"] = _best(out[part])
     return out
 
 

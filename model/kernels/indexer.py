@@ -252,33 +252,14 @@ def _at_blocks(H: int, Di: int, backward: bool = False) -> dict:
         return {"BLOCK_H": block_h, "BLOCK_D": block_d, "BLOCK_P": 16}
     # [BH, BP] logits in fp32 plus a [BP, BD] key tile: 64 candidates per tile at H=64, Di=128
     block_p = 64 if block_h * block_d <= 64 * 128 else 32
-    if backward and block_h * block_d <= 16 * 128:  # `small` (16 heads x 128): tuned by _scores_at_bwd_small
-        return {"BLOCK_H": block_h, "BLOCK_D": block_d}
+    if backward and block_h * block_d <= 16 * 128:
+        # `small` (16 heads x 128): 128 candidates, 4 warps, 2 stages took 3.10 ms at 8 x 4096 queries x 512
+        # candidates, against 5.65 for the configuration below (H200, a sweep of 18: 3.10-5.65 ms)
+        # Prefetching the candidate rows two tiles ahead (64 candidates, 5 stages) lost: 3.60 against
+        # 2.87 ms side by side (adb4270, docs/DESIGN.md)
+        return {"BLOCK_H": block_h, "BLOCK_D": block_d, "BLOCK_P": 128, "num_warps": 4, "num_stages": 2}
     # the backward also holds dq [BH, BD] and a dk tile [BP, BD] in fp32: twice the warps
     return {"BLOCK_H": block_h, "BLOCK_D": block_d, "BLOCK_P": block_p, "num_warps": 8 if backward else 4}
-
-
-# The backward at `small`'s 16 heads x 128. 128 candidates, 4 warps, 2 stages took 3.10 ms at 8 x 4096
-# queries x 512 candidates, against 5.65 for the 64-head configuration (H200, a sweep of 18: 3.10-5.65 ms).
-# At 2-4 stages the candidate rows' gather gets one shared-memory buffer (its addresses come from the
-# candidate ids loaded in the same iteration), so a program never computes while its gather is in
-# flight; at 5 stages with 64 candidates it gets two and runs two tiles ahead (offline sm_90 build,
-# Triton 3.6: 234 registers, no spills, 76 KB; 128 candidates at 5 stages spill 988 bytes). The
-# autotuner picks between the two on the GPU (the second not yet timed there); fp32 runs the first.
-_AT_BWD_SMALL = [triton.Config({"BLOCK_P": 128}, num_warps=4, num_stages=2),
-                 triton.Config({"BLOCK_P": 64}, num_warps=4, num_stages=5)]
-
-
-def _first_config_for_fp32(configs, named_args, **kwargs):
-    return configs if not kwargs.get("IEEE") else configs[:1]
-
-
-if not INTERPRET:
-    # the dk atomics accumulate: zeroed before every timed run (dk is dq when k needs no gradient,
-    # which every run rewrites in full, so zeroing it is harmless)
-    _scores_at_bwd_small = triton.autotune(
-        _AT_BWD_SMALL, key=["H", "DI", "IEEE", "NEED_DK"], reset_to_zero=["dk_ptr"],
-        prune_configs_by={"early_config_prune": _first_config_for_fp32})(_scores_at_bwd_kernel)
 
 
 def _scores_at_forward(q, w, k, cand) -> torch.Tensor:
@@ -318,12 +299,10 @@ class _IndexScoresAt(torch.autograd.Function):
         dw = alloc(B, T, H, dtype=torch.float32, device=q.device)
         dk = torch.zeros(B, S, Di, dtype=torch.float32, device=q.device) if need_k else dq
         if B * T > 0 and P > 0:
-            blocks = _at_blocks(H, Di, backward=True)
-            # no BLOCK_P: `small`'s shape, whose tile and stages the autotuner picks
-            kernel = _scores_at_bwd_kernel if "BLOCK_P" in blocks else _scores_at_bwd_small
-            kernel[(B * T,)](q, w, k, cand, g, dq, dw, dk, T, P, H, S,
-                             *q.stride(), *w.stride(), *k.stride(), *cand.stride(), *g.stride(),
-                             DI=Di, IEEE=q.dtype == torch.float32, NEED_DK=need_k, **blocks)
+            _scores_at_bwd_kernel[(B * T,)](q, w, k, cand, g, dq, dw, dk, T, P, H, S,
+                                            *q.stride(), *w.stride(), *k.stride(), *cand.stride(), *g.stride(),
+                                            DI=Di, IEEE=q.dtype == torch.float32, NEED_DK=need_k,
+                                            **_at_blocks(H, Di, backward=True))
         return (dq if need_q else None, dw.to(w.dtype) if need_w else None,
                 dk.to(k.dtype) if need_k else None, None)
 

@@ -223,7 +223,7 @@ def _program(T, H, C, BLOCK_H: tl.constexpr, BLOCK_CV: tl.constexpr, SPLIT: tl.c
 def _fwd_kernel(Q, KV, G, IDX, DOC, POS, SINK, OUT, LSE, SL, T, H, C, W, K, S, qk_scale,
                 HAS_GLOB: tl.constexpr, WANT_P: tl.constexpr, PREC: tl.constexpr, BLOCK_H: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_CV: tl.constexpr, BLOCK_K: tl.constexpr,
-                ONE_PASS: tl.constexpr, SEL_STAGES: tl.constexpr = None):
+                ONE_PASS: tl.constexpr):
     # Q/OUT [B, T, H, C]; KV [B, W-1+T, C] (halo rows first); G [B, S, C]; IDX [B, T, K];
     # DOC/POS [B, T]; SINK [H]; LSE [B, T, H] (log2 units).
     # WANT_P: SL [B, T, H, K] fp32 scratch for the selected logits (log2 units; written up to the
@@ -249,8 +249,7 @@ def _fwd_kernel(Q, KV, G, IDX, DOC, POS, SINK, OUT, LSE, SL, T, H, C, W, K, S, q
                                  SL, offs_n, K, first, BLOCK_H, BLOCK_N, BLOCK_C, PREC, ONE_PASS, False)
     if HAS_GLOB:
         SLrow = SL + pid_q * H * K
-        # SEL_STAGES: this loop's pipeline depth (None: the config's num_stages; see _SEL_PREFETCH)
-        for n0 in tl.range(0, _selected_end(IDX + pid_q * K, K, BLOCK_K), BLOCK_N, num_stages=SEL_STAGES):
+        for n0 in range(0, _selected_end(IDX + pid_q * K, K, BLOCK_K), BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             ids = tl.load(IDX + pid_q * K + offs_n, mask=offs_n < K, other=-1).to(tl.int64)
             n_ok = ids >= 0
@@ -267,8 +266,7 @@ def _fwd_kernel(Q, KV, G, IDX, DOC, POS, SINK, OUT, LSE, SL, T, H, C, W, K, S, q
 
 
 @triton.jit
-def _psum_kernel(SL, LSE, IDX, PSUM, H, K, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+def _psum_kernel(SL, LSE, IDX, PSUM, H, K, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """PSUM [B, T, K] = sum over heads of exp2(SL - LSE) at the query's selected slots, 0 past its last
     one (SL is not written there). One program a query, all its heads."""
     pid_q = tl.program_id(0).to(tl.int64)
@@ -281,8 +279,8 @@ def _psum_kernel(SL, LSE, IDX, PSUM, H, K, BLOCK_H: tl.constexpr, BLOCK_N: tl.co
             offs_h = h0 + tl.arange(0, BLOCK_H)
             h_ok = offs_h < H
             lse = tl.load(LSE + pid_q * H + offs_h, mask=h_ok, other=0.0)
-            sl = tl.load(SL + (pid_q * H + offs_h[:, None]) * K + offs_n[None, :],
-                         mask=h_ok[:, None] & n_ok[None, :], other=float("-inf"))
+            sl = tl.load(SL + (pid_q * H + offs_h[:, None]) * K + offs_n[None, :], mask=h_ok[:, None] & n_ok[None, :],
+                         other=float("-inf"))
             p += tl.sum(tl.exp2(sl - lse[:, None]), 0)
         tl.store(PSUM + pid_q * K + offs_n, p, mask=offs_n < K)
 
@@ -292,7 +290,7 @@ def _bwd_kernel(Q, KV, G, IDX, DOC, POS, OUT, DO, DD, LSE, DQ, DG, PW, DSW, DELT
                 qk_scale, BLOCK_WP: tl.constexpr,
                 HAS_GLOB: tl.constexpr, PREC: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_C: tl.constexpr, BLOCK_CV: tl.constexpr, SPLIT: tl.constexpr, BLOCK_K: tl.constexpr,
-                ONE_PASS: tl.constexpr, SEL_STAGES: tl.constexpr = None):
+                ONE_PASS: tl.constexpr):
     # DD: the output gradient delta reads with OUT (DO itself, or with the RoPE folded in both in the
     # rotated-back frame: the rotation is orthogonal, so rowsum(dout * out) is the same in either).
     # DQ like Q; DG [B, S, C] fp32 (atomic adds); PW / DSW [B, T, H, WP] (the window's p and ds * scale
@@ -339,7 +337,7 @@ def _bwd_kernel(Q, KV, G, IDX, DOC, POS, OUT, DO, DD, LSE, DQ, DG, PW, DSW, DELT
                               PW + pid_q * H * WP + t % 8, DSW + pid_q * H * WP + t % 8, offs_n, W, WP, first,
                               BLOCK_H, BLOCK_N, BLOCK_C, PREC, SPLIT, ONE_PASS, True)
     if HAS_GLOB:
-        for n0 in tl.range(0, _selected_end(IDX + pid_q * K, K, BLOCK_K), BLOCK_N, num_stages=SEL_STAGES):
+        for n0 in range(0, _selected_end(IDX + pid_q * K, K, BLOCK_K), BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             ids = tl.load(IDX + pid_q * K + offs_n, mask=offs_n < K, other=-1).to(tl.int64)
             n_ok = ids >= 0
@@ -418,27 +416,9 @@ _FIXED = dict(BLOCK_N=16, BLOCK_C=16, BLOCK_CV=16, SPLIT=1)
 _one_pass = triton.heuristics({"ONE_PASS": lambda a: a["BLOCK_CV"] * a.get("SPLIT", 1) >= a["C"]})
 
 
-def _cfg(cv, w, st, n=64, split=None, maxnreg=None, sel=None):
-    meta = dict(BLOCK_N=n, BLOCK_C=64, BLOCK_CV=cv, **({} if split is None else {"SPLIT": split}),
-                **({} if sel is None else {"SEL_STAGES": sel}))
+def _cfg(cv, w, st, n=64, split=None, maxnreg=None):
+    meta = dict(BLOCK_N=n, BLOCK_C=64, BLOCK_CV=cv, **({} if split is None else {"SPLIT": split}))
     return triton.Config(meta, num_warps=w, num_stages=st, maxnreg=maxnreg)
-
-
-# _SEL_PREFETCH: the selected-key loop's pipeline depth in the configs that set one. A key block's
-# row addresses come from the idx load of the same iteration, and at the kernels' num_stages of 2-4
-# Triton 3.6's pipeliner gives that gather one shared-memory buffer: the next block's cp.async is
-# issued after the current block's dots and waited for at the top of the next iteration, so a
-# program never has a gather in flight while it computes (offline sm_90 builds, TTGIR: one
-# [BLOCK_N, C] buffer and `async_wait {num = 0}` at 2, 3 and 4 stages; at 5, two buffers and
-# `num = 3`, the copy two blocks ahead). Per-loop (`tl.range`), so the window loop and the shared
-# memory it takes are as before. Registers / shared memory / programs an SM (ptxas, sm_90a, H = 16,
-# C = 512, bf16, WANT_P): forward 16 rows 4 warps capped at 168: 168 (40 bytes spilled) / 50 KB / 3;
-# 32 rows 4 warps: 206 / 85 KB / 2; 16 rows 8 warps: 128 / 50 KB / 2 (the current pick, 32 rows
-# at 2 stages capped at 168: 184 bytes spilled, no prefetch); backward SPLIT = 2, 256-chunks, 4
-# warps: 32 rows 255 / 116 KB / 2, 16 rows 232 / 83 KB / 2. Not yet timed on a GPU: they are
-# autotune candidates beside the configs they would replace (bench/kernels_attention_configs.py
-# times every config side by side).
-_SEL_PREFETCH = 5
 
 
 # maxnreg=168: the one-pass forward at 512 / 32 / 4 warps / 2 stages takes 246 registers a thread
@@ -446,18 +426,18 @@ _SEL_PREFETCH = 5
 # throughput); capped at 168 (38 spilled) 3 fit: 6.94 -> 6.45 ms at micro-batch 8 x 4096, H = 16,
 # k = 512 (H200). 128 registers (4 programs) spilled more and took 7.22 ms; the backward lost at
 # either cap (13.1 -> 23.8 / 28.4 ms).
+# Pipelining the selected-row gather two key blocks ahead (5 stages on that loop alone) lost in every
+# config tried, at equal occupancy too: forward 6.56 against 5.83 ms, backward 16.9 against 13.0
+# (adb4270, `attention_configs`; docs/DESIGN.md).
 _FWD_CONFIGS = [_cfg(128, 4, 2), _cfg(128, 8, 2), _cfg(256, 8, 2), _cfg(64, 4, 3),
                 _cfg(512, 4, 3), _cfg(512, 4, 2), _cfg(256, 4, 3),
                 _cfg(512, 4, 3, 32), _cfg(512, 4, 2, 32), _cfg(512, 8, 2, 32), _cfg(512, 4, 3, 16),
-                _cfg(512, 4, 2, 32, maxnreg=168),
-                _cfg(512, 4, 2, 16, maxnreg=168, sel=_SEL_PREFETCH), _cfg(512, 4, 2, 32, sel=_SEL_PREFETCH),
-                _cfg(512, 8, 2, 16, sel=_SEL_PREFETCH)]
+                _cfg(512, 4, 2, 32, maxnreg=168)]
 _BWD_CONFIGS = ([_cfg(128, 8, 2, 64, 1), _cfg(64, 8, 2, 64, 1), _cfg(128, 8, 2, 32, 1), _cfg(128, 8, 3, 64, 1),
                  _cfg(256, 4, 3, 32, 1), _cfg(256, 4, 2, 64, 1), _cfg(256, 2, 2, 32, 1), _cfg(512, 4, 2, 32, 1)]
                 + [_cfg(256, 8, 2, 64, 2), _cfg(256, 8, 2, 32, 2), _cfg(256, 4, 2, 32, 2),
                    _cfg(256, 4, 2, 64, 2), _cfg(128, 4, 2, 64, 2), _cfg(256, 4, 3, 32, 2),
-                   _cfg(256, 4, 2, 16, 2), _cfg(512, 8, 2, 32, 1),
-                   _cfg(256, 4, 2, 32, 2, sel=_SEL_PREFETCH), _cfg(256, 4, 2, 16, 2, sel=_SEL_PREFETCH)])
+                   _cfg(256, 4, 2, 16, 2), _cfg(512, 8, 2, 32, 1)])
 
 
 def _wcfg(r, cv, w, st):
