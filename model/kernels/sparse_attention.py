@@ -428,7 +428,8 @@ def _cfg(cv, w, st, n=64, split=None, maxnreg=None):
 # either cap (13.1 -> 23.8 / 28.4 ms).
 # Pipelining the selected-row gather two key blocks ahead (5 stages on that loop alone) lost in every
 # config tried, at equal occupancy too: forward 6.56 against 5.83 ms, backward 16.9 against 13.0
-# (adb4270, `attention_configs`; docs/DESIGN.md).
+# (adb4270, `attention_configs`; docs/DESIGN.md). ncu puts the forward's limit in the SM's L1 /
+# shared-memory pipe (74.6% busy at this pick, spills included), which deeper buffering only loads more.
 _FWD_CONFIGS = [_cfg(128, 4, 2), _cfg(128, 8, 2), _cfg(256, 8, 2), _cfg(64, 4, 3),
                 _cfg(512, 4, 3), _cfg(512, 4, 2), _cfg(256, 4, 3),
                 _cfg(512, 4, 3, 32), _cfg(512, 4, 2, 32), _cfg(512, 8, 2, 32), _cfg(512, 4, 3, 16),
