@@ -28,7 +28,7 @@ def _one_pass(cfg) -> bool:
     return cfg.kwargs["BLOCK_CV"] * cfg.kwargs.get("SPLIT", 1) >= C
 
 
-def _sweep(tuner, run, name: str, keep=lambda cfg: True) -> list[dict]:
+def _sweep(tuner, run, name: str, keep) -> list[dict]:
     """Pin each config of `tuner` that `keep` accepts and time kernel `name` under run(); the list is
     restored."""
     configs = list(tuner.configs)
