@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from bench.kernel_timing import copy_bandwidth_gbs, timed_ms
+from model.kernels.atomics import add_rows_f32
 
 B, T, H, C, K, W = 8, 4096, 16, 512, 512, 128
 
@@ -43,7 +44,8 @@ def _gather_rows(G, IDX, OUT, T, S, K, C: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _add_rows(DG, IDX, T, S, K, C: tl.constexpr, BLOCK_N: tl.constexpr):
+def _add_rows(DG, IDX, T, S, K, C: tl.constexpr, BLOCK_N: tl.constexpr, VEC: tl.constexpr = False):
+    """VEC: four fp32 an instruction (`model/kernels/atomics.py`; the `reductions` section)."""
     pid = tl.program_id(0).to(tl.int64)
     b = pid // T
     offs_c = tl.arange(0, C)
@@ -52,7 +54,8 @@ def _add_rows(DG, IDX, T, S, K, C: tl.constexpr, BLOCK_N: tl.constexpr):
         ids = tl.load(IDX + pid * K + n0 + tl.arange(0, BLOCK_N))
         ok = ids >= 0
         rows = b * S + tl.where(ok, ids, 0)
-        tl.atomic_add(DG + rows[:, None] * C + offs_c[None, :], val, mask=ok[:, None], sem="relaxed")
+        add_rows_f32(DG + rows[:, None] * C + offs_c[None, :], val, ok[:, None] & (offs_c < C)[None, :],
+                     BLOCK_N, C, VEC)
 
 
 def _selection(S: int, ratio: int, device) -> torch.Tensor:
@@ -78,17 +81,24 @@ def _ceilings(glob: torch.Tensor, idx: torch.Tensor, n_rows: int) -> tuple[float
     return n_rows * C * glob.element_size() / gather_ms / 1e6, n_rows * C * 4 / atomic_ms / 1e6
 
 
+def _attention_inputs(S: int, seed: int, device):
+    """q [B, T, H, C], window rows [B, T, C], global rows [B, S, C] (bf16, requiring grad), sink [H],
+    doc_start [B, T] (one document), dout like q."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    r = lambda *shape: torch.randn(*shape, device=device, generator=g, dtype=torch.bfloat16).requires_grad_()
+    q, win, glob = r(B, T, H, C), r(B, T, C), r(B, S, C)
+    sink = torch.zeros(H, device=device, requires_grad=True)
+    doc = torch.zeros(B, T, dtype=torch.long, device=device)
+    dout = torch.randn(B, T, H, C, device=device, dtype=torch.bfloat16, generator=g)
+    return q, win, glob, sink, doc, dout
+
+
 def _layer(ratio: int, device) -> dict:
     from model.kernels.sparse_attention import sparse_attention_triton
 
     S = T // ratio
     idx = _selection(S, ratio, device)
-    g = torch.Generator(device=device).manual_seed(ratio)
-    r = lambda *shape: torch.randn(*shape, device=device, generator=g, dtype=torch.bfloat16).requires_grad_()
-    q, win, glob = r(B, T, H, C), r(B, T, C), r(B, S, C)
-    sink = torch.zeros(H, device=device, requires_grad=True)
-    doc = torch.zeros(B, T, dtype=torch.long, device=device)
-    dout = torch.randn(B, T, H, C, device=device, dtype=torch.bfloat16)
+    q, win, glob, sink, doc, dout = _attention_inputs(S, ratio, device)
 
     def fwd():
         return sparse_attention_triton(q, win, glob, idx, doc, sink, C ** -0.5, W)[0]
