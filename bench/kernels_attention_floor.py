@@ -7,7 +7,8 @@ fp32 atomic adds of every selected row's dK = dV. Both ceilings are measured her
 index tensor the kernels read, in the same process:
   * gather: one program per query sums its selected rows (the forward's access pattern, no math);
   * atomic: one program per query adds a [C] fp32 row into each selected row of an fp32 [B, S, C]
-    buffer (relaxed reductions, as the backward issues them).
+    buffer (relaxed reductions, as the backward issues them), scalar or four fp32 an instruction
+    (`model/kernels/atomics.py`), whichever is faster (both rates: the `reductions` section).
 The floors are then the kernels' bytes over those rates: forward = every attended row (window +
 selected) gathered once; backward = the same gather plus the selected rows' atomic adds (the
 window rows' dK = dV is a GEMM kernel of its own, 0.7 ms, left out). `*_frac_of_floor` is floor
@@ -70,14 +71,16 @@ def _selection(S: int, ratio: int, device) -> torch.Tensor:
 
 
 def _ceilings(glob: torch.Tensor, idx: torch.Tensor, n_rows: int) -> tuple[float, float]:
-    """(gather, atomic) GB/s over idx's n_rows selected rows: the best of a few tile shapes each."""
+    """(gather, atomic) GB/s over idx's n_rows selected rows: the best of a few tile shapes (and, for
+    the adds, both instruction widths) each."""
     S = glob.shape[1]
     out = torch.empty(B * T, C, device=glob.device)
     dg = torch.zeros(B, S, C, device=glob.device)
     gather_ms = min(timed_ms(lambda bn=bn, st=st: _gather_rows[(B * T,)](
         glob, idx, out, T, S, K, C=C, BLOCK_N=bn, num_warps=4, num_stages=st)) for bn, st in ((16, 3), (32, 3), (16, 4)))
-    atomic_ms = min(timed_ms(lambda bn=bn: _add_rows[(B * T,)](dg, idx, T, S, K, C=C, BLOCK_N=bn, num_warps=4))
-                    for bn in (16, 32))
+    atomic_ms = min(timed_ms(lambda bn=bn, vec=vec: _add_rows[(B * T,)](dg, idx, T, S, K, C=C, BLOCK_N=bn, VEC=vec,
+                                                                         num_warps=4))
+                    for bn in (16, 32) for vec in (False, True))
     return n_rows * C * glob.element_size() / gather_ms / 1e6, n_rows * C * 4 / atomic_ms / 1e6
 
 
