@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from model.kernels.atomics import _column_quads, add_rows_f32
+from model.kernels.atomics import _column_quads, add_rows_f32, vector_reductions
 
 
 @triton.jit
@@ -72,6 +72,15 @@ def test_scalar_path_adds_every_enabled_lane(shift):
     rows, vals, mask = _case("cuda" if torch.cuda.is_available() else "cpu")
     got = _run(rows, vals, mask, 20, 64, shift, vec=False)
     torch.testing.assert_close(got, _expected(rows, vals, mask, 20, 64, shift), atol=1e-5, rtol=1e-5)
+
+
+def test_vector_reductions_only_when_asked_and_on_sm90():
+    assert not vector_reductions(True, torch.device("cpu"))
+    assert not vector_reductions(False, torch.device("cpu"))
+    if torch.cuda.is_available():
+        cuda = torch.device("cuda", 0)
+        assert vector_reductions(True, cuda) == (torch.cuda.get_device_capability(cuda) >= (9, 0))
+        assert not vector_reductions(False, cuda)
 
 
 @pytest.mark.gpu

@@ -15,6 +15,7 @@ their PyTorch references.
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -68,3 +69,8 @@ def add_rows_f32(ptrs, vals, mask, R: tl.constexpr, N: tl.constexpr, VEC: tl.con
                                   dtype=tl.int32, is_pure=False, pack=1)
     else:
         tl.atomic_add(ptrs, vals, mask=mask, sem="relaxed")
+
+
+def vector_reductions(wanted: bool, device: torch.device) -> bool:
+    """VEC for a launch on `device`: the vector form needs sm_90 or newer."""
+    return wanted and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)

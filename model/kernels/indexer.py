@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from model.kernels.atomics import add_rows_f32
+from model.kernels.atomics import add_rows_f32, vector_reductions
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
 # the KL backward's dk reductions four fp32 an instruction (model/kernels/atomics.py): off until
@@ -308,7 +308,8 @@ class _IndexScoresAt(torch.autograd.Function):
             _scores_at_bwd_kernel[(B * T,)](q, w, k, cand, g, dq, dw, dk, T, P, H, S,
                                             *q.stride(), *w.stride(), *k.stride(), *cand.stride(), *g.stride(),
                                             DI=Di, IEEE=q.dtype == torch.float32, NEED_DK=need_k,
-                                            VEC_RED=VEC_RED, **_at_blocks(H, Di, backward=True))
+                                            VEC_RED=vector_reductions(VEC_RED, q.device),
+                                            **_at_blocks(H, Di, backward=True))
         return (dq if need_q else None, dw.to(w.dtype) if need_w else None,
                 dk.to(k.dtype) if need_k else None, None)
 

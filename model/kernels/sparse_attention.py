@@ -67,7 +67,7 @@ import triton
 import triton.language as tl
 
 from model.csa import _with_halo, window_doc_start
-from model.kernels.atomics import add_rows_f32
+from model.kernels.atomics import add_rows_f32, vector_reductions
 from model.kernels.rope import rotary_rows, rotate_trailing_
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -581,7 +581,7 @@ class _SparseAttention(torch.autograd.Function):
                                      T, H, C, W, WP, ctx.n_sel, glob.shape[1], ctx.scale,
                                      ctx.scale * LOG2E, HAS_GLOB=ctx.has_glob, PREC=_prec(q), BLOCK_H=bh,
                                      BLOCK_K=_block_k(ctx.n_sel), BLOCK_WP=triton.next_power_of_2(WP),
-                                     VEC_RED=VEC_RED, **_meta("bwd"))
+                                     VEC_RED=vector_reductions(VEC_RED, q.device), **_meta("bwd"))
         dkv = torch.empty_like(kv)
         hp = triton.next_power_of_2(H)
         block_t = max(1, (16 if INTERPRET else 64) // hp)  # (query, head) pairs a GEMM step: K >= 16 / 64
