@@ -67,11 +67,15 @@ def _run(rows, vals, mask, n_rows, row_stride, shift, vec):
     return dst
 
 
-@pytest.mark.parametrize("shift", [0, 1], ids=["aligned", "unaligned"])
-def test_scalar_path_adds_every_enabled_lane(shift):
+LAYOUTS = pytest.mark.parametrize("shift,row_stride", [(0, 64), (0, 66), (1, 64), (2, 64)],
+                                  ids=["aligned", "rows-8-byte-aligned", "unaligned-4", "unaligned-8"])
+
+
+@LAYOUTS
+def test_scalar_path_adds_every_enabled_lane(shift, row_stride):
     rows, vals, mask = _case("cuda" if torch.cuda.is_available() else "cpu")
-    got = _run(rows, vals, mask, 20, 64, shift, vec=False)
-    torch.testing.assert_close(got, _expected(rows, vals, mask, 20, 64, shift), atol=1e-5, rtol=1e-5)
+    got = _run(rows, vals, mask, 20, row_stride, shift, vec=False)
+    torch.testing.assert_close(got, _expected(rows, vals, mask, 20, row_stride, shift), atol=1e-5, rtol=1e-5)
 
 
 def test_vector_reductions_only_when_asked_and_on_sm90():
@@ -84,8 +88,7 @@ def test_vector_reductions_only_when_asked_and_on_sm90():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shift,row_stride", [(0, 64), (0, 66), (1, 64), (2, 64)],
-                         ids=["aligned", "rows-8-byte-aligned", "unaligned-4", "unaligned-8"])
+@LAYOUTS
 def test_gpu_vector_path_adds_every_enabled_lane(shift, row_stride):
     """Vector reductions where a group is enabled and 16-byte aligned, scalar ones elsewhere:
     partial groups (mask), and rows or columns off the 16-byte grid (row stride 66, shifts)."""
