@@ -8,7 +8,8 @@ red.global.add.v4.f32), side by side at `small`'s step shape (micro-batch 8 x 40
             VEC_RED off and on, each autotuned, and how far apart the gradients of the selected rows
             land (fp32 adds in another order: relative max difference)
   indexer   `_scores_at_bwd_kernel` (the indexer KL's backward at the selected entries, 16 heads x
-            128) the same way
+            128) the same way, and `indexer_tiles` at a few tiles each way (the vector form frees
+            registers, so the best tile may move)
 
 Layer kinds as in `attention_floor`: `m1` a decoder layer (S = 4096 entries), `m2` an encoder layer
 (S = 2048). The modules' VEC_RED defaults are left as they were found.
@@ -59,6 +60,38 @@ def _both_ways(module, run, kernel: str) -> dict:
     return out
 
 
+# the indexer KL backward's tiles at `small`'s shape (candidates a tile, warps, stages); the first is
+# `model.kernels.indexer._at_blocks`'s choice, swept without the vector form (DESIGN)
+INDEXER_TILES = ((128, 4, 2), (64, 4, 2), (128, 8, 2), (64, 8, 2), (64, 4, 3))
+
+
+def _indexer_tiles(ki, run) -> list[dict]:
+    """`_scores_at_bwd_kernel`'s time at each of INDEXER_TILES, both ways; a tile that does not
+    build here is a row with its error."""
+    found_blocks, found_vec = ki._at_blocks, ki.VEC_RED
+    rows = []
+    try:
+        for vec in (False, True):
+            ki.VEC_RED = vec
+            for block_p, warps, stages in INDEXER_TILES:
+                def blocks(H, Di, backward=False, block_p=block_p, warps=warps, stages=stages):
+                    out = found_blocks(H, Di, backward)
+                    if backward:
+                        out.update(BLOCK_P=block_p, num_warps=warps, num_stages=stages)
+                    return out
+
+                ki._at_blocks = blocks
+                row = {"vec": vec, "block_p": block_p, "warps": warps, "stages": stages}
+                try:
+                    row["ms"] = kernel_ms(run, name="_scores_at_bwd_kernel")
+                except Exception as e:  # shared memory or registers
+                    row["error"] = f"{type(e).__name__}: {str(e)[:120]}"
+                rows.append(row)
+    finally:
+        ki._at_blocks, ki.VEC_RED = found_blocks, found_vec
+    return rows
+
+
 def _layer(ratio: int, device) -> dict:
     import model.kernels.indexer as ki
     import model.kernels.sparse_attention as sa
@@ -83,7 +116,8 @@ def _layer(ratio: int, device) -> dict:
 
     return {"S": S, "selected_per_query": int((idx >= 0).sum()) / (B * T), "rate": _rates(idx, S),
             "attention": _both_ways(sa, attention, "_bwd_kernel"),
-            "indexer": _both_ways(ki, indexer, "_scores_at_bwd_kernel")}
+            "indexer": _both_ways(ki, indexer, "_scores_at_bwd_kernel"),
+            "indexer_tiles": _indexer_tiles(ki, indexer)}
 
 
 def bench(device) -> dict:
