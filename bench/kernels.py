@@ -7,7 +7,6 @@ Sections (bench/kernels_<name>.py, each `bench(device) -> dict`):
   attention_floor  the same kernels at `small`'s step shape vs their traffic floor (measured
              gather and fp32 atomic-add rates on the kernels' own index tensor)
   attention_configs  every one-pass config of those kernels at that shape, side by side
-  reductions  the backward kernels' fp32 reductions, scalar vs four an instruction, at that shape
   indexer    indexer scoring TFLOP/s; Reindex cost at 16K vs 128K (pool-bounded); top-k
   mhc        fused single-pass mHC vs the eager composition; bytes moved vs (2n+2)·d
   engram     hash + gather of random rows: GB/s vs copy bandwidth, GPU and pinned-host table
@@ -34,8 +33,8 @@ import torch
 
 from bench import provenance
 
-SECTIONS = ("quant", "attention", "attention_floor", "attention_configs", "reductions", "indexer", "mhc", "engram",
-            "e2e", "e2e_batch", "e2e_profile", "small_ops")
+SECTIONS = ("quant", "attention", "attention_floor", "attention_configs", "indexer", "mhc", "engram", "e2e",
+            "e2e_batch", "e2e_profile", "small_ops")
 
 
 def main() -> None:

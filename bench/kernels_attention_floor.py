@@ -7,8 +7,7 @@ fp32 atomic adds of every selected row's dK = dV. Both ceilings are measured her
 index tensor the kernels read, in the same process:
   * gather: one program per query sums its selected rows (the forward's access pattern, no math);
   * atomic: one program per query adds a [C] fp32 row into each selected row of an fp32 [B, S, C]
-    buffer (relaxed reductions, as the backward issues them), scalar or four fp32 an instruction
-    (`model/kernels/atomics.py`), whichever is faster (both rates: the `reductions` section).
+    buffer (relaxed reductions, as the backward issues them).
 The floors are then the kernels' bytes over those rates: forward = every attended row (window +
 selected) gathered once; backward = the same gather plus the selected rows' atomic adds (the
 window rows' dK = dV is a GEMM kernel of its own, 0.7 ms, left out). `*_frac_of_floor` is floor
@@ -25,7 +24,6 @@ import triton
 import triton.language as tl
 
 from bench.kernel_timing import copy_bandwidth_gbs, timed_ms
-from model.kernels.atomics import add_rows_f32
 
 B, T, H, C, K, W = 8, 4096, 16, 512, 512, 128
 
@@ -45,8 +43,7 @@ def _gather_rows(G, IDX, OUT, T, S, K, C: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _add_rows(DG, IDX, T, S, K, C: tl.constexpr, BLOCK_N: tl.constexpr, VEC: tl.constexpr = False):
-    """VEC: four fp32 an instruction (`model/kernels/atomics.py`; the `reductions` section)."""
+def _add_rows(DG, IDX, T, S, K, C: tl.constexpr, BLOCK_N: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     b = pid // T
     offs_c = tl.arange(0, C)
@@ -55,8 +52,7 @@ def _add_rows(DG, IDX, T, S, K, C: tl.constexpr, BLOCK_N: tl.constexpr, VEC: tl.
         ids = tl.load(IDX + pid * K + n0 + tl.arange(0, BLOCK_N))
         ok = ids >= 0
         rows = b * S + tl.where(ok, ids, 0)
-        add_rows_f32(DG + rows[:, None] * C + offs_c[None, :], val, ok[:, None] & (offs_c < C)[None, :],
-                     BLOCK_N, C, VEC)
+        tl.atomic_add(DG + rows[:, None] * C + offs_c[None, :], val, mask=ok[:, None], sem="relaxed")
 
 
 def _selection(S: int, ratio: int, device) -> torch.Tensor:
@@ -71,29 +67,15 @@ def _selection(S: int, ratio: int, device) -> torch.Tensor:
 
 
 def _ceilings(glob: torch.Tensor, idx: torch.Tensor, n_rows: int) -> tuple[float, float]:
-    """(gather, atomic) GB/s over idx's n_rows selected rows: the best of a few tile shapes (and, for
-    the adds, both instruction widths) each."""
+    """(gather, atomic) GB/s over idx's n_rows selected rows: the best of a few tile shapes each."""
     S = glob.shape[1]
     out = torch.empty(B * T, C, device=glob.device)
     dg = torch.zeros(B, S, C, device=glob.device)
     gather_ms = min(timed_ms(lambda bn=bn, st=st: _gather_rows[(B * T,)](
         glob, idx, out, T, S, K, C=C, BLOCK_N=bn, num_warps=4, num_stages=st)) for bn, st in ((16, 3), (32, 3), (16, 4)))
-    atomic_ms = min(timed_ms(lambda bn=bn, vec=vec: _add_rows[(B * T,)](dg, idx, T, S, K, C=C, BLOCK_N=bn, VEC=vec,
-                                                                         num_warps=4))
-                    for bn in (16, 32) for vec in (False, True))
+    atomic_ms = min(timed_ms(lambda bn=bn: _add_rows[(B * T,)](dg, idx, T, S, K, C=C, BLOCK_N=bn, num_warps=4))
+                    for bn in (16, 32))
     return n_rows * C * glob.element_size() / gather_ms / 1e6, n_rows * C * 4 / atomic_ms / 1e6
-
-
-def _attention_inputs(S: int, seed: int, device):
-    """q [B, T, H, C], window rows [B, T, C], global rows [B, S, C] (bf16, requiring grad), sink [H],
-    doc_start [B, T] (one document), dout like q."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    r = lambda *shape: torch.randn(*shape, device=device, generator=g, dtype=torch.bfloat16).requires_grad_()
-    q, win, glob = r(B, T, H, C), r(B, T, C), r(B, S, C)
-    sink = torch.zeros(H, device=device, requires_grad=True)
-    doc = torch.zeros(B, T, dtype=torch.long, device=device)
-    dout = torch.randn(B, T, H, C, device=device, dtype=torch.bfloat16, generator=g)
-    return q, win, glob, sink, doc, dout
 
 
 def _layer(ratio: int, device) -> dict:
@@ -101,7 +83,12 @@ def _layer(ratio: int, device) -> dict:
 
     S = T // ratio
     idx = _selection(S, ratio, device)
-    q, win, glob, sink, doc, dout = _attention_inputs(S, ratio, device)
+    g = torch.Generator(device=device).manual_seed(ratio)
+    r = lambda *shape: torch.randn(*shape, device=device, generator=g, dtype=torch.bfloat16).requires_grad_()
+    q, win, glob = r(B, T, H, C), r(B, T, C), r(B, S, C)
+    sink = torch.zeros(H, device=device, requires_grad=True)
+    doc = torch.zeros(B, T, dtype=torch.long, device=device)
+    dout = torch.randn(B, T, H, C, device=device, dtype=torch.bfloat16)
 
     def fwd():
         return sparse_attention_triton(q, win, glob, idx, doc, sink, C ** -0.5, W)[0]

@@ -37,12 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from model.kernels.atomics import add_rows_f32, vector_reductions
-
 INTERPRET = bool(triton.knobs.runtime.interpret)
-# the KL backward's dk reductions four fp32 an instruction (model/kernels/atomics.py): off until
-# measured on an H200 (bench section `reductions`)
-VEC_RED = False
 NEG_INF = float("-inf")
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -202,8 +197,7 @@ def _scores_at_bwd_kernel(q_ptr, w_ptr, k_ptr, c_ptr, g_ptr, dq_ptr, dw_ptr, dk_
                           T, P, H, S,
                           sqb, sqt, sqh, sqd, swb, swt, swh, skb, sks, skd, scb, sct, scp, sgb, sgt, sgp,
                           DI: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                          BLOCK_P: tl.constexpr, IEEE: tl.constexpr, NEED_DK: tl.constexpr,
-                          VEC_RED: tl.constexpr):
+                          BLOCK_P: tl.constexpr, IEEE: tl.constexpr, NEED_DK: tl.constexpr):
     # x[h, p] = q[h] . k[c_p];  score[p] = sum_h w[h] relu(x[h, p])
     # dw[h] = sum_p g[p] relu(x[h, p]);  dx[h, p] = g[p] w[h] [x > 0]
     # dq[h] = sum_p dx[h, p] k[c_p];  dk[c_p] += sum_h dx[h, p] q[h]
@@ -244,8 +238,8 @@ def _scores_at_bwd_kernel(q_ptr, w_ptr, k_ptr, c_ptr, g_ptr, dq_ptr, dw_ptr, dk_
                 dkt = tl.dot(tl.trans(dxo), q, input_precision="ieee")  # [BP, BD]
             else:
                 dkt = tl.dot(tl.trans(dxo), q)
-            add_rows_f32(dk_base + c[:, None] * DI + offs_d[None, :], dkt, valid[:, None] & d_ok[None, :],
-                         BLOCK_P, BLOCK_D, VEC_RED)
+            tl.atomic_add(dk_base + c[:, None] * DI + offs_d[None, :], dkt,
+                          mask=valid[:, None] & d_ok[None, :], sem="relaxed")
     tl.store(dq_ptr + row * (H * DI) + offs_h[:, None] * DI + offs_d[None, :], dq.to(dq_ptr.dtype.element_ty),
              mask=h_ok[:, None] & d_ok[None, :])  # dq: contiguous [B, T, H, DI] in q's dtype (rounded once)
     tl.store(dw_ptr + row * H + offs_h, dw, mask=h_ok)  # dw: contiguous fp32 [B, T, H]
@@ -308,7 +302,6 @@ class _IndexScoresAt(torch.autograd.Function):
             _scores_at_bwd_kernel[(B * T,)](q, w, k, cand, g, dq, dw, dk, T, P, H, S,
                                             *q.stride(), *w.stride(), *k.stride(), *cand.stride(), *g.stride(),
                                             DI=Di, IEEE=q.dtype == torch.float32, NEED_DK=need_k,
-                                            VEC_RED=vector_reductions(VEC_RED, q.device),
                                             **_at_blocks(H, Di, backward=True))
         return (dq if need_q else None, dw.to(w.dtype) if need_w else None,
                 dk.to(k.dtype) if need_k else None, None)

@@ -67,13 +67,9 @@ import triton
 import triton.language as tl
 
 from model.csa import _with_halo, window_doc_start
-from model.kernels.atomics import add_rows_f32, vector_reductions
 from model.kernels.rope import rotary_rows, rotate_trailing_
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# the backward's dK = dV reductions four fp32 an instruction (model/kernels/atomics.py): off until
-# measured on an H200 (bench section `reductions`)
-VEC_RED = False
 LOG2E = 1.4426950408889634
 
 
@@ -121,7 +117,7 @@ def _fwd_block(Qrow, KV, rows, n_ok, q, m, den, acc, offs_h, h_ok, offs_v, v_ok,
 
 @triton.jit
 def _dkv_chunk(DKV, rows, n_ok, v, p, ds, q_v, do_v, dq, offs_v, v_ok, C, scale, PREC: tl.constexpr,
-               ADD_DKV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_CV: tl.constexpr, VEC_RED: tl.constexpr):
+               ADD_DKV: tl.constexpr):
     """One value chunk v = kv[rows] [BLOCK_N, BLOCK_CV]: dq += ds . v, and (ADD_DKV) dK = dV rows
     (p^T . dout + ds^T . q) added into DKV."""
     dt = q_v.dtype
@@ -130,12 +126,11 @@ def _dkv_chunk(DKV, rows, n_ok, v, p, ds, q_v, do_v, dq, offs_v, v_ok, C, scale,
         dkv = tl.dot(tl.trans(p.to(dt)), do_v, input_precision=PREC)  # K = V: value part ...
         dkv += tl.dot(tl.trans((ds * scale).to(dt)), q_v, input_precision=PREC)  # ... plus key part
         # relaxed: nothing in the kernel reads DKV back, and the kernel's end orders the adds for the
-        # reader (the default acq_rel ordered every add). Triton 3.6 issues one scalar
-        # atom.global.gpu.relaxed.add.f32 an element: `small`'s picked config (256 x 2 chunks, 32
-        # rows, 4 warps, 2 stages), built offline for sm_90, has 128 a thread per key block and a
-        # 752-byte stack at 255 registers. With VEC_RED: 32 red...add.v4.f32 and a 336-byte stack.
-        add_rows_f32(DKV + rows[:, None] * C + offs_v[None, :], dkv, n_ok[:, None] & v_ok[None, :],
-                     BLOCK_N, BLOCK_CV, VEC_RED)
+        # reader. The default acq_rel orders every add (sm_90 PTX: atom.global.gpu.acq_rel.add.v4.f32);
+        # relaxed ones are fire-and-forget reductions (red.global.gpu.relaxed.add.v4.f32), as in the
+        # indexer and Engram.
+        tl.atomic_add(DKV + rows[:, None] * C + offs_v[None, :], dkv, mask=n_ok[:, None] & v_ok[None, :],
+                      sem="relaxed")
     return dq
 
 
@@ -155,8 +150,7 @@ def _value_chunks(KV, rows, n_ok, offs_v, v_ok, offs_w, w_ok, C, dt, SPLIT: tl.c
 def _bwd_block(Qrow, DOrow, KV, DKV, rows, n_ok, q_v, do_v, q_w, do_w, lse, delta, dq, dq_w, offs_h, h_ok,
                offs_v, v_ok, offs_w, w_ok, C, scale, qk_scale, PWrow, DSWrow, offs_n, W, WP, store_p,
                BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, PREC: tl.constexpr,
-               SPLIT: tl.constexpr, ONE_PASS: tl.constexpr, WINDOW: tl.constexpr, BLOCK_CV: tl.constexpr,
-               VEC_RED: tl.constexpr):
+               SPLIT: tl.constexpr, ONE_PASS: tl.constexpr, WINDOW: tl.constexpr):
     """Recompute p and dp = dout . v over full C, then this program's value chunk(s) of dq and
     dK=dV: the chunk at offs_v, and with SPLIT = 2 also the one at offs_w (same p and ds).
     ONE_PASS (the program's chunks cover C): the rows of each chunk are loaded once and feed the
@@ -195,11 +189,9 @@ def _bwd_block(Qrow, DOrow, KV, DKV, rows, n_ok, q_v, do_v, q_w, do_w, lse, delt
             wm = h_ok[:, None] & (offs_n < W)[None, :]  # p = ds = 0 before the document: stored too
             tl.store(PWrow + at, p.to(dt), mask=wm)
             tl.store(DSWrow + at, (ds * scale).to(dt), mask=wm)
-    dq = _dkv_chunk(DKV, rows, n_ok, v, p, ds, q_v, do_v, dq, offs_v, v_ok, C, scale, PREC, not WINDOW,
-                    BLOCK_N, BLOCK_CV, VEC_RED)
+    dq = _dkv_chunk(DKV, rows, n_ok, v, p, ds, q_v, do_v, dq, offs_v, v_ok, C, scale, PREC, not WINDOW)
     if SPLIT == 2:
-        dq_w = _dkv_chunk(DKV, rows, n_ok, v_w, p, ds, q_w, do_w, dq_w, offs_w, w_ok, C, scale, PREC, not WINDOW,
-                          BLOCK_N, BLOCK_CV, VEC_RED)
+        dq_w = _dkv_chunk(DKV, rows, n_ok, v_w, p, ds, q_w, do_w, dq_w, offs_w, w_ok, C, scale, PREC, not WINDOW)
     return dq, dq_w
 
 
@@ -298,7 +290,7 @@ def _bwd_kernel(Q, KV, G, IDX, DOC, POS, OUT, DO, DD, LSE, DQ, DG, PW, DSW, DELT
                 qk_scale, BLOCK_WP: tl.constexpr,
                 HAS_GLOB: tl.constexpr, PREC: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_C: tl.constexpr, BLOCK_CV: tl.constexpr, SPLIT: tl.constexpr, BLOCK_K: tl.constexpr,
-                ONE_PASS: tl.constexpr, VEC_RED: tl.constexpr):
+                ONE_PASS: tl.constexpr):
     # DD: the output gradient delta reads with OUT (DO itself, or with the RoPE folded in both in the
     # rotated-back frame: the rotation is orthogonal, so rowsum(dout * out) is the same in either).
     # DQ like Q; DG [B, S, C] fp32 (atomic adds); PW / DSW [B, T, H, WP] (the window's p and ds * scale
@@ -343,7 +335,7 @@ def _bwd_kernel(Q, KV, G, IDX, DOC, POS, OUT, DO, DD, LSE, DQ, DG, PW, DSW, DELT
         dq, dq_w = _bwd_block(Qrow, DOrow, KV, DG, rows, n_ok, q_v, do_v, q_w, do_w, lse, delta, dq, dq_w,
                               offs_h, h_ok, offs_v, v_ok, offs_w, w_ok, C, scale, qk_scale,
                               PW + pid_q * H * WP + t % 8, DSW + pid_q * H * WP + t % 8, offs_n, W, WP, first,
-                              BLOCK_H, BLOCK_N, BLOCK_C, PREC, SPLIT, ONE_PASS, True, BLOCK_CV, VEC_RED)
+                              BLOCK_H, BLOCK_N, BLOCK_C, PREC, SPLIT, ONE_PASS, True)
     if HAS_GLOB:
         for n0 in range(0, _selected_end(IDX + pid_q * K, K, BLOCK_K), BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -353,7 +345,7 @@ def _bwd_kernel(Q, KV, G, IDX, DOC, POS, OUT, DO, DD, LSE, DQ, DG, PW, DSW, DELT
             dq, dq_w = _bwd_block(Qrow, DOrow, G, DG, rows, n_ok, q_v, do_v, q_w, do_w, lse, delta, dq, dq_w,
                                   offs_h, h_ok, offs_v, v_ok, offs_w, w_ok, C, scale, qk_scale,
                                   PW, DSW, offs_n, W, WP, False,
-                                  BLOCK_H, BLOCK_N, BLOCK_C, PREC, SPLIT, ONE_PASS, False, BLOCK_CV, VEC_RED)
+                                  BLOCK_H, BLOCK_N, BLOCK_C, PREC, SPLIT, ONE_PASS, False)
     tl.store(DQ + pid_q * H * C + offs_h[:, None] * C + offs_v[None, :], (dq * scale).to(DQ.dtype.element_ty),
              mask=hv)
     if SPLIT == 2:
@@ -478,7 +470,7 @@ else:
     _fp32 = {"early_config_prune": _fp32_one_config}
     _fwd = triton.autotune(_FWD_CONFIGS, key=["H", "C", "HAS_GLOB", "WANT_P"],
                            prune_configs_by=_fp32)(_one_pass(_fwd_kernel))
-    _bwd = triton.autotune(_BWD_CONFIGS, key=["H", "C", "HAS_GLOB", "VEC_RED"], reset_to_zero=["DG"],
+    _bwd = triton.autotune(_BWD_CONFIGS, key=["H", "C", "HAS_GLOB"], reset_to_zero=["DG"],
                            prune_configs_by=_fp32)(_one_pass(_bwd_kernel))
     _window_dkv = triton.autotune(_WIN_CONFIGS, key=["H", "C", "W", "BLOCK_T"],
                                   prune_configs_by=_fp32)(_window_dkv_kernel)
@@ -581,7 +573,7 @@ class _SparseAttention(torch.autograd.Function):
                                      T, H, C, W, WP, ctx.n_sel, glob.shape[1], ctx.scale,
                                      ctx.scale * LOG2E, HAS_GLOB=ctx.has_glob, PREC=_prec(q), BLOCK_H=bh,
                                      BLOCK_K=_block_k(ctx.n_sel), BLOCK_WP=triton.next_power_of_2(WP),
-                                     VEC_RED=vector_reductions(VEC_RED, q.device), **_meta("bwd"))
+                                     **_meta("bwd"))
         dkv = torch.empty_like(kv)
         hp = triton.next_power_of_2(H)
         block_t = max(1, (16 if INTERPRET else 64) // hp)  # (query, head) pairs a GEMM step: K >= 16 / 64
