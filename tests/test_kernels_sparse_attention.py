@@ -144,6 +144,11 @@ def test_one_pass_when_a_program_covers_the_latent(monkeypatch, C, block_cv):
     _check(_inputs(C=C, k=20, W=24, offset=40, halo=True))
 
 
+def _widened(args: dict) -> dict:
+    """args with every float tensor in fp32: the reference's inputs for a bf16 kernel call."""
+    return {n: v.float() if torch.is_tensor(v) and v.is_floating_point() else v for n, v in args.items()}
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
@@ -156,7 +161,7 @@ def test_gpu_bf16_full_scale(H, halo):
                    dtype=torch.bfloat16, device="cuda")
     names = [n for n in ("q", "win_kv", "glob_kv", "sink", "halo") if args[n] is not None]
     gout = torch.randn(args["q"].shape, device="cuda")
-    wide = {n: v.float() if torch.is_tensor(v) and v.is_floating_point() else v for n, v in args.items()}
+    wide = _widened(args)
     out_r, p_r, g_r = _grads(sparse_attention, wide, names, gout)
     out_k, p_k, g_k = _grads(sparse_attention_triton, args, names, gout)
     assert out_k.dtype == torch.bfloat16
@@ -177,7 +182,7 @@ def test_gpu_every_one_pass_forward_config_matches_reference(monkeypatch):
     assert len(configs) >= 2
     args = _inputs(B=1, T=256, H=16, C=512, k=512, W=128, S=1024, offset=512, halo=True, dtype=torch.bfloat16,
                    device="cuda")
-    wide = {n: v.float() if torch.is_tensor(v) and v.is_floating_point() else v for n, v in args.items()}
+    wide = _widened(args)
     with torch.no_grad():
         out_r, p_r = sparse_attention(**wide)
         for cfg in configs:
@@ -262,7 +267,7 @@ def test_gpu_rope_folded_bf16_small_heads():
     args = _inputs(B=1, T=256, H=16, C=512, k=512, W=128, S=1024, offset=512, halo=True, dtype=torch.bfloat16,
                    device="cuda")
     gout = torch.randn(args["q"].shape, device="cuda")
-    wide = {n: v.float() if torch.is_tensor(v) and v.is_floating_point() else v for n, v in args.items()}
+    wide = _widened(args)
     out_r, p_r, q_r, g_r = _rope_folded(wide, 64, gout, folded=False)
     out_k, p_k, q_k, g_k = _rope_folded(args, 64, gout, folded=True)
     assert out_k.dtype == torch.bfloat16
