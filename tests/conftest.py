@@ -25,6 +25,10 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # before any kernel module is imported).
 if not __import__("torch").cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from tests.interpreter_patching import skip_nested_repatching
+
+    skip_nested_repatching()  # the interpreter's per-helper-call re-patching (see that module)
 
 # A small, fast pretraining setup shared by the end-to-end tests.
 FAST = ["model=tiny", "data.seq_len=128", "trainer.micro_batch_size=4", "trainer.log_every=1",
