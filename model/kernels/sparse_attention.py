@@ -430,14 +430,13 @@ def _cfg(cv, w, st, n=64, split=None, maxnreg=None):
 # config tried, at equal occupancy too: forward 6.56 against 5.83 ms, backward 16.9 against 13.0
 # (adb4270, `attention_configs`; docs/DESIGN.md). ncu puts the forward's limit in the SM's L1 /
 # shared-memory pipe (74.6% busy at this pick, spills included), which deeper buffering only loads more.
-# 2 warps (not yet timed, 2026-12-05): every warp re-reads all of q [16, C] from shared memory for
-# its slice of each key block's logits (q is the MMA's A operand; it does not fit in registers beside
-# the [16, C] accumulator), so at 4 warps and 32 keys q's reads match the key rows' own; 2 warps
-# halve them. Built offline for sm_90 as launched: 255 registers, 80-byte stack, 50 KiB shared.
+# 2 warps (512 / 32 / 2 stages) halve q's shared-memory re-reads (every warp reads all of q [16, C]
+# each key block), but lost to the capped pick: 5.75 against 5.39 ms, and 6.69 against 5.68 with q's
+# RoPE in the call (H100, `attention_configs` at 67fe4f1, bench/results/kernels-h100.json); removed.
 _FWD_CONFIGS = [_cfg(128, 4, 2), _cfg(128, 8, 2), _cfg(256, 8, 2), _cfg(64, 4, 3),
                 _cfg(512, 4, 3), _cfg(512, 4, 2), _cfg(256, 4, 3),
                 _cfg(512, 4, 3, 32), _cfg(512, 4, 2, 32), _cfg(512, 8, 2, 32), _cfg(512, 4, 3, 16),
-                _cfg(512, 4, 2, 32, maxnreg=168), _cfg(512, 2, 2, 32)]
+                _cfg(512, 4, 2, 32, maxnreg=168)]
 _BWD_CONFIGS = ([_cfg(128, 8, 2, 64, 1), _cfg(64, 8, 2, 64, 1), _cfg(128, 8, 2, 32, 1), _cfg(128, 8, 3, 64, 1),
                  _cfg(256, 4, 3, 32, 1), _cfg(256, 4, 2, 64, 1), _cfg(256, 2, 2, 32, 1), _cfg(512, 4, 2, 32, 1)]
                 + [_cfg(256, 8, 2, 64, 2), _cfg(256, 8, 2, 32, 2), _cfg(256, 4, 2, 32, 2),
