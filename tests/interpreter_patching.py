@@ -7,9 +7,9 @@ walks the members of four modules with `inspect.getmembers`: in the whole-model 
 `skip_nested_repatching()` makes a helper's call skip the patch when the running launch already
 patched every language module the helper can see (its `triton.language` / `triton.language.core`
 globals). A helper that sees a module the launch did not patch (`tl.zeros`, say, sees
-`triton.language.core`) is patched as before, once a launch. Nothing else
-in the interpreter changes, and where its private names differ (another Triton release) this does
-nothing at all, so the suite runs on the stock interpreter there.
+`triton.language.core`) is patched as before, once a launch. Nothing else in the interpreter
+changes, and where its private names differ (another Triton release) this does nothing at all, so
+the suite runs on the stock interpreter there.
 """
 from __future__ import annotations
 
@@ -34,11 +34,11 @@ def skip_nested_repatching() -> bool:
     if getattr(patch_lang, "skips_nested", False):
         return True
     launch = grid_executor.__call__
-    # one entry per launch in progress: the language modules its own patch covered (None until then)
-    patched: list[frozenset[int] | None] = []
+    # one entry per launch in progress: the language modules patched so far in it
+    patched: list[frozenset[int]] = []
 
     def launch_tracked(self, *args, **kwargs):
-        patched.append(None)
+        patched.append(frozenset())
         try:
             return launch(self, *args, **kwargs)
         finally:
@@ -46,11 +46,11 @@ def skip_nested_repatching() -> bool:
 
     def patch_lang_once(fn):
         langs = _language_modules(fn)
-        if patched and patched[-1] is not None and langs <= patched[-1]:
+        if patched and langs and langs <= patched[-1]:
             return scope_type()  # an empty scope: nothing was changed, nothing to restore
         scope = patch_lang(fn)
         if patched:  # the launch's own patch, or a helper's of a module the launch had not patched
-            patched[-1] = langs | (patched[-1] or frozenset())
+            patched[-1] |= langs
         return scope
 
     patch_lang_once.skips_nested = True
