@@ -1,9 +1,11 @@
 """Test session setup: offline tracking and hub access, GPU tests skipped without a GPU, and
-helpers that run the CLI as a user would (a subprocess per run)."""
+helpers that run the CLI as a user would (a process per run)."""
 import collections
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -23,7 +25,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 # Without a GPU, Triton kernels run in Triton's interpreter (read when a kernel is defined, so
 # before any kernel module is imported).
-if not __import__("torch").cuda.is_available():
+torch_has_cuda = __import__("torch").cuda.is_available()
+if not torch_has_cuda:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 if os.environ.get("TRITON_INTERPRET") == "1":
     from tests.interpreter_patching import skip_nested_repatching
@@ -42,9 +45,7 @@ def pytest_collection_modifyitems(config, items):
     # early instead of leaving one worker busy at the end.
     slow = collections.Counter(item.path for item in items if "slow" in item.keywords)
     items.sort(key=lambda item: -slow[item.path])
-    import torch
-
-    if torch.cuda.is_available():
+    if torch_has_cuda:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
@@ -80,8 +81,32 @@ def cli_env(port: int, single_process: bool = True) -> dict[str, str]:
     return env
 
 
+@pytest.fixture(scope="session")
+def cli_zygote():
+    """CLI runs fork from a process that has imported torch, DeepSpeed and datasets once (tests/cli_zygote.py: ~7 s less a run on a 2-core machine); None where CUDA is present
+    (a fork cannot use CUDA after DeepSpeed's import probed it) or FLASHTRAIN_TEST_FORK=0."""
+    if torch_has_cuda or os.environ.get("FLASHTRAIN_TEST_FORK") == "0":
+        yield None
+        return
+    from tests.cli_zygote import Zygote
+
+    socket_dir = Path(tempfile.mkdtemp(prefix="flashtrain-zygote-"))  # short: Unix socket paths are
+    zygote = Zygote(cli_env(0, single_process=False), REPO, socket_dir)  # limited to ~100 bytes
+    yield zygote
+    zygote.close()
+    shutil.rmtree(socket_dir, ignore_errors=True)
+
+
+def run_cli(zygote, args: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    """`python -m launch <args>` to completion, forked from the zygote when there is one."""
+    if zygote is not None:
+        return zygote.run(args, env, REPO, timeout)
+    return subprocess.run([sys.executable, "-m", "launch", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
 @pytest.fixture
-def flashtrain(data_cache, port_base):
+def flashtrain(data_cache, port_base, cli_zygote):
     """Run `python -m launch <args>` to completion: returns CompletedProcess (text)."""
 
     def run(*args: str, timeout: float = 600, cache: bool = True) -> subprocess.CompletedProcess:
@@ -89,18 +114,21 @@ def flashtrain(data_cache, port_base):
         launches = any(a.startswith("launcher.nproc=") and a != "launcher.nproc=1" for a in args) or any(
             a.startswith("launcher=") and a != "launcher=local" for a in args)
         single = not launches
-        return subprocess.run([sys.executable, "-m", "launch", *args, *extra], cwd=REPO,
-                              env=cli_env(port_base(), single_process=single),
-                              capture_output=True, text=True, timeout=timeout)
+        return run_cli(cli_zygote, [*args, *extra], cli_env(port_base(), single_process=single), timeout)
 
     return run
 
 
 @pytest.fixture
-def flashtrain_popen(data_cache, port_base):
-    def start(*args: str) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "launch", *args, f"data.cache_dir={data_cache}"],
-                                cwd=REPO, env=cli_env(port_base()), stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
+def flashtrain_popen(data_cache, port_base, cli_zygote):
+    """Start a one-process `python -m launch <args>` (stderr into stdout): Popen-like, for tests
+    that signal a run while it trains."""
+
+    def start(*args: str):
+        args = [*args, f"data.cache_dir={data_cache}"]
+        if cli_zygote is not None:
+            return cli_zygote.start_run(args, cli_env(port_base()), REPO, merge_stderr=True)
+        return subprocess.Popen([sys.executable, "-m", "launch", *args], cwd=REPO, env=cli_env(port_base()),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     return start

@@ -1,19 +1,16 @@
 """The `flash` config is the published model: SPEC §1 and §4 numbers from a meta-device build."""
 import json
-import subprocess
-import sys
 
 import torch
 
 from conf.model import FlashModelConfig
 from model.kv_layout import GlobalKVLayout
 from model.plan import build_layer_plan
-from tests.conftest import REPO, cli_env
+from tests.conftest import cli_env, run_cli
 
 
-def test_inspect_flash_matches_spec(port_base):
-    p = subprocess.run([sys.executable, "-m", "launch", "inspect", "model=flash", "inspect.json=true"],
-                       cwd=REPO, env=cli_env(port_base()), capture_output=True, text=True, timeout=300)
+def test_inspect_flash_matches_spec(port_base, cli_zygote):
+    p = run_cli(cli_zygote, ["inspect", "model=flash", "inspect.json=true"], cli_env(port_base()), timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     s = json.loads(p.stdout.strip().splitlines()[-1])
     assert abs(s["total_params"] / 552e9 - 1) < 0.02, s

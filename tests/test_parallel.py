@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import FAST, REPO, cli_env
+from tests.conftest import FAST, REPO, cli_env, run_cli
 
 # float64 and a modest lr: the two layouts add gradients in different orders, and float32
 # rounding (1e-7) grows through Muon's and top-k's sensitivity past 1e-5 within 20 steps.
@@ -24,7 +24,7 @@ def losses(run: Path) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module")
-def base_runs(tmp_path_factory, data_cache, port_base):
+def base_runs(tmp_path_factory, data_cache, port_base, cli_zygote):
     """12 steps at EP=2 over 2 processes (micro-batch 2 each) and at EP=1 in one process
     (micro-batch 4): the same global batch."""
     root = tmp_path_factory.mktemp("ep")
@@ -32,9 +32,9 @@ def base_runs(tmp_path_factory, data_cache, port_base):
     args = {"ep2": ["trainer.micro_batch_size=2", "launcher.nproc=2", "trainer.expert_parallel=2"],
             "ep1": ["trainer.micro_batch_size=4"]}
     for name, run in runs.items():
-        p = subprocess.run([sys.executable, "-m", "launch", "pretrain", *EXACT, *args[name], f"hydra.run.dir={run}",
-                            f"data.cache_dir={data_cache}"], cwd=REPO, capture_output=True, text=True,
-                           env=cli_env(port_base(), single_process=name == "ep1"), timeout=900)
+        p = run_cli(cli_zygote, ["pretrain", *EXACT, *args[name], f"hydra.run.dir={run}",
+                                 f"data.cache_dir={data_cache}"],
+                    cli_env(port_base(), single_process=name == "ep1"), timeout=900)
         assert p.returncode == 0, p.stderr[-3000:]
     return runs
 
