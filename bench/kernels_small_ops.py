@@ -115,7 +115,8 @@ def _engram_gate(g: torch.Generator, copy_gbs: float) -> dict:
     eng = Engram(cfg, cfg.engram_layers[0]).cuda()
     h = torch.randn(B, T, N, D, device="cuda", generator=g)
     kv = torch.randn(B, T, N + 1, D, device="cuda", generator=g).to(torch.bfloat16)
-    gate = _pair(eng.gated_residual, lambda h, kv: engram_gate_triton(h, kv, eng.hidden_norm, eng.key_norm),
+    w_h, w_k = eng.hidden_norm_weight, eng.key_norm_weight
+    gate = _pair(eng.gated_residual, lambda h, kv: engram_gate_triton(h, kv, w_h, w_k, eng.eps),
                  [h, kv], 2, timer=kernel_ms)
     fwd_bytes = 2 * h.numel() * 4 + kv.numel() * 2
     bwd_bytes = 3 * h.numel() * 4 + 2 * kv.numel() * 2

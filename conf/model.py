@@ -44,7 +44,7 @@ class ModelConfig:
     window: int = 128  # sliding-window keys per query, the query itself included
     rope_theta: float = 10_000.0  # SWA-only layers
     rope_theta_compressed: float = 160_000.0  # layers with a global (compressed) KV
-    rope_factor: float = 16.0  # YaRN, used when max_seq_len > original_seq_len
+    rope_factor: float = 16.0  # YaRN on compressed layers whenever original_seq_len > 0 (0 turns it off)
     original_seq_len: int = 65_536
     beta_fast: int = 32
     beta_slow: int = 1
@@ -87,7 +87,6 @@ class ModelConfig:
     engram_heads: int = 8
     engram_dim: int = 256
     engram_min_rows: int = 16_000_000  # each head's table size is the next unused prime above
-    engram_seed: int = 0
 
 
 @dataclass
@@ -122,7 +121,7 @@ class TinyModelConfig(ModelConfig):
     bias_update_speed: float = 1e-2  # short runs need faster balancing
     engram_layers: list[int] = field(default_factory=lambda: [1, 2])
     engram_heads: int = 2
-    engram_dim: int = 16
+    engram_dim: int = 32  # a multiple of 32, as the public FP8 table layout needs
     engram_min_rows: int = 1000
 
 
@@ -166,5 +165,6 @@ class FlashModelConfig(ModelConfig):
     """The published DeepSeek-V4.1-Flash (SPEC.md §11)."""
 
     name: str = "flash"
+    norm_eps: float = 1e-20  # what the public reference gives the released model
     attn_chunk_tokens: int = 2048  # 64K-1M contexts: attention scores exist for one query chunk at a time
     loss_chunk_tokens: int = 4096

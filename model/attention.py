@@ -41,14 +41,17 @@ class Compressor(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [B, T, D] -> [B, T // m, C]; a trailing partial block is not an entry yet
         m = self.ratio
-        kv = self.wkv(x)
-        if m > 1:
-            B, T, C = kv.shape
-            S = T // m
-            kv = kv[:, :S * m].view(B, S, m, C)
-            gate = wide(self.wgate(x[:, :S * m]).view(B, S, m, C)).softmax(dim=2)
-            kv = (wide(kv) * gate).sum(2).to(x.dtype)
-        return self.norm(kv)
+        if m == 1:
+            return self.norm(self.wkv(x))
+        # the pooled path in fp32, projections included, as the public model computes it: its
+        # softmax over the m tokens weighs logits that bf16 would round
+        B, T, _ = x.shape
+        S, C = T // m, self.wkv.weight.shape[0]
+        xs = wide(x[:, :S * m])
+        with torch.autocast(x.device.type, enabled=False):
+            kv = F.linear(xs, wide(self.wkv.weight)).view(B, S, m, C)
+            gate = F.linear(xs, wide(self.wgate.weight)).view(B, S, m, C).softmax(dim=2)
+        return self.norm((kv * gate).sum(2).to(x.dtype))
 
 
 class CSA2Attention(nn.Module):
@@ -76,12 +79,10 @@ class CSA2Attention(nn.Module):
         if cfg.n_heads % cfg.o_groups:
             raise ValueError(f"n_heads={cfg.n_heads} not divisible by o_groups={cfg.o_groups}")
 
-        if spec.mode == "swa":
+        if spec.mode == "swa":  # window only: plain RoPE at rope_theta, never YaRN
             self.rotary = Rotary(cfg.rope_dim, cfg.rope_theta, kernels=cfg.kernels)
-        else:
-            yarn = cfg.max_seq_len > cfg.original_seq_len
-            self.rotary = Rotary(cfg.rope_dim, cfg.rope_theta_compressed,
-                                 cfg.rope_factor if yarn else 1.0, cfg.original_seq_len,
+        else:  # YaRN whenever original_seq_len > 0 (0 turns it off), as DeepSeek's inference code
+            self.rotary = Rotary(cfg.rope_dim, cfg.rope_theta_compressed, cfg.rope_factor, cfg.original_seq_len,
                                  cfg.beta_fast, cfg.beta_slow, kernels=cfg.kernels)
         self.wq_a = nn.Linear(cfg.dim, cfg.q_lora_rank, bias=False)
         self.q_norm = RMSNorm(cfg.q_lora_rank, eps=cfg.norm_eps, kernels=cfg.kernels)
@@ -225,11 +226,13 @@ class CSA2Attention(nn.Module):
         B, S, _ = latent.shape
         entry_pos = ((first + torch.arange(S, device=x.device)) * m).expand(B, S)
         entry_angles = self.rotary.angles(entry_pos)  # [B, S, R/2]
+        # Index keys come from the latent before its RoPE and FP4 rounding (IndexKey rotates its own
+        # output), as in DeepSeek's inference code. The indexer learns only from its own loss:
+        # its input is detached.
+        index_k = self.index_key(latent.detach(), entry_angles, self.rotary, self.qat)
         latent = self.rotary(latent, entry_angles)
         if self.qat:
             latent = fake_quant_kv_fp4(latent)
-        # the indexer learns only from its own loss: its inputs are detached
-        index_k = self.index_key(latent.detach(), entry_angles, self.rotary, self.qat)
         rt.kv[self.spec.layer_id] = rt.shard.gather(latent, self.spec.layer_id, "kv")  # [B, S_total, C]
         rt.index_k[self.spec.layer_id] = rt.shard.gather(index_k, self.spec.layer_id, "index_k")
 

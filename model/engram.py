@@ -1,44 +1,54 @@
 """Engram: hashed n-gram memory applied before layers 1 and 14 (SPEC §5, §11).
 
-For each position t and each order n in `engram_orders`, the n lookup ids ending at t are hashed by
-`engram_heads` independent heads, each into its own prime-sized table; every head reads one
-`engram_dim` row. The 6,144-d concatenation goes through ONE linear to a key per residual stream and
-a shared value; a per-stream gate decides how much of the value each stream takes.
+For each position t and each order n in `engram_orders`, the n lookup ids ending at t are hashed and
+the hash is reduced modulo the prime of each of `engram_heads` heads, each head owning a prime-sized
+range of the layer's table; every head reads one `engram_dim` row. The concatenated rows go through
+ONE linear to a key per residual stream and a shared value; a per-stream gate decides how much of the
+value each stream takes.
 
-Decisions the spec leaves open:
-* Lookup ids come from the tokenizer compression map: NFKC -> NFD -> drop combining marks (Unicode
-  category Mn) -> lowercase -> whitespace runs to ONE space. Leading/trailing whitespace is collapsed,
-  never stripped, so " hello" (word start) stays distinct from "hello" (word piece). Tokens decoding to
-  U+FFFD (partial UTF-8 bytes), added/special tokens and tokens whose canonical form is empty keep ids
-  of their own.
-* Multipliers: odd int64 in [1, 2^31), drawn from a CPU `torch.Generator` seeded with
-  `engram_seed * 1_000_003 + layer_id`, shape [orders, heads, max_order] (entries i >= n unused).
-  They are a persistent buffer, so a checkpoint carries the hashing its table rows were trained with.
-* Gate norms: RMS norms with learnable weights (ones at init), one for the hidden streams and one for
-  the keys, each shared by all streams (the per-stream keys already make the gates differ).
+Where SPEC leaves the details open, this module computes the same function as the public
+DeepSeek-V4.1-Flash inference code, so that released Engram tables are read at the rows they were
+trained with:
+* Lookup ids (`build_compression_map`): every token id of the tokenizer, added and special tokens
+  included and treated like any other, is decoded alone and keyed by its text after the `tokenizers`
+  normalizer chain NFKC -> NFD -> strip accents -> lowercase -> runs of space/tab/CR/LF to one space
+  -> strip the ends, except that a text that is exactly one space after the collapse stays " ". So
+  " tuple" and "tuple" share an id, while a whitespace-only token keeps one of its own. A decode with
+  U+FFFD (a partial UTF-8 byte) is keyed by the raw token string instead, and a text that normalizes
+  to nothing by the decoded text. Ids are dense, in order of first occurrence by token id.
+* Hash: tok_i = lookup id at t - i (the pad id's class before the sequence start or inside an earlier
+  document). hash_n = XOR_{i < n} tok_i * m_i, so the hash of order n extends that of order n - 1,
+  and every head of an order takes the same hash modulo its own prime. One odd multiplier per
+  (layer, i), shared by heads and orders: numpy's default_rng(10007 * layer) draws integers below
+  (int64 max // compressed vocab) // 2, times 2 plus 1, so tok * m < 2^63 and nothing wraps.
+  The multipliers are a persistent buffer, so a checkpoint carries the hashing its rows expect.
+* Gate: per stream s, d_s = sum_D(h_s * w_s * k_s) * rstd(h_s) * rstd(k_s) / sqrt(D) with
+  w_s = hidden_norm_weight[s] * key_norm_weight[s] (two [streams, D] weights, ones at init; only
+  their product matters) and gate_s = sigmoid(copysign(sqrt(max(|d_s|, 1e-6)), d_s)), so d = +0
+  leans open (sigmoid(+1e-3)); the add h + gate * value is done in fp32 and rounded once.
 * Table layout: one [total_rows, engram_dim] matrix per layer, head k owning rows
   [offset_k, offset_k + prime_k), so it can be sharded by rows and live on another device (host
   memory at full scale) than the rest of the model; `EngramTable.lookup` gathers where the table is
-  and returns rows where the caller is.
+  and returns rows where the caller is. The primes are the consecutive primes above
+  `engram_min_rows` in (layer, order, head) order: the reference's primes for an
+  `engram_vocab_size` of engram_min_rows + 1.
 """
 from __future__ import annotations
 
 import math
-import re
-import unicodedata
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from tokenizers import Tokenizer
+from tokenizers import Regex, Tokenizer, normalizers
 from torch import nn
 
 from conf.model import ModelConfig
-from model.numerics import RMSNorm, wide
+from model.numerics import wide
 
 GATE_EPS = 1e-6  # floor of |d| under the signed square root of the gate
-REPLACEMENT_CHAR = "\ufffd"
-_WHITESPACE = re.compile(r"\s+")
+REPLACEMENT_CHAR = "\ufffd"  # what the decode of a partial UTF-8 byte sequence contains
+ONE_SPACE = "\ue000"  # private use: holds a lone space while the ends are stripped
 
 
 # --------------------------------------------------------------------------- table sizes
@@ -82,39 +92,51 @@ def engram_table_params(cfg: ModelConfig) -> int:
     return sum(sum(p) for p in engram_table_primes(cfg).values()) * cfg.engram_dim
 
 
-def _draw_multipliers(cfg: ModelConfig, layer_id: int) -> torch.Tensor:
-    """Odd hash multipliers [orders, heads, max_order] in [1, 2^31), the same on every machine."""
-    gen = torch.Generator(device="cpu").manual_seed(cfg.engram_seed * 1_000_003 + layer_id)
-    shape = (len(cfg.engram_orders), cfg.engram_heads, max(cfg.engram_orders))
-    return torch.randint(0, 2**30, shape, generator=gen, dtype=torch.int64, device="cpu") * 2 + 1
+# --------------------------------------------------------------------------- hashing
+def engram_hash_multipliers(layer_id: int, max_ngram: int, compressed_vocab: int) -> torch.Tensor:
+    """The odd hash multipliers [max_ngram] int64 of a layer, one per lookback i (see the module
+    docstring). Bounded so that any lookup id < compressed_vocab times any of them fits int64."""
+    bound = max(1, (np.iinfo(np.int64).max // compressed_vocab) // 2)
+    draw = np.random.default_rng(10007 * layer_id).integers(0, bound, size=(max_ngram,), dtype=np.int64)
+    return torch.from_numpy(draw * 2 + 1)
 
 
 # --------------------------------------------------------------------------- tokenizer compression
-def canonical_surface(text: str) -> str:
-    """The canonical form that decides which tokens share a lookup id (see the module docstring)."""
-    text = unicodedata.normalize("NFD", unicodedata.normalize("NFKC", text))
-    text = "".join(c for c in text if unicodedata.category(c) != "Mn")
-    return _WHITESPACE.sub(" ", text.lower())
+def surface_normalizer() -> normalizers.Normalizer:
+    """The `tokenizers` normalizer whose output decides which tokens share a lookup id."""
+    return normalizers.Sequence([
+        normalizers.NFKC(),
+        normalizers.NFD(),
+        normalizers.StripAccents(),
+        normalizers.Lowercase(),
+        normalizers.Replace(Regex(r"[ \t\r\n]+"), " "),
+        normalizers.Replace(Regex(r"^ $"), ONE_SPACE),  # Strip would empty it and merge it with ""
+        normalizers.Strip(),
+        normalizers.Replace(ONE_SPACE, " "),
+    ])
 
 
 def build_compression_map(tokenizer: Tokenizer, vocab_size: int | None = None) -> tuple[torch.Tensor, int]:
     """Token id -> lookup id, dense in order of first occurrence by token id.
 
     Returns (map LongTensor [vocab_size], number of lookup ids). `vocab_size` may exceed the
-    tokenizer's (a padded embedding); the extra ids keep ids of their own."""
+    tokenizer's (a padded embedding): those ids never occur in text, so they map to 0 and add no
+    lookup id (the count determines the hash multipliers)."""
     n_tok = tokenizer.get_vocab_size(with_added_tokens=True)
     vocab_size = n_tok if vocab_size is None else vocab_size
     if vocab_size < n_tok:
         raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer's {n_tok}")
-    surfaces = tokenizer.decode_batch([[i] for i in range(n_tok)], skip_special_tokens=False)
-    added = set(tokenizer.get_added_tokens_decoder())
-    lookup: dict[object, int] = {}  # canonical string, or ("own", token id) for unmergeable tokens
-    out = []
-    for tok in range(vocab_size):
-        text = surfaces[tok] if tok < n_tok else ""
-        canon = "" if tok in added or REPLACEMENT_CHAR in text else canonical_surface(text)
-        out.append(lookup.setdefault(canon or ("own", tok), len(lookup)))
-    return torch.tensor(out, dtype=torch.long), len(lookup)
+    texts = tokenizer.decode_batch([[i] for i in range(n_tok)], skip_special_tokens=False)
+    norm = surface_normalizer()
+    ids: dict[str, int] = {}
+    out = [0] * vocab_size
+    for tok, text in enumerate(texts):
+        if REPLACEMENT_CHAR in text:
+            key = tokenizer.id_to_token(tok)  # partial UTF-8: nothing to normalize
+        else:
+            key = norm.normalize_str(text) or text
+        out[tok] = ids.setdefault(key, len(ids))
+    return torch.tensor(out, dtype=torch.long), len(ids)
 
 
 # --------------------------------------------------------------------------- modules
@@ -143,22 +165,31 @@ class EngramTable(nn.Module):
 class Engram(nn.Module):
     """Hashed n-gram lookup, fused key/value projection and per-stream gated residual add."""
 
-    def __init__(self, cfg: ModelConfig, layer_id: int, pad_id: int = 0, sparse_grad: bool = False):
+    def __init__(self, cfg: ModelConfig, layer_id: int, pad_id: int = 0, compressed_vocab: int | None = None,
+                 sparse_grad: bool = False):
+        """pad_id: the lookup id read before a sequence or document start (the class of the
+        tokenizer's pad token); compressed_vocab: the number of lookup ids, which bounds the hash
+        multipliers (None: cfg.vocab_size, for an identity map)."""
         super().__init__()
         if layer_id not in cfg.engram_layers:
             raise ValueError(f"layer {layer_id} is not an Engram layer {cfg.engram_layers}")
         self.cfg, self.layer_id, self.pad_id = cfg, layer_id, pad_id
+        self.compressed_vocab = cfg.vocab_size if compressed_vocab is None else compressed_vocab
+        if self.compressed_vocab is None or self.compressed_vocab < 1:
+            raise ValueError(f"compressed_vocab={self.compressed_vocab} (model.vocab_size unset?): "
+                             "the number of lookup ids is needed to draw the hash multipliers")
         self.orders = list(cfg.engram_orders)
         self.n_streams, self.dim, self.heads = cfg.hc_mult, cfg.dim, cfg.engram_heads
+        self.eps = cfg.norm_eps
         primes = engram_table_primes(cfg)[layer_id]
         n_lookups = len(primes)  # orders * heads
         self.table = EngramTable(sum(primes), cfg.engram_dim, sparse_grad)
         self.proj = nn.Linear(n_lookups * cfg.engram_dim, (self.n_streams + 1) * cfg.dim, bias=False)
-        self.hidden_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.key_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        # the gate's weights per stream, fp32 like the other norm weights
+        self.hidden_norm_weight = nn.Parameter(torch.empty(self.n_streams, cfg.dim, dtype=torch.float32))
+        self.key_norm_weight = nn.Parameter(torch.empty(self.n_streams, cfg.dim, dtype=torch.float32))
         # Hashing state. Filled by _init_buffers (also after a meta build + to_empty).
-        self.register_buffer("multipliers", torch.empty(len(self.orders), self.heads, max(self.orders),
-                                                        dtype=torch.long))
+        self.register_buffer("multipliers", torch.empty(max(self.orders), dtype=torch.long))
         self.register_buffer("primes", torch.empty(n_lookups, dtype=torch.long), persistent=False)
         self.register_buffer("offsets", torch.empty(n_lookups, dtype=torch.long), persistent=False)
         self.reset_parameters()
@@ -168,7 +199,8 @@ class Engram(nn.Module):
         primes = torch.tensor(engram_table_primes(self.cfg)[self.layer_id], dtype=torch.long)  # [O*H]
         self.primes.copy_(primes)
         self.offsets.copy_(torch.cumsum(primes, 0) - primes)  # [O*H] first row of each head
-        self.multipliers.copy_(_draw_multipliers(self.cfg, self.layer_id))  # [O, H, max_n]
+        mult = engram_hash_multipliers(self.layer_id, max(self.orders), self.compressed_vocab)  # [max_n]
+        self.multipliers.copy_(mult)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -177,8 +209,8 @@ class Engram(nn.Module):
         self._init_buffers()
         self.table.reset_parameters(self.cfg.init_std)
         nn.init.normal_(self.proj.weight, std=self.cfg.init_std)
-        nn.init.ones_(self.hidden_norm.weight)
-        nn.init.ones_(self.key_norm.weight)
+        nn.init.ones_(self.hidden_norm_weight)
+        nn.init.ones_(self.key_norm_weight)
 
     def _context(self, lookup_ids: torch.Tensor, doc_start: torch.Tensor | None,
                  positions: torch.Tensor | None = None, history: torch.Tensor | None = None) -> torch.Tensor:
@@ -203,17 +235,17 @@ class Engram(nn.Module):
 
     def addresses(self, lookup_ids: torch.Tensor, doc_start: torch.Tensor | None = None,
                   positions: torch.Tensor | None = None, history: torch.Tensor | None = None) -> torch.Tensor:
-        """lookup_ids [B, T] int64 (compressed, < 2^20), doc_start [B, T] or None -> table rows
+        """lookup_ids [B, T] int64 (< compressed_vocab), doc_start [B, T] or None -> table rows
         [B, T, orders*heads]. Depends on ids only, so it can run ahead of the model (prefetch)."""
         grams = self._context(lookup_ids.long(), doc_start, positions, history)  # [B, T, max_n]
-        hashes = []
-        for o, n in enumerate(self.orders):
-            prod = grams[:, :, None, :n] * self.multipliers[o, :, :n]  # [B, T, H, n] < 2^51: no overflow
-            acc = prod[..., 0]  # [B, T, H]
-            for i in range(1, n):
-                acc = acc ^ prod[..., i]  # [B, T, H]
-            hashes.append(acc)
-        hashed = torch.cat(hashes, dim=-1)  # [B, T, O*H], (order, head) order like primes/offsets
+        prod = grams * self.multipliers  # [B, T, max_n] < 2^63 by the multipliers' bound
+        rolling, by_order = prod[..., 0], {}  # rolling: the hash of the n-gram ending at t
+        for n in range(1, max(self.orders) + 1):
+            if n > 1:
+                rolling = rolling ^ prod[..., n - 1]  # [B, T]
+            by_order[n] = rolling
+        # (order, head) columns like primes/offsets: the heads of an order share its hash
+        hashed = torch.stack([by_order[n] for n in self.orders for _ in range(self.heads)], dim=-1)
         return hashed % self.primes + self.offsets  # [B, T, O*H]
 
     def lookup(self, lookup_ids: torch.Tensor, doc_start: torch.Tensor | None = None,
@@ -241,16 +273,16 @@ class Engram(nn.Module):
         if self.cfg.kernels and h.dtype != torch.float64 and not torch.compiler.is_compiling():
             from model.kernels.engram_gate import engram_gate_triton  # one pass each way
 
-            return engram_gate_triton(h, kv, self.hidden_norm, self.key_norm)
+            return engram_gate_triton(h, kv, self.hidden_norm_weight, self.key_norm_weight, self.eps)
         return self.gated_residual(h, kv)
 
     def gated_residual(self, h: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        """h [B, T, S, D] streams, kv [B, T, S+1, D] (S keys, then the value) -> h + gate * value."""
+        """h [..., S, D] streams, kv [..., S+1, D] (S keys, then the value) -> h + gate * value."""
         S, D = h.shape[-2:]
-        kv = wide(kv)
-        keys, value = kv[:, :, :S], kv[:, :, S:]  # [B, T, S, D], [B, T, 1, D]
-        hn = F.rms_norm(wide(h), (D,), wide(self.hidden_norm.weight), self.hidden_norm.eps)  # [B, T, S, D]
-        kn = F.rms_norm(keys, (D,), wide(self.key_norm.weight), self.key_norm.eps)  # [B, T, S, D]
-        d = (hn * kn).sum(-1) * D**-0.5  # [B, T, S]
-        gate = torch.sigmoid(d.sign() * d.abs().clamp_min(GATE_EPS).sqrt())  # [B, T, S]
-        return h + (gate.unsqueeze(-1) * value).to(h.dtype)  # [B, T, S, D]
+        x, kv = wide(h), wide(kv)
+        keys, value = kv[..., :S, :], kv[..., S:, :]  # [..., S, D], [..., 1, D]
+        w = wide(self.hidden_norm_weight) * wide(self.key_norm_weight)  # [S, D]
+        rstd = torch.rsqrt(x.square().mean(-1) + self.eps) * torch.rsqrt(keys.square().mean(-1) + self.eps)
+        d = (x * w * keys).sum(-1) * rstd * D**-0.5  # [..., S]
+        gate = torch.sigmoid(torch.copysign(d.abs().clamp_min(GATE_EPS).sqrt(), d))  # d = +0: leans open
+        return (x + gate.unsqueeze(-1) * value).to(h.dtype)  # [..., S, D]

@@ -1,7 +1,8 @@
 """Lightning indexer, top-k selection and the hierarchical candidate pool (SPEC §3, §11).
 
 score(t, s) = sum_h w_h(t) * relu(q_h(t) . k(s))
-Index keys are projected from the layer's compressed KV latent, not from the hidden state.
+Index keys are projected from the layer's compressed KV latent (before its RoPE and FP4
+rounding), not from the hidden state.
 Queries come from the attention's low-rank q (`qr`), head weights from the hidden state.
 """
 from __future__ import annotations
@@ -17,7 +18,8 @@ NEG_INF = float("-inf")
 
 
 class IndexKey(nn.Module):
-    """On KV-owner layers: index_k = k_norm(wk(latent)), RoPE on the trailing dims, MXFP4."""
+    """On KV-owner layers: index_k = k_norm(wk(latent)), RoPE on the trailing dims, MXFP4.
+    `latent` is the compressor's output before RoPE and FP4 rounding."""
 
     def __init__(self, kv_dim: int, index_dim: int, eps: float, kernels: bool = False):
         super().__init__()
@@ -25,7 +27,7 @@ class IndexKey(nn.Module):
         self.k_norm = RMSNorm(index_dim, eps=eps, kernels=kernels)
 
     def forward(self, latent: torch.Tensor, angles: torch.Tensor, rotary: Rotary, qat: bool) -> torch.Tensor:
-        # latent [B, S, C], angles [B, S, R/2] -> [B, S, Di]
+        # latent [B, S, C] (pre-RoPE), angles [B, S, R/2] at the entries' positions -> [B, S, Di]
         k = rotary(self.k_norm(self.wk(latent)), angles)
         return fake_quant_mxfp4(k) if qat else k
 

@@ -22,19 +22,21 @@ from model.numerics import wide
 
 
 def sinkhorn_comb(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """[..., n, n] logits -> doubly stochastic matrix. Round 1 is a row softmax followed by a
-    column normalisation; each of the other `iters - 1` rounds normalises rows, then columns."""
+    """[..., n, n] logits -> (nearly) doubly stochastic matrix. Round 1 is a row softmax plus eps
+    followed by a column normalisation; each of the other `iters - 1` rounds normalises rows, then
+    columns. Every normalisation divides by (sum + eps), as DeepSeek's inference kernel does, so
+    a checkpoint sees the same comb here as there; sums stay 1 to within ~eps."""
     comb = logits.softmax(dim=-1) + eps
-    comb = comb / comb.sum(dim=-2, keepdim=True)
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
     for _ in range(iters - 1):
-        comb = comb / comb.sum(dim=-1, keepdim=True)
-        comb = comb / comb.sum(dim=-2, keepdim=True)
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
     return comb
 
 
 class _SinkhornExplicit(torch.autograd.Function):
-    """`sinkhorn_comb`'s forward with a hand-written backward. Each normalisation y = x / x.sum(a)
-    has the vector-Jacobian product (g - sum_a(g * y)) / sum_a(x): four tensor ops, where autograd
+    """`sinkhorn_comb`'s forward with a hand-written backward. Each normalisation y = x / (x.sum(a) + eps)
+    has the vector-Jacobian product (g - sum_a(g * y)) / (sum_a(x) + eps): four tensor ops, where autograd
     runs a DivBackward (both operands, a broadcast reduction), a SumBackward and a gradient add per
     round, each a graph node. The n x n axes are moved in front for the rounds, so every op
     broadcasts over a contiguous batch axis instead of an inner axis of size n. On a CPU (tiny:
@@ -48,7 +50,7 @@ class _SinkhornExplicit(torch.autograd.Function):
         ctx.axes = [0] + [1, 0] * (iters - 1)  # column normalisation, then (row, column) rounds
         outs, sums = [], []
         for axis in ctx.axes:
-            s = x.sum(dim=axis, keepdim=True)
+            s = x.sum(dim=axis, keepdim=True) + eps
             x = x / s
             outs.append(x)
             sums.append(s)
@@ -74,11 +76,14 @@ def sinkhorn_comb_explicit(logits: torch.Tensor, iters: int, eps: float) -> torc
 
 
 class HyperConnection(nn.Module):
-    """Coefficients of one sub-layer, from one fp32 linear over the RMS-normalised streams."""
+    """Coefficients of one sub-layer, from one fp32 linear over the RMS-normalised streams.
 
-    def __init__(self, dim: int, n_streams: int, sinkhorn_iters: int, eps: float):
+    Two epsilons, as in DeepSeek's inference code: `norm_eps` (the model's RMSNorm eps) in the
+    RMS normalisation of the flattened streams, `eps` (hc_eps) added to `pre` and in Sinkhorn."""
+
+    def __init__(self, dim: int, n_streams: int, sinkhorn_iters: int, eps: float, norm_eps: float):
         super().__init__()
-        self.n, self.iters, self.eps = n_streams, sinkhorn_iters, eps
+        self.n, self.iters, self.eps, self.norm_eps = n_streams, sinkhorn_iters, eps, norm_eps
         n_out = 2 * n_streams + n_streams * n_streams  # pre, post, comb
         self.fn = nn.Parameter(torch.empty(n_out, n_streams * dim, dtype=torch.float32))
         self.base = nn.Parameter(torch.zeros(n_out, dtype=torch.float32))
@@ -100,7 +105,7 @@ class HyperConnection(nn.Module):
         """h [B, T, n, D] -> mixing logits [B, T, 2n + n*n]: one fp32 linear over the
         RMS-normalised streams (the part a fused kernel computes while it writes h)."""
         flat = wide(h.flatten(-2))  # [B, T, n*D]
-        flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.eps)
+        flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.norm_eps)
         # autocast would run this linear in bf16 (F.linear is on its list): SPEC §6 says fp32
         with torch.autocast(h.device.type, enabled=False):
             return F.linear(flat, wide(self.fn))

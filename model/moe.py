@@ -3,7 +3,7 @@
 Routing follows DeepSeek-V3 practice with V4's score function:
   score = sqrt(softplus(W x))                         affinities [N, E]
   chosen = top-k(score + bias)                        bias: auxiliary-loss-free balancing
-  weight = score[chosen] / sum(score[chosen]) * route_scale
+  weight = score[chosen] / sum(score[chosen]) * route_scale     (k = 1: score[chosen] * route_scale)
 The bias shifts selection only and is updated from the observed load, never by gradients.
 A small sequence-wise balance loss is returned alongside.
 """
@@ -185,7 +185,9 @@ class Router(nn.Module):
         scores = torch.sqrt(F.softplus(logits))
         chosen = torch.topk(scores.detach() + self.bias, self.topk, dim=-1).indices
         weights = scores.gather(-1, chosen)
-        weights = weights / weights.sum(-1, keepdim=True) * self.route_scale
+        if self.topk > 1:  # one expert keeps its raw score, as the public router leaves it
+            weights = weights / weights.sum(-1, keepdim=True)
+        weights = weights * self.route_scale
         if self.training:
             self.load += expert_counts(chosen, scores.shape[-1])
         return scores, chosen, weights

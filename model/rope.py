@@ -14,23 +14,27 @@ from model.numerics import wide
 
 def yarn_frequencies(dim: int, theta: float, factor: float, original_len: int,
                      beta_fast: int, beta_slow: int) -> torch.Tensor:
-    """Inverse frequencies [dim/2]. High-frequency pairs keep theta's frequency, low-frequency
-    pairs are divided by `factor`, with a linear ramp between (YaRN's NTK-by-parts)."""
-    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    if factor <= 1.0:
-        return freqs.float()
+    """Inverse frequencies [dim/2] fp32. With original_len > 0, YaRN's NTK-by-parts: pairs whose
+    wavelength fits into original_len many times keep theta's frequency, slow ones are divided by
+    `factor`, with a linear ramp between. original_len = 0 turns YaRN off.
+
+    The arithmetic follows DeepSeek's inference code (`precompute_freqs_cis`) op for op, fp32
+    throughout, so a released checkpoint sees the same angles: YaRN applies whenever
+    original_len > 0 (even at factor 1, where the blend changes the values only by rounding),
+    whatever the sequence length, and the ramp's upper end is clamped at dim - 1 (not dim/2 - 1)."""
+    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    if original_len <= 0:
+        return freqs
 
     def correction_dim(rotations: float) -> float:
-        # the pair index whose wavelength fits `rotations` times into original_len
+        # the (fractional) pair index whose wavelength fits `rotations` times into original_len
         return dim * math.log(original_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
     low = max(math.floor(correction_dim(beta_fast)), 0)
-    high = min(math.ceil(correction_dim(beta_slow)), dim // 2 - 1)
-    if high <= low:
-        high = low + 1e-3
-    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
-    keep = 1.0 - ramp  # 1: keep theta's frequency, 0: interpolate by factor
-    return (freqs / factor * (1 - keep) + freqs * keep).float()
+    high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
+    keep = 1 - ramp  # 1: keep theta's frequency, 0: divide by factor
+    return freqs / factor * (1 - keep) + freqs * keep
 
 
 class Rotary(nn.Module):

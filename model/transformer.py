@@ -45,7 +45,8 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, spec: LayerSpec):
         super().__init__()
         self.spec = spec
-        hc = dict(dim=cfg.dim, n_streams=cfg.hc_mult, sinkhorn_iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps)
+        hc = dict(dim=cfg.dim, n_streams=cfg.hc_mult, sinkhorn_iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps,
+                  norm_eps=cfg.norm_eps)
         self.attn_hc = HyperConnection(**hc)
         self.attn_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, kernels=cfg.kernels)
         self.attn = CSA2Attention(cfg, spec)
@@ -68,10 +69,10 @@ class Block(nn.Module):
         applies it in the same pass that mixes its attention input (`settle` applies the last one);
         without, pending' is None and h' is fully updated."""
         if pending is not None and self.fused_mhc is not None:
-            h, x, mix = self.fused_mhc(h, *pending, pre, self.attn_hc.fn, self.attn_hc.eps)
+            h, x, mix = self.fused_mhc(h, *pending, pre, self.attn_hc.fn, self.attn_hc.norm_eps)
             post, comb, ffn_pre = self.attn_hc.coefficients(mix)
         elif self.fused_mhc is not None:  # no update before it (first block, after an Engram): one read of h
-            x, mix = self.fused_mix(h, pre, self.attn_hc.fn, self.attn_hc.eps)
+            x, mix = self.fused_mix(h, pre, self.attn_hc.fn, self.attn_hc.norm_eps)
             post, comb, ffn_pre = self.attn_hc.coefficients(mix)
         else:
             h = settle(h, pending)
@@ -79,7 +80,7 @@ class Block(nn.Module):
             x = mix_streams(pre, h)
         y = self.attn(self.attn_norm(x), rt)  # [B, T, D]
         if self.fused_mhc is not None:
-            h, x, mix = self.fused_mhc(h, y, post, comb, ffn_pre, self.ffn_hc.fn, self.ffn_hc.eps)
+            h, x, mix = self.fused_mhc(h, y, post, comb, ffn_pre, self.ffn_hc.fn, self.ffn_hc.norm_eps)
             post, comb, next_pre = self.ffn_hc.coefficients(mix)
         else:
             h = update_streams(h, y, post, comb)
@@ -108,7 +109,9 @@ class Transformer(nn.Module):
         self.plan = build_layer_plan(cfg)
         V, D = cfg.vocab_size, cfg.dim
         self.embed = nn.Embedding(V, D)
-        self.engrams = nn.ModuleDict({str(s.layer_id): Engram(cfg, s.layer_id, pad_id=lookup_pad_id)
+        n_lookup = V if lookup_map is None else int(lookup_map.max()) + 1  # bounds the hash multipliers
+        self.engrams = nn.ModuleDict({str(s.layer_id): Engram(cfg, s.layer_id, pad_id=lookup_pad_id,
+                                                              compressed_vocab=n_lookup)
                                       for s in self.plan.layers if s.engram})
         self.layers = nn.ModuleList(Block(cfg, spec) for spec in self.plan.layers)
         self.norm = RMSNorm(D, eps=cfg.norm_eps, kernels=cfg.kernels)

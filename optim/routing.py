@@ -13,14 +13,18 @@ from conf.optim import OptimConfig, RouteRule
 OPTIMIZERS = ("muon", "sinkhorn", "adamw")
 
 # SPEC §7: tables (embedding, LM head, Engram) -> Sinkhorn; every other matrix or expert stack
-# -> Muon; vectors and scalars (norms, sinks, mHC gains and biases) -> AdamW without decay.
+# -> Muon; vectors and scalars (norms, sinks, mHC gains and biases) -> AdamW without decay, and so
+# do the Engram gate's per-stream norm weights ([streams, dim], `*_norm_weight`, under either
+# optimiser): elementwise scales like any norm weight, not a linear map for Muon to orthogonalise.
 DEFAULT_RULES = {
     "muon": [
         RouteRule(pattern=r"(^|\.)(embed|head)\.weight$|\.table\.weight$", optimizer="sinkhorn", min_dim=2),
+        RouteRule(pattern=r"_norm_weight$", optimizer="adamw", weight_decay=0.0),
         RouteRule(pattern=r".", optimizer="muon", min_dim=2, max_dim=3),
         RouteRule(pattern=r".", optimizer="adamw", weight_decay=0.0),
     ],
     "adamw": [
+        RouteRule(pattern=r"_norm_weight$", optimizer="adamw", weight_decay=0.0),
         RouteRule(pattern=r".", optimizer="adamw", min_dim=2),
         RouteRule(pattern=r".", optimizer="adamw", weight_decay=0.0),
     ],

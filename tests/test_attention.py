@@ -492,3 +492,148 @@ def test_grouped_projection_on_gpu_under_autocast():
         want = _projection_and_grads(lambda a, b: torch.einsum("btgi,goi->btgo", a, b), x, w, dy.bfloat16())
     for g, e in zip(got, want):
         assert g.dtype == e.dtype and torch.allclose(g.float(), e.float(), rtol=2e-2, atol=2e-2)
+
+
+# ---------------------------------------------------------------- RoPE / YaRN
+def _theta_freqs(dim, theta):
+    return [theta ** (-2 * i / dim) for i in range(dim // 2)]
+
+
+# dim 16, beta_fast 32, beta_slow 1. YaRN's correction dim for beta is 16 ln(L / (2 pi beta)) / (2 ln theta);
+# the ramp runs from low = floor(corr(32)) (clamped at 0) to high = ceil(corr(1)) (clamped at dim - 1).
+YARN_CASES = [
+    # theta 160000, L 4096: corr 2.01 -> low 2, corr 4.33 -> high 5
+    (160_000.0, 16.0, 4096, [0, 0, 0, 1 / 3, 2 / 3, 1, 1, 1]),
+    # the same ramp at factor 1: the blend leaves the values (up to rounding), and is applied all the same
+    (160_000.0, 1.0, 4096, [0, 0, 0, 1 / 3, 2 / 3, 1, 1, 1]),
+    # theta 10000, L 65536: corr 5.03 -> low 5, corr 8.04 -> high 9 (dim - 1 = 15 does not clamp it;
+    # a clamp at dim/2 - 1 = 7 would give a ramp of 0.5, 1 at pairs 6, 7)
+    (10_000.0, 4.0, 65536, [0, 0, 0, 0, 0, 0, 0.25, 0.5]),
+]
+
+
+@pytest.mark.parametrize("theta, factor, original, ramp", YARN_CASES, ids=["factor16", "factor1", "wide-ramp"])
+def test_yarn_frequencies_follow_the_inference_formula(theta, factor, original, ramp):
+    """Pair i keeps theta^(-2i/dim) where ramp is 0 and is divided by `factor` where it is 1."""
+    from model.rope import yarn_frequencies
+
+    got = yarn_frequencies(16, theta, factor, original, 32, 1)
+    assert got.dtype == torch.float32
+    want = [f / factor * r + f * (1 - r) for f, r in zip(_theta_freqs(16, theta), ramp)]
+    torch.testing.assert_close(got.double(), torch.tensor(want, dtype=torch.float64), rtol=1e-6, atol=0)
+    # bit for bit what DeepSeek's inference code computes: fp32 throughout, in its order of operations
+    base = 1.0 / (theta ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))
+    smooth = 1 - torch.tensor(ramp, dtype=torch.float32)
+    assert torch.equal(got, base / factor * (1 - smooth) + base * smooth)
+
+
+def test_yarn_off_without_an_original_length_and_angles_in_fp32():
+    from model.rope import Rotary, yarn_frequencies
+
+    got = yarn_frequencies(16, 160_000.0, 16.0, 0, 32, 1)
+    assert torch.equal(got, 1.0 / (160_000.0 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16)))
+    rot = Rotary(16, 160_000.0, 16.0, 4096)
+    pos = torch.tensor([[0, 1, 4095, 70_001]])
+    angles = rot.angles(pos)
+    assert angles.dtype == torch.float32
+    assert torch.equal(angles, pos.float().unsqueeze(-1) * rot.inv_freq)
+
+
+@pytest.mark.parametrize("max_seq_len, original", [(4096, 4096), (2048, 4096), (8192, 4096), (4096, 0)],
+                         ids=["max=original", "max<original", "max>original", "original=0"])
+def test_yarn_on_every_compressed_layer_whenever_original_seq_len_is_set(max_seq_len, original):
+    """YaRN does not depend on max_seq_len: compressed layers take it whenever original_seq_len > 0;
+    SWA-only layers never (plain rope_theta)."""
+    from model.attention import CSA2Attention
+
+    cfg = tiny(engram_layers=[], max_seq_len=max_seq_len, original_seq_len=original)
+    assert (cfg.rope_dim, cfg.rope_theta_compressed, cfg.rope_factor) == (16, 160_000.0, 16.0)
+    yarn = [f / 16.0 * r + f * (1 - r) for f, r in zip(_theta_freqs(16, 160_000.0), YARN_CASES[0][3])]
+    modes = set()
+    for spec in build_layer_plan(cfg).layers:
+        got = CSA2Attention(cfg, spec).rotary.inv_freq.double()
+        if spec.mode == "swa":
+            want = _theta_freqs(16, cfg.rope_theta)
+        else:
+            want = yarn if original else _theta_freqs(16, 160_000.0)
+        modes.add(spec.mode)
+        torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), rtol=1e-6, atol=0)
+    assert {"swa", "full"} <= modes
+
+
+# ---------------------------------------------------------------- index keys
+def _rotate(t: torch.Tensor, angles: torch.Tensor, R: int) -> torch.Tensor:
+    """Pairs (2i, 2i+1) of t's last R dims turned by angles[..., i]."""
+    cos, sin = angles.cos(), angles.sin()
+    even, odd = t[..., -R:][..., 0::2], t[..., -R:][..., 1::2]
+    pairs = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
+    return torch.cat((t[..., :-R], pairs.flatten(-2)), dim=-1)
+
+
+@pytest.mark.parametrize("qat", [False, True], ids=["no-qat", "qat"])
+def test_index_keys_come_from_the_latent_before_rope_and_fp4(qat):
+    """rt.index_k = MXFP4(RoPE(k_norm(wk(latent)))) with the compressor's latent before its own
+    RoPE and FP4 rounding, entry j rotated at position j*m; rt.kv is that latent rotated (and
+    rounded). The index keys take no gradient into the compressor (the indexer learns only from
+    its own loss)."""
+    from model.attention import CSA2Attention
+    from model.quant import fake_quant_kv_fp4, fake_quant_mxfp4
+
+    torch.manual_seed(0)
+    cfg = tiny(engram_layers=[], kv_quant="qat" if qat else "off")
+    spec = next(s for s in build_layer_plan(cfg).layers if s.owns_kv and s.compress_ratio == 2)
+    attn = CSA2Attention(cfg, spec)
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.normal_(mean=1.0 if p.dim() == 1 else 0.0, std=0.2)  # norm weights away from 1 too
+    B, T, R, m = 2, 40, cfg.rope_dim, 2
+    x = torch.randn(B, T, cfg.dim)
+    rt = AttentionRuntime(B, T, x.device)
+    attn.write_global_kv(x, rt)
+
+    latent = attn.compressor(x).detach().double()  # [B, S, C], before RoPE
+    S = T // m
+    assert latent.shape == (B, S, cfg.kv_dim)
+    angles = (torch.arange(S) * m).float().unsqueeze(-1) * attn.rotary.inv_freq  # fp32, as the model
+    angles = angles.double()
+    k = latent @ attn.index_key.wk.weight.double().T
+    k = k * torch.rsqrt(k.square().mean(-1, keepdim=True) + cfg.norm_eps) * attn.index_key.k_norm.weight.double()
+    k = _rotate(k, angles, R).float()
+    kv = _rotate(latent, angles, R).float()
+    if qat:
+        k, kv = fake_quant_mxfp4(k), fake_quant_kv_fp4(kv)
+    got = rt.index_k[spec.layer_id]
+    torch.testing.assert_close(got.detach(), k, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rt.kv[spec.layer_id].detach(), kv, rtol=1e-5, atol=1e-5)
+
+    # keys taken from the stored (rotated, rounded) latent instead would be far off
+    stored = rt.kv[spec.layer_id].detach().double()
+    k_stored = stored @ attn.index_key.wk.weight.double().T
+    k_stored = k_stored * torch.rsqrt(k_stored.square().mean(-1, keepdim=True) + cfg.norm_eps)
+    k_stored = _rotate(k_stored * attn.index_key.k_norm.weight.double(), angles, R).float()
+    assert (k_stored - k).abs().max() > 1e-2
+
+    assert got.requires_grad
+    g_wk, g_comp = torch.autograd.grad(got.sum(), [attn.index_key.wk.weight, attn.compressor.wkv.weight],
+                                       allow_unused=True)
+    assert g_wk is not None and g_comp is None
+
+
+def test_the_pooling_compressor_runs_in_fp32_under_autocast():
+    """m > 1: projections, softmax and pooling in fp32 (the public model's promoted weights); only
+    the pooled entry is rounded, once, before its norm."""
+    from model.attention import Compressor
+
+    torch.manual_seed(0)
+    comp = Compressor(dim=64, kv_dim=32, ratio=2, eps=1e-6)
+    x = torch.randn(2, 8, 64).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = comp(x)
+    xs = x.float().view(2, 4, 2, 64)
+    kv, gate = xs @ comp.wkv.weight.T, (xs @ comp.wgate.weight.T).softmax(dim=2)
+    pooled = (kv * gate).sum(2).bfloat16()
+    want = torch.nn.functional.rms_norm(pooled, (32,), comp.norm.weight.bfloat16(), 1e-6)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # what autocast alone would have computed
+        kv16, gate16 = comp.wkv(xs), comp.wgate(xs).float().softmax(dim=2)
+    assert not torch.equal((kv16.float() * gate16).sum(2).bfloat16(), pooled)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from conf.model import FlashModelConfig, TinyModelConfig
 from model.engram import Engram
 from model.kernels.engram import (
+    effective_multipliers,
     engram_addresses_triton,
     engram_gather_triton,
     engram_lookup_triton,
@@ -22,18 +23,22 @@ from model.runtime import document_starts
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+VOCAB = 1000  # lookup ids of the tiny Engrams: multipliers up to ~2^53, products of id 999 up to ~2^63
+
+
 def make_engram(cfg=None, layer=1, pad_id=0, sparse=False, device=DEV) -> Engram:
     torch.manual_seed(0)
-    cfg = cfg or TinyModelConfig()
+    cfg = cfg or TinyModelConfig(vocab_size=VOCAB)
     with torch.device(device):  # initialised where it lives (GPU-sized tables init fast there)
         return Engram(cfg, layer, pad_id=pad_id, sparse_grad=sparse)
 
 
-def batch(B=2, T=37, high=2**20, seed=0, device=DEV):
+def batch(B=2, T=37, high=VOCAB, seed=0, device=DEV):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, high, (B, T), generator=g)
     if T >= 24:
         ids[:, 5:9] = ids[:, 20:24]  # repeated n-grams must hash alike
+        ids[:, 10:14] = high - 1  # the largest products
     doc_ids = torch.cumsum(torch.rand(B, T, generator=g) < 0.15, dim=1)
     return ids.to(device), document_starts(doc_ids).to(device)
 
@@ -73,14 +78,32 @@ def test_addresses_context_parallel_slice():
 
 
 def test_addresses_bit_exact_when_products_wrap():
-    """ids far above 2^20: the int64 products wrap and the XOR goes negative; the floor-style
-    modulo still matches torch's %."""
+    """ids far outside the lookup vocabulary: the int64 products wrap and the XOR goes negative;
+    the floor-style modulo still matches torch's %."""
     eng = make_engram()
     ids = torch.randint(-(2**62), 2**62, (2, 30), generator=torch.Generator().manual_seed(2)).to(DEV)
     want = eng.addresses(ids)
     got = addresses_of(eng, ids)
     assert torch.equal(got, want)
     assert (want >= eng.offsets).all() and (want < eng.offsets + eng.primes).all()
+
+
+def test_effective_multipliers_layout():
+    m = torch.tensor([3, 5, 7, 9])
+    got = effective_multipliers(m, [2, 4], heads=2)
+    assert got.tolist() == [[3, 5, 0, 0], [3, 5, 0, 0], [3, 5, 7, 9], [3, 5, 7, 9]]
+
+
+def test_addresses_golden():
+    """Tiny's layer 2 with rows above 10 (primes 31 37 41 43 47 53), 1000 lookup ids, pad 2: the
+    addresses worked out by hand for tests/test_engram.py (plain Python ints, XOR and %)."""
+    cfg = dataclasses.replace(TinyModelConfig(vocab_size=VOCAB), engram_min_rows=10)
+    eng = make_engram(cfg, layer=2, pad_id=2)
+    ids = torch.tensor([[5, 17, 999, 0, 42, 7]], device=DEV)
+    want = [[26, 44, 101, 143, 191, 242], [11, 49, 85, 144, 194, 206], [1, 64, 76, 116, 163, 249],
+            [17, 31, 88, 123, 173, 247], [1, 56, 77, 143, 167, 236], [30, 51, 90, 111, 192, 215]]
+    assert addresses_of(eng, ids).tolist() == [want]
+    assert engram_lookup_triton(eng, ids).shape == (1, 6, 6, cfg.engram_dim)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

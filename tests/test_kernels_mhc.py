@@ -26,6 +26,9 @@ from model.mhc import HyperConnection, mix_streams, sinkhorn_comb, update_stream
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-6
+# the model's RMSNorm eps, which the HyperConnection's normalisation (and so the fused step) uses;
+# far from hc_eps (EPS), so passing the wrong one to the kernel would show at the tolerances below
+NORM_EPS = 0.1
 # default D blocks; small blocks so D=64 spans several D blocks, forward splits and backward
 # token groups (T=37 with 16-token tiles also leaves a partial tile); and the defaults, where fp32
 # streams run the backward on other tiles than the forward (16 tokens x 64 columns vs 32 x 32)
@@ -102,7 +105,7 @@ def test_chain_matches_block_composition():
     HyperConnection's fn, base and scale) as update_streams -> next_hc -> mix_streams."""
     torch.manual_seed(5)
     n, dim = 4, 64
-    hc = HyperConnection(dim, n, sinkhorn_iters=20, eps=EPS).to(DEV)
+    hc = HyperConnection(dim, n, sinkhorn_iters=20, eps=EPS, norm_eps=NORM_EPS).to(DEV)
     torch.nn.init.normal_(hc.fn, std=1.0 / (n * dim) ** 0.5)
     with torch.no_grad():
         hc.base.normal_(std=0.5)
@@ -112,7 +115,7 @@ def test_chain_matches_block_composition():
 
     h_ref = update_streams(h, y, post, comb)
     ref = (h_ref, mix_streams(pre, h_ref), *hc(h_ref))
-    h_new, x, mix = fused_mhc_step(h, y, post, comb, pre, hc.fn, hc.eps, config=CONFIGS[1])
+    h_new, x, mix = fused_mhc_step(h, y, post, comb, pre, hc.fn, hc.norm_eps, config=CONFIGS[1])
     fused = (h_new, x, *hc_coefficients(hc, mix))
     for name, a, b in zip(["h_new", "x", "post", "comb", "next_pre"], fused, ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
@@ -145,12 +148,12 @@ def test_mix_without_update_ragged_and_first_sub_layer():
     """n = 3, D = 40 (partial D blocks), and the first sub-layer's one-hot pre, where x is
     stream 0 itself; the HyperConnection's coefficients from the fused logits match hc(h)."""
     h, _, _, _, pre, _ = make_inputs(lead=(2, 9), n=3, dim=40, seed=22)
-    hc = HyperConnection(40, 3, sinkhorn_iters=20, eps=EPS).to(DEV)
+    hc = HyperConnection(40, 3, sinkhorn_iters=20, eps=EPS, norm_eps=NORM_EPS).to(DEV)
     torch.nn.init.normal_(hc.fn, std=1.0 / 120 ** 0.5)
     cfg = MHCKernelConfig(block_t=16, fwd_block_d=16, bwd_block_d=16, fwd_splits=2, bwd_groups=1)
     one_hot = torch.zeros_like(pre.detach())
     one_hot[..., 0] = 1.0
-    x, mix = fused_mhc_mix(h, one_hot, hc.fn, hc.eps, config=cfg)
+    x, mix = fused_mhc_mix(h, one_hot, hc.fn, hc.norm_eps, config=cfg)
     torch.testing.assert_close(x, h[..., 0, :], rtol=0, atol=0)
     fused = (x, *hc_coefficients(hc, mix))
     ref = (mix_streams(one_hot, h), *hc(h))

@@ -8,8 +8,10 @@ import torch
 from conf.model import TinyModelConfig
 from model.transformer import Transformer
 
+# norm_eps far from hc_eps and near the streams' mean square (~4e-4 at init): the fused mHC steps
+# must normalise with norm_eps, as HyperConnection.project does, or the logits differ by ~2x
 CFG = dataclasses.replace(TinyModelConfig(vocab_size=97), engram_min_rows=50, window=16, index_topk=8,
-                          pool_block=2, pool_blocks=4, attn_impl="sparse")
+                          pool_block=2, pool_blocks=4, attn_impl="sparse", norm_eps=1e-3)
 
 
 def _batch(device="cpu"):

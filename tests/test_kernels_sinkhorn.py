@@ -1,13 +1,16 @@
-"""Sinkhorn kernel (model/kernels/sinkhorn.py) against the plain-PyTorch `sinkhorn_comb`.
+"""Sinkhorn kernel (model/kernels/sinkhorn.py) against the plain-PyTorch `sinkhorn_comb`, and
+all three Sinkhorns against a hand-written golden of DeepSeek's definition.
 
 CPU runs use Triton's interpreter in fp32 (plus fp64 for gradcheck); small token tiles make
 a token count that is not a multiple of the tile. The large-token fp32 check needs a GPU.
 """
+import math
+
 import pytest
 import torch
 
 from model.kernels.sinkhorn import sinkhorn_comb_triton
-from model.mhc import HyperConnection, sinkhorn_comb
+from model.mhc import HyperConnection, sinkhorn_comb, sinkhorn_comb_explicit
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-6
@@ -89,13 +92,90 @@ def test_low_precision_input_computes_in_fp32():
     assert x.grad.dtype == torch.bfloat16
 
 
+# hand-picked logits (one token, and a second with sharper rows) and an eps large enough to matter
+GOLDEN_LOGITS = [[[0.5, -1.0, 2.0, 0.0], [1.5, 0.25, -0.5, 1.0], [-2.0, 0.0, 0.75, -0.25], [0.0, 3.0, -1.5, 0.5]],
+                 [[4.0, -4.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0], [-3.0, 2.0, 2.5, -1.0], [1.0, -2.0, 0.5, 3.5]]]
+GOLDEN_EPS = 1e-2
+
+
+def golden_sinkhorn(logits, iters, eps, eps_in_sums=True):
+    """DeepSeek's definition in plain Python floats: row softmax + eps, divide each column by its
+    sum + eps, then iters - 1 times rows by their sum + eps and columns by theirs + eps.
+    eps_in_sums=False divides by the plain sums (to show the eps there is visible)."""
+    n = len(logits)
+    d = eps if eps_in_sums else 0.0
+    c = []
+    for row in logits:
+        e = [math.exp(v - max(row)) for v in row]
+        c.append([v / sum(e) + eps for v in e])
+
+    def cols():
+        s = [sum(c[i][j] for i in range(n)) + d for j in range(n)]
+        return [[c[i][j] / s[j] for j in range(n)] for i in range(n)]
+
+    c = cols()
+    for _ in range(iters - 1):
+        c = [[v / (sum(row) + d) for v in row] for row in c]
+        c = cols()
+    return c
+
+
+def definition_sinkhorn(logits, iters, eps):
+    """The same definition in torch ops (differentiable), for reference gradients."""
+    c = logits.softmax(-1) + eps
+    c = c / (c.sum(-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        c = c / (c.sum(-1, keepdim=True) + eps)
+        c = c / (c.sum(-2, keepdim=True) + eps)
+    return c
+
+
+@pytest.mark.parametrize("iters", [1, 3, 20])
+def test_all_sinkhorns_match_the_hand_written_golden(iters):
+    """sinkhorn_comb, its explicit-backward twin and the Triton kernel against the golden; the
+    golden without eps in the sums differs by far more than the tolerance."""
+    want = torch.tensor([golden_sinkhorn(m, iters, GOLDEN_EPS) for m in GOLDEN_LOGITS], dtype=torch.float64)
+    plain = torch.tensor([golden_sinkhorn(m, iters, GOLDEN_EPS, eps_in_sums=False) for m in GOLDEN_LOGITS],
+                         dtype=torch.float64)
+    assert (want - plain).abs().max() > 1e-3
+    x64 = torch.tensor(GOLDEN_LOGITS, dtype=torch.float64)
+    for fn in (sinkhorn_comb, sinkhorn_comb_explicit):
+        torch.testing.assert_close(fn(x64, iters, GOLDEN_EPS), want, rtol=1e-13, atol=1e-13)
+    x32 = x64.float().to(DEV)
+    for fn in (sinkhorn_comb, sinkhorn_comb_explicit, sinkhorn_comb_triton):
+        torch.testing.assert_close(fn(x32, iters, GOLDEN_EPS).double().cpu(), want, rtol=2e-6, atol=2e-7)
+    # fp64 in the kernel: its eps arrives as an fp32 scalar (1e-2 to ~2e-10), hence the looser bound
+    torch.testing.assert_close(sinkhorn_comb_triton(x64.to(DEV), iters, GOLDEN_EPS).cpu(), want,
+                               rtol=1e-8, atol=1e-8)
+
+
+@pytest.mark.parametrize("iters", [1, 3, 20])
+def test_all_sinkhorn_gradients_match_the_definition(iters):
+    """Backward with eps = 1e-2 in every divisor: the explicit and the Triton backward against
+    autograd through the definition, fp64, and finite differences (gradcheck)."""
+    x = torch.tensor(GOLDEN_LOGITS, dtype=torch.float64, requires_grad=True)
+    cot = torch.randn(x.shape, generator=torch.Generator().manual_seed(13), dtype=torch.float64)
+    (want,) = torch.autograd.grad(definition_sinkhorn(x, iters, GOLDEN_EPS), [x], cot)
+    (got,) = torch.autograd.grad(sinkhorn_comb_explicit(x, iters, GOLDEN_EPS), [x], cot)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-13)
+    assert torch.autograd.gradcheck(lambda t: sinkhorn_comb_explicit(t, iters, GOLDEN_EPS), (x,))
+    xd = x.detach().to(DEV).requires_grad_()
+    (got,) = torch.autograd.grad(sinkhorn_comb_triton(xd, iters, GOLDEN_EPS), [xd], cot.to(DEV))
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-7, atol=1e-8)  # fp32 eps, as above
+    # fast mode (a random projection of the Jacobian): the interpreter spends ~0.3 s a forward
+    assert torch.autograd.gradcheck(lambda t: sinkhorn_comb_triton(t, iters, GOLDEN_EPS), (xd,), fast_mode=True)
+    x32 = x.detach().float().to(DEV).requires_grad_()
+    (got,) = torch.autograd.grad(sinkhorn_comb_triton(x32, iters, GOLDEN_EPS), [x32], cot.float().to(DEV))
+    torch.testing.assert_close(got.double().cpu(), want, rtol=1e-5, atol=1e-6)
+
+
 def test_hyper_connection_with_the_kernel():
     """HyperConnection.coefficients through the `sinkhorn` hook Block sets when kernels are on."""
     torch.manual_seed(8)
-    ref = HyperConnection(dim=8, n_streams=4, sinkhorn_iters=20, eps=EPS).to(DEV)
+    ref = HyperConnection(dim=8, n_streams=4, sinkhorn_iters=20, eps=EPS, norm_eps=1e-3).to(DEV)
     ref.reset_parameters()
     torch.nn.init.normal_(ref.fn, std=0.2)
-    ker = HyperConnection(dim=8, n_streams=4, sinkhorn_iters=20, eps=EPS).to(DEV)
+    ker = HyperConnection(dim=8, n_streams=4, sinkhorn_iters=20, eps=EPS, norm_eps=1e-3).to(DEV)
     ker.load_state_dict(ref.state_dict())
     ref.sinkhorn = sinkhorn_comb  # the definition (the default is its explicit-backward twin)
     ker.sinkhorn = sinkhorn_comb_triton

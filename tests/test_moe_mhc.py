@@ -1,4 +1,6 @@
 """MoE routing and mHC reference tests."""
+import math
+
 import pytest
 import torch
 
@@ -80,6 +82,16 @@ def test_expert_counts_and_router_load():
     r(x)
     per_expert = [2 * sum(int(i) == e for i in chosen.flatten()) for e in range(8)]
     assert r.load.tolist() == per_expert and r.load.dtype == torch.float32
+
+
+def test_one_expert_keeps_its_raw_score_times_the_route_scale():
+    """As the public router: normalising one weight by itself would make every token's weight 1."""
+    r = Router(dim=2, n_experts=3, topk=1, route_scale=1.5)
+    with torch.no_grad():
+        r.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 1.0], [-1.0, -1.0]]))
+    _, chosen, weights = r(torch.tensor([[2.0, 0.5]]))
+    assert chosen.tolist() == [[0]]
+    torch.testing.assert_close(weights, torch.tensor([[math.sqrt(math.log1p(math.exp(2.0))) * 1.5]]))
 
 
 def test_bias_update_moves_towards_balance():
@@ -243,14 +255,14 @@ def test_explicit_backward_sinkhorn_equals_autograd_through_the_reference(shape,
     g_ref, = torch.autograd.grad(ref, logits, cot)
     g, = torch.autograd.grad(out, logits, cot)
     torch.testing.assert_close(g, g_ref, rtol=1e-12, atol=1e-14)
-    assert out.is_contiguous() and HyperConnection(4, 4, 20, 1e-6).sinkhorn is sinkhorn_comb_explicit
+    assert out.is_contiguous() and HyperConnection(4, 4, 20, 1e-6, 1e-6).sinkhorn is sinkhorn_comb_explicit
     small = torch.randn(2, 3, 3, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda t: sinkhorn_comb_explicit(t, 3, 1e-6), (small,))
 
 
 def test_hyper_connection_coefficients_and_update():
     torch.manual_seed(4)
-    hc = HyperConnection(dim=8, n_streams=4, sinkhorn_iters=20, eps=1e-6)
+    hc = HyperConnection(dim=8, n_streams=4, sinkhorn_iters=20, eps=1e-6, norm_eps=1e-6)
     hc.reset_parameters()
     torch.nn.init.normal_(hc.fn, std=0.08)  # mixing logits of std ~0.5
     h = torch.randn(2, 3, 4, 8)
@@ -272,7 +284,7 @@ def test_hyper_connection_logits_stay_fp32_under_autocast():
     """SPEC §6: the coefficients come from one fp32 linear. Under bf16 autocast F.linear would
     round its inputs to bf16 (logit errors ~1e-3 here); the projection must give the fp32 values."""
     torch.manual_seed(5)
-    hc = HyperConnection(dim=64, n_streams=4, sinkhorn_iters=20, eps=1e-6)
+    hc = HyperConnection(dim=64, n_streams=4, sinkhorn_iters=20, eps=1e-6, norm_eps=1e-6)
     hc.reset_parameters()
     torch.nn.init.normal_(hc.fn, std=0.05)
     h = torch.randn(2, 7, 4, 64)
@@ -281,6 +293,44 @@ def test_hyper_connection_logits_stay_fp32_under_autocast():
         got = hc.project(h)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_hyper_connection_normalises_with_norm_eps_and_shifts_pre_by_hc_eps():
+    """The RMS normalisation before the mHC linear uses the model's norm_eps; hc_eps is what pre
+    is shifted by (and Sinkhorn's eps). The two are set far apart, so swapping them shows."""
+    torch.manual_seed(6)
+    n, dim, norm_eps, hc_eps = 4, 8, 0.5, 1e-3
+    hc = HyperConnection(dim=dim, n_streams=n, sinkhorn_iters=20, eps=hc_eps, norm_eps=norm_eps).double()
+    hc.reset_parameters()
+    with torch.no_grad():
+        hc.base.normal_(std=0.3)
+    h = torch.randn(2, 3, n, dim, dtype=torch.float64) * 0.7  # mean square ~0.5: norm_eps matters
+    b, t = 1, 2
+    flat = [float(v) for v in h[b, t].flatten()]
+    rms = (sum(v * v for v in flat) / len(flat) + norm_eps) ** 0.5
+    fn = hc.fn.detach()
+    want = torch.tensor([sum(fn[j, i].item() * flat[i] / rms for i in range(n * dim)) for j in range(fn.shape[0])],
+                        dtype=torch.float64)
+    mix = hc.project(h)
+    torch.testing.assert_close(mix[b, t], want, rtol=1e-12, atol=1e-12)
+    rms_hc = (sum(v * v for v in flat) / len(flat) + hc_eps) ** 0.5
+    assert (mix[b, t] - want * rms / rms_hc).abs().max() > 1e-3  # hc_eps there would be caught
+    _, _, pre = hc(h)
+    base = hc.base.detach()
+    want_pre = [1 / (1 + math.exp(-(mix[b, t, s].item() * hc.scale[0].item() + base[s].item()))) + hc_eps
+                for s in range(n)]
+    torch.testing.assert_close(pre[b, t], torch.tensor(want_pre, dtype=torch.float64), rtol=1e-12, atol=1e-12)
+
+
+def test_block_gives_its_hyper_connections_both_epsilons():
+    from conf.model import TinyModelConfig
+    from model.plan import build_layer_plan
+    from model.transformer import Block
+
+    cfg = TinyModelConfig(vocab_size=97, norm_eps=1e-2, hc_eps=1e-5, engram_layers=[])
+    block = Block(cfg, build_layer_plan(cfg).layers[0])
+    for hc in (block.attn_hc, block.ffn_hc):
+        assert (hc.norm_eps, hc.eps) == (1e-2, 1e-5)
 
 
 def test_initial_pre_is_one_hot():

@@ -31,6 +31,19 @@ def test_flash_routing_assigns_every_parameter_once():
     assert by_name["layers.3.attn.sink"].optimizer == "adamw"
     assert by_name["layers.3.attn_norm.weight"].weight_decay == 0.0
     assert {r.optimizer for r in routes if r.param.dim() == 1} == {"adamw"}
+    for name in ("engrams.14.hidden_norm_weight", "engrams.1.key_norm_weight"):  # [4, 5120]: not Muon's
+        assert by_name[name].param.dim() == 2
+        assert (by_name[name].optimizer, by_name[name].weight_decay) == ("adamw", 0.0)
+
+
+def test_engram_norm_weights_never_decay():
+    model = Transformer(TINY)
+    for cfg in (MuonConfig(), AdamWConfig()):
+        routes = {r.name: r for r in route_parameters(model, cfg)}
+        gate = [r for n, r in routes.items() if n.endswith("_norm_weight")]
+        assert len(gate) == 2 * len(TINY.engram_layers)
+        assert {(r.optimizer, r.weight_decay) for r in gate} == {("adamw", 0.0)}
+        assert routes["engrams.1.proj.weight"].weight_decay > 0  # other matrices keep their decay
 
 
 def test_rules_from_config_and_errors():

@@ -72,10 +72,7 @@ def build_model(cfg: PretrainConfig, tokenizer) -> Transformer:
                           f"{tokenizer.vocab_size}")
     lookup, pad = None, 0
     if model_cfg.engram_layers:
-        lookup, _ = build_compression_map(tokenizer.tokenizer)
-        if lookup.numel() < model_cfg.vocab_size:  # ids past the tokenizer (padding) map to themselves
-            extra = torch.arange(lookup.numel(), model_cfg.vocab_size) - lookup.numel() + int(lookup.max()) + 1
-            lookup = torch.cat((lookup, extra))
+        lookup, _ = build_compression_map(tokenizer.tokenizer, model_cfg.vocab_size)
         pad = int(lookup[tokenizer.pad_id])
     return Transformer(model_cfg, lookup_map=lookup, lookup_pad_id=pad)
 

@@ -5,7 +5,7 @@ before the sequence or inside an earlier document, context-parallel history), `E
 (XOR of id * multiplier products, modulo the head's prime, plus its offset; int64) and
 `EngramTable.lookup` (F.embedding of those rows, sparse or dense gradient).
 
-    addr[b, t, l] = (XOR_{i < n_l} id[b, t - i] * mult[l, i]) mod prime[l] + offset[l]
+    addr[b, t, l] = (XOR_{i < n_l} id[b, t - i] * mult[i]) mod prime[l] + offset[l]
     rows[b, t, l] = table[addr[b, t, l]]                     l = order * heads + head
 
 * `engram_addresses_triton(...)` -> [B, T, L] int64, bit-exact with `Engram.addresses`.
@@ -26,10 +26,14 @@ has more than 2^31 elements), per row only; column offsets are int32 and the row
 compile-time constant, so a power-of-two width has no column mask and rows are masked only when
 N is not a multiple of BLOCK_R. Table loads are evict_first: a row is read once.
 
-Unused multiplier slots (i >= n for order n) are zeroed on the host, so every lookup runs the
-same max_n-step XOR loop (x ^ 0 = x) and orders need not be compile-time constants. The modulo
-is made floor-style (the remainder is moved into [0, prime)) so even wrapped int64 products
-match torch's `%`; with ids < 2^20 and multipliers < 2^31 nothing wraps. The hash kernel's index
+The Engram's multipliers [max_n] (one per lookback, shared by orders and heads) are spread on the
+host into a [lookups, max_n] matrix whose row for order n holds mult[:n] and zeros after, so every
+lookup runs the same max_n-step XOR loop (x ^ 0 = x) and orders need not be compile-time
+constants. Magnitudes: the multipliers are odd and below 2^63 / compressed vocab (~2^53 for a
+1000-id vocab, ~2^47 for ~100k), so an in-range id times one stays below 2^63: products come
+close to it but never wrap, and the XOR of non-negative int64s is non-negative. The modulo is
+still made floor-style (a negative C-style remainder lies in (-prime, 0), so adding the prime
+cannot overflow), so that out-of-range ids, whose products do wrap, also match torch's `%`. The hash kernel's index
 arithmetic (flat row -> b, t, lookup; id offsets) is int32 unless an offset can reach 2^31 (IDX64).
 
 Where the table lives:
@@ -111,7 +115,7 @@ def _hash_kernel(ids_ptr, doc_ptr, pos_ptr, hist_ptr, mult_ptr, prime_ptr, off_p
         if HAS_DOC:  # inside an earlier document: pad
             gram = tl.where(pos - i < doc, pad_id, gram)
         mult = tl.load(mult_ptr + lk * MAX_N + i, mask=r_ok, other=0)  # 0 for i >= the order
-        acc = acc ^ (gram * mult)
+        acc = acc ^ (gram * mult)  # < 2^63 for ids below the compressed vocab (module docstring)
     prime = tl.load(prime_ptr + lk, mask=r_ok, other=1)
     off = tl.load(off_ptr + lk, mask=r_ok, other=0)
     rem = acc % prime  # C-style remainder: sign of acc
@@ -182,14 +186,14 @@ def _copy_rows(src: torch.Tensor, idx: torch.Tensor, dst: torch.Tensor, scatter:
     return dst
 
 
-def effective_multipliers(multipliers: torch.Tensor, orders: Sequence[int]) -> torch.Tensor:
-    """multipliers [O, H, max_n] (Engram's buffer) -> [O*H, max_n] int64 with the slots i >= n of
-    order n zeroed (x ^ (id * 0) = x, so they drop out of the XOR)."""
-    n_orders, heads, max_n = multipliers.shape
-    mult = multipliers.to(torch.int64, copy=True)
+def effective_multipliers(multipliers: torch.Tensor, orders: Sequence[int], heads: int) -> torch.Tensor:
+    """multipliers [max_n] (Engram's buffer) -> [len(orders) * heads, max_n] int64: the row of
+    lookup (order n, head) is multipliers[:n], then zeros (x ^ (id * 0) = x drops those slots)."""
+    max_n = multipliers.shape[0]
+    mult = multipliers.to(torch.int64).view(1, 1, max_n).repeat(len(orders), heads, 1)  # [O, H, max_n]
     for o, n in enumerate(orders):  # fills of slices: a host-made mask would be a copy that waits for the GPU
         mult[o, :, n:] = 0
-    return mult.reshape(n_orders * heads, max_n)
+    return mult.reshape(len(orders) * heads, max_n)
 
 
 def _extent(t: Optional[torch.Tensor]) -> int:
@@ -250,9 +254,9 @@ def engram_addresses_triton(lookup_ids: torch.Tensor, multipliers: torch.Tensor,
                             primes: torch.Tensor, offsets: torch.Tensor, doc_start: Optional[torch.Tensor] = None,
                             positions: Optional[torch.Tensor] = None, history: Optional[torch.Tensor] = None,
                             pad_id: int = 0) -> torch.Tensor:
-    """`Engram.addresses`: lookup_ids [B, T] int, multipliers [O, H, max_n], primes/offsets [O*H],
+    """`Engram.addresses`: lookup_ids [B, T] int, multipliers [max_n], primes/offsets [O*H],
     doc_start [B, T], positions [T] or [B, T], history [B, >= max_n-1] -> [B, T, O*H] int64."""
-    mult = effective_multipliers(multipliers, orders)
+    mult = effective_multipliers(multipliers, orders, primes.numel() // len(orders))
     return _launch(lookup_ids, mult, primes, offsets, doc_start, positions, history, pad_id)[0]
 
 
@@ -331,8 +335,8 @@ def engram_gather_triton(lookup_ids: torch.Tensor, table: torch.Tensor, multipli
     """`EngramTable.lookup(Engram.addresses(...))` in one pass: lookup_ids [B, T], table [rows, E]
     (the EngramTable weight, on the ids' device or in host memory) -> rows [B, T, O*H, E] in the
     table's dtype on the ids' device (and the addresses [B, T, O*H] with return_addresses).
-    Differentiable in `table` (dense or, with sparse_grad, sparse COO gradient)."""
-    mult = effective_multipliers(multipliers, orders)
+    Differentiable in `table` (dense or, with sparse_grad, sparse COO gradient). multipliers [max_n]."""
+    mult = effective_multipliers(multipliers, orders, primes.numel() // len(orders))
     rows, addr = _EngramGather.apply(table, lookup_ids, mult, primes, offsets, doc_start, positions, history,
                                      pad_id, sparse_grad, host_path)
     return (rows, addr) if return_addresses else rows

@@ -6,7 +6,7 @@ Replaces this chain of plain-PyTorch references from `model/mhc.py` at a sub-lay
     h_new = update_streams(h, y, post, comb)        # h'[d] = post[d] y + sum_s comb[s, d] h[s]
     x     = mix_streams(pre, h_new)                 # next sub-layer input, pre known already
     mix   = the NEXT HyperConnection's forward up to its F.linear:
-            flat = h_new.flatten(-2); (flat * rsqrt(mean(flat^2) + eps)) @ fn^T
+            flat = h_new.flatten(-2); (flat * rsqrt(mean(flat^2) + norm_eps)) @ fn^T
 
 Single-pass mHC makes this possible: `pre` of the next sub-layer was produced by the previous
 HyperConnection, so one read of the streams gives the update, the next input and the next
@@ -15,10 +15,10 @@ x (D): the (2n + 2) * D ideal. The [2n + n*n, n*D] logit weight is read from L2 
 token tile, not per token. In Block.forward (bf16 streams):
 
     y = self.attn(self.attn_norm(x), rt)
-    h, x, mix = fused_mhc_step(h, y, post, comb, ffn_pre, self.ffn_hc.fn, self.ffn_hc.eps)
+    h, x, mix = fused_mhc_step(h, y, post, comb, ffn_pre, self.ffn_hc.fn, self.ffn_hc.norm_eps)
     post, comb, next_pre = hc_coefficients(self.ffn_hc, mix)
     y, balance = self.moe(self.ffn_norm(x), rt.shard)
-    h, x, mix = fused_mhc_step(h, y, post, comb, next_pre, <next layer>.attn_hc.fn, eps)
+    h, x, mix = fused_mhc_step(h, y, post, comb, next_pre, <next layer>.attn_hc.fn, norm_eps)
 
 Where no update comes before a boundary (the first sub-layer; the one after an Engram, which
 rewrites h before the next attn_hc), `fused_mhc_mix` runs the same kernels with the update
@@ -36,7 +36,8 @@ Contract (`fused_mhc_step`), any leading dims `...` (flattened to T tokens insid
     y    [..., D]      sub-layer output, any float  -> x     [..., D]    h's dtype (under
                                                          autocast: the autocast dtype)
     post [..., n], comb [..., n, n], pre [..., n]     fp32 (cast if not)
-    fn   [2n + n*n, n*D] fp32 weight of the next HyperConnection, eps its `eps`
+    fn   [2n + n*n, n*D] fp32 weight of the next HyperConnection, norm_eps its `norm_eps`
+         (the model's RMSNorm eps, not hc_eps: DeepSeek's inference code normalises with it)
                                                       -> mix   [..., 2n + n*n] fp32 logits
 Differentiable in h, y, post, comb, pre and fn. Math is fp32: h_new is rounded to h's
 dtype once, and x and mix are computed from the rounded h_new (what the reference's next
@@ -392,7 +393,7 @@ def _forward_weight(fn: torch.Tensor, dtype: torch.dtype):
     return fn, _DOT_PRECISION
 
 
-def _forward(h, y, post, comb, pre, fn, eps: float, cfg: MHCKernelConfig, x_dtype: torch.dtype):
+def _forward(h, y, post, comb, pre, fn, norm_eps: float, cfg: MHCKernelConfig, x_dtype: torch.dtype):
     """The forward kernel and its host-side sums -> (h_new, x, mix, r, resolved cfg). y, post and
     comb None: no residual update (h' is h, h_new None)."""
     T, N, D = h.shape
@@ -415,7 +416,7 @@ def _forward(h, y, post, comb, pre, fn, eps: float, cfg: MHCKernelConfig, x_dtyp
             PRECISION=precision, UPCAST=_interpreting(), UPDATE=update, num_warps=cfg.fwd_num_warps,
             num_stages=cfg.fwd_num_stages)
     # [T] RMS factor and [T, M] logits: tiny host-side reductions over the D splits
-    r = torch.rsqrt(ss_part.sum(0) / (N * D) + eps)
+    r = torch.rsqrt(ss_part.sum(0) / (N * D) + norm_eps)
     dot = dot_part.sum(0)
     if MS != M:  # bf16 hi + lo halves
         dot = dot[:, :M] + dot[:, M:]
@@ -436,7 +437,7 @@ def _backward(h, y, post, comb, pre, fn, r, mix, h_new, cfg: MHCKernelConfig, g_
     if g_mix is not None:
         g_mix = g_mix.float()
         gdot = (g_mix * r[:, None]).contiguous()  # d/d(h' . fn[m])
-        # d/dh' through r = rsqrt(mean(h'^2) + eps): 2 * dL/d(ss) = -(r^2 / nD) <g_mix, mix>
+        # d/dh' through r = rsqrt(mean(h'^2) + norm_eps): 2 * dL/d(ss) = -(r^2 / nD) <g_mix, mix>
         coef = (-(r * r) / (N * D) * (g_mix * mix).sum(-1)).contiguous()
     if in_kernel_fn:  # [gd_hi | gd_lo], slot columns each, padded to >= 64 (see the kernel)
         slot = _pow2(M, 16)
@@ -489,8 +490,8 @@ class _FusedMHCStep(torch.autograd.Function):
     """Flat shapes: h [T, n, D], y [T, D], post/pre [T, n], comb [T, n, n], fn [M, n*D]."""
 
     @staticmethod
-    def forward(ctx, h, y, post, comb, pre, fn, eps: float, cfg: MHCKernelConfig, x_dtype: torch.dtype):
-        h_new, x, mix, r, cfg = _forward(h, y, post, comb, pre, fn, eps, cfg, x_dtype)
+    def forward(ctx, h, y, post, comb, pre, fn, norm_eps: float, cfg: MHCKernelConfig, x_dtype: torch.dtype):
+        h_new, x, mix, r, cfg = _forward(h, y, post, comb, pre, fn, norm_eps, cfg, x_dtype)
         ctx.save_for_backward(h, y, post, comb, pre, fn, r, mix, h_new if _host_fn_grad(h, cfg) else None)
         ctx.cfg = cfg
         ctx.set_materialize_grads(False)  # unused outputs cost no traffic in the backward
@@ -508,8 +509,8 @@ class _FusedMHCMix(torch.autograd.Function):
     """`_FusedMHCStep` without the residual update: h [T, n, D], pre [T, n], fn [M, n*D] -> x, mix."""
 
     @staticmethod
-    def forward(ctx, h, pre, fn, eps: float, cfg: MHCKernelConfig, x_dtype: torch.dtype):
-        _, x, mix, r, cfg = _forward(h, None, None, None, pre, fn, eps, cfg, x_dtype)
+    def forward(ctx, h, pre, fn, norm_eps: float, cfg: MHCKernelConfig, x_dtype: torch.dtype):
+        _, x, mix, r, cfg = _forward(h, None, None, None, pre, fn, norm_eps, cfg, x_dtype)
         ctx.save_for_backward(h, pre, fn, r, mix)
         ctx.cfg = cfg
         ctx.set_materialize_grads(False)
@@ -534,13 +535,13 @@ def _x_dtype(h: torch.Tensor) -> torch.dtype:
 
 @torch.compiler.disable  # trainer.compile: a graph break, launched as is (model/kernels/__init__.py)
 def fused_mhc_step(h: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-                   pre: torch.Tensor, fn: torch.Tensor, eps: float,
+                   pre: torch.Tensor, fn: torch.Tensor, norm_eps: float,
                    config: Optional[MHCKernelConfig] = None):
     """h [..., n, D], y [..., D], post/pre [..., n], comb [..., n, n], fn [2n+n*n, n*D]
     -> (h_new [..., n, D], x [..., D], mix [..., 2n+n*n] fp32); see the module docstring.
     Same values as `reference_mhc_step`; differentiable in every tensor argument."""
     if h.dtype == torch.float64:
-        return reference_mhc_step(h, y, post, comb, pre, fn, eps)
+        return reference_mhc_step(h, y, post, comb, pre, fn, norm_eps)
     *lead, N, D = h.shape
     M = fn.shape[0]
     if y.shape != (*lead, D) or fn.shape[1] != N * D:
@@ -557,20 +558,20 @@ def fused_mhc_step(h: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: t
     h_new, x, mix = _FusedMHCStep.apply(
         h.reshape(T, N, D).contiguous(), y.reshape(T, D).contiguous(),
         post.float().reshape(T, N).contiguous(), comb.float().reshape(T, N, N).contiguous(),
-        pre.float().reshape(T, N).contiguous(), fn.float().contiguous(), float(eps),
+        pre.float().reshape(T, N).contiguous(), fn.float().contiguous(), float(norm_eps),
         config or MHCKernelConfig(), x_dtype)
     return h_new.view(*lead, N, D), x.view(*lead, D), mix.view(*lead, M)
 
 
 @torch.compiler.disable
-def fused_mhc_mix(h: torch.Tensor, pre: torch.Tensor, fn: torch.Tensor, eps: float,
+def fused_mhc_mix(h: torch.Tensor, pre: torch.Tensor, fn: torch.Tensor, norm_eps: float,
                   config: Optional[MHCKernelConfig] = None):
     """A boundary with no residual update before it (the first sub-layer, the one after an
     Engram): h [..., n, D], pre [..., n], fn [2n+n*n, n*D] -> (x [..., D], mix [..., 2n+n*n] fp32)
     in one read of h, the forward kernel with its update left out. Same values as
     `reference_mhc_mix`, x in the dtype `fused_mhc_step` gives it; differentiable in h, pre, fn."""
     if h.dtype == torch.float64:
-        return reference_mhc_mix(h, pre, fn, eps)
+        return reference_mhc_mix(h, pre, fn, norm_eps)
     *lead, N, D = h.shape
     M = fn.shape[0]
     if fn.shape[1] != N * D or pre.shape != (*lead, N):
@@ -578,24 +579,24 @@ def fused_mhc_mix(h: torch.Tensor, pre: torch.Tensor, fn: torch.Tensor, eps: flo
     T = math.prod(lead)
     x_dtype = _x_dtype(h)
     x, mix = _FusedMHCMix.apply(h.reshape(T, N, D).contiguous(), pre.float().reshape(T, N).contiguous(),
-                                fn.float().contiguous(), float(eps), config or MHCKernelConfig(), x_dtype)
+                                fn.float().contiguous(), float(norm_eps), config or MHCKernelConfig(), x_dtype)
     return x.view(*lead, D), mix.view(*lead, M)
 
 
-def reference_mhc_mix(h, pre, fn, eps):
+def reference_mhc_mix(h, pre, fn, norm_eps):
     """What `fused_mhc_mix` replaces: mix_streams, and a HyperConnection's RMS norm + linear
     (its forward up to `mix`) in fp32 (fp64 for fp64 streams)."""
     flat = h.flatten(-2)
     flat = flat.double() if flat.dtype == torch.float64 else flat.float()
-    flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + eps)
+    flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
     return mix_streams(pre, h), F.linear(flat, fn.to(flat.dtype))
 
 
-def reference_mhc_step(h, y, post, comb, pre, fn, eps):
+def reference_mhc_step(h, y, post, comb, pre, fn, norm_eps):
     """The unfused composition the kernel replaces: update_streams, then `reference_mhc_mix`
     of the updated streams (the next HyperConnection's logits and the next sub-layer's input)."""
     h_new = update_streams(h, y, post, comb)
-    return (h_new, *reference_mhc_mix(h_new, pre, fn, eps))
+    return (h_new, *reference_mhc_mix(h_new, pre, fn, norm_eps))
 
 
 def hc_coefficients(hc: HyperConnection, mix: torch.Tensor):

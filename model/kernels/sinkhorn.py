@@ -3,8 +3,8 @@
 Replaces the plain-PyTorch reference `model.mhc.sinkhorn_comb` in
 `HyperConnection.coefficients` (Block swaps it in when model.kernels=true):
 
-    comb = softmax_rows(logits) + eps;  comb /= col_sums(comb)          # round 1
-    repeat iters - 1 times:  comb /= row_sums(comb);  comb /= col_sums(comb)
+    comb = softmax_rows(logits) + eps;  comb /= col_sums(comb) + eps                 # round 1
+    repeat iters - 1 times:  comb /= row_sums(comb) + eps;  comb /= col_sums(comb) + eps
 
 per token, on an n x n matrix (n = 4 streams, iters = 20: two such calls per block). Eager
 PyTorch spends ~80 tiny kernel launches on the forward and ~160 on the backward of each call;
@@ -19,7 +19,7 @@ n <= 8 accepted). Loads and stores are strided by n*n elements; at 64 bytes a to
 L1 absorbs that.
 
 Backward: the exact gradient of the same rounds, by reverse sweep. Each normalisation
-Y = X / s (s the row or column sums of X) has the vector-Jacobian product
+Y = X / s (s = eps + the row or column sums of X) has the vector-Jacobian product
     dX = (G - <G, Y>) / s        (<G, Y> summed along the same axis as s),
 and the softmax P = softmax(L) has dL = P * (dP - <dP, P>)  (the eps shift has no gradient).
 The sweep needs each round's input matrix in reverse order. Nothing is saved by the forward
@@ -100,6 +100,15 @@ def _col_sums(m, N: tl.constexpr):
 
 
 @triton.jit
+def _plus(s, eps, N: tl.constexpr):
+    """Each of the N sums plus eps: the divisor of every normalisation (as DeepSeek's kernel)."""
+    out = ()
+    for i in tl.static_range(N):
+        out = out + (s[i] + eps,)
+    return out
+
+
+@triton.jit
 def _div_rows(m, s, N: tl.constexpr):
     out = ()
     for i in tl.static_range(N):
@@ -127,7 +136,7 @@ def _mul(a, b, NN: tl.constexpr):
 
 @triton.jit
 def _norm_rows_bwd(g, y, s, N: tl.constexpr):
-    """VJP of y = x / row_sums(x) (s those sums): (g - <g, y>_row) / s."""
+    """VJP of y = x / s, s = row_sums(x) + eps: (g - <g, y>_row) / s."""
     gy = _row_sums(_mul(g, y, N * N), N)
     out = ()
     for i in tl.static_range(N):
@@ -138,7 +147,7 @@ def _norm_rows_bwd(g, y, s, N: tl.constexpr):
 
 @triton.jit
 def _norm_cols_bwd(g, y, s, N: tl.constexpr):
-    """VJP of y = x / col_sums(x) (s those sums): (g - <g, y>_col) / s."""
+    """VJP of y = x / s, s = col_sums(x) + eps: (g - <g, y>_col) / s."""
     gy = _col_sums(_mul(g, y, N * N), N)
     out = ()
     for i in tl.static_range(N):
@@ -149,7 +158,7 @@ def _norm_cols_bwd(g, y, s, N: tl.constexpr):
 
 @triton.jit
 def _first_round(lg, eps, N: tl.constexpr):
-    """Round 1 from the logits: (softmax P, column sums cs of P + eps, comb = (P + eps) / cs)."""
+    """Round 1 from the logits: (softmax P, cs = col_sums(P + eps) + eps, comb = (P + eps) / cs)."""
     p = ()
     for i in tl.static_range(N):
         mx = lg[i * N]
@@ -166,7 +175,7 @@ def _first_round(lg, eps, N: tl.constexpr):
     pe = ()
     for e in tl.static_range(N * N):
         pe = pe + (p[e] + eps,)
-    cs = _col_sums(pe, N)
+    cs = _plus(_col_sums(pe, N), eps, N)
     return p, cs, _div_cols(pe, cs, N)
 
 
@@ -180,8 +189,8 @@ def _sinkhorn_fwd_kernel(lg_ptr, out_ptr, T, rounds, eps,
     lg = _load_mat(lg_ptr, t64, t_ok, N * N, DT)
     _, _, c = _first_round(lg, eps, N)
     for _ in range(rounds):  # the other iters - 1 rounds
-        c = _div_rows(c, _row_sums(c, N), N)
-        c = _div_cols(c, _col_sums(c, N), N)
+        c = _div_rows(c, _plus(_row_sums(c, N), eps, N), N)
+        c = _div_cols(c, _plus(_col_sums(c, N), eps, N), N)
     _store_mat(out_ptr, c, t64, t_ok, N * N)
 
 
@@ -199,8 +208,8 @@ def _sinkhorn_bwd_kernel(lg_ptr, g_ptr, glg_ptr, scratch_ptr, T, rounds, eps,
         row = (t64 * 0 + r) * NN  # int64: rounds * n*n * T may pass 2^31
         for e in tl.static_range(NN):
             tl.store(scratch_ptr + (row + e) * T + t64, c[e], mask=t_ok)
-        c = _div_rows(c, _row_sums(c, N), N)
-        c = _div_cols(c, _col_sums(c, N), N)
+        c = _div_rows(c, _plus(_row_sums(c, N), eps, N), N)
+        c = _div_cols(c, _plus(_col_sums(c, N), eps, N), N)
     # every lane reads back only what it stored, but make the writes visible block-wide anyway
     # (a tile smaller than the block replicates tokens across lanes)
     tl.debug_barrier()
@@ -210,9 +219,9 @@ def _sinkhorn_bwd_kernel(lg_ptr, g_ptr, glg_ptr, scratch_ptr, T, rounds, eps,
         x = ()
         for e in tl.static_range(NN):
             x = x + (tl.load(scratch_ptr + (row + e) * T + t64, mask=t_ok, other=1.0),)
-        rs = _row_sums(x, N)
+        rs = _plus(_row_sums(x, N), eps, N)
         rn = _div_rows(x, rs, N)  # row-normalised
-        cs = _col_sums(rn, N)
+        cs = _plus(_col_sums(rn, N), eps, N)
         y = _div_cols(rn, cs, N)  # the round's output
         g = _norm_rows_bwd(_norm_cols_bwd(g, y, cs, N), rn, rs, N)
     # round 1: comb = (P + eps) / cs, P = softmax(logits)
