@@ -4,12 +4,20 @@
                                                       checkpoint <out>/step_00000000 (default out:
                                                       <run dir>/checkpoints); train from it with
                                                       model.init_from=<out or the run dir>
-  flashtrain convert export=DIR checkpoint=CKPT       a flashtrain checkpoint -> the public layout
+  flashtrain convert export=DIR checkpoint=CKPT       a flashtrain checkpoint -> the public layout,
+                                                      a directory the public inference code loads
+                                                      as it is (weights, config.json, tokenizer)
 
 `import` is a Python keyword: the field is `import_`, and the CLI takes `import=` for it. The model
 config (model=flash by default) must describe the checkpoint; an unset model.vocab_size is taken from
 config.json (import) or from the checkpoint's embedding (export). launcher.nproc=N shares the parts
 among N processes.
+
+Export reads two things besides the weights: the tokenizer (the tokenizer.json every checkpoint
+carries, or tokenizer=PATH) and the checkpoint's origin, the public directory its weights first came
+from (recorded by import and by every run started from one; origin=DIR when it moved, origin=none to
+do without): its tensors of modules flashtrain does not train are written back unchanged, and its
+scales keep untrained weights byte-identical.
 """
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -28,6 +36,7 @@ class ConvertConfig:
     out: Optional[str] = None  # import: the checkpoints directory to write (None: <run dir>/checkpoints)
     export: Optional[str] = None  # a directory to write the public layout into
     checkpoint: Optional[str] = None  # export: a flashtrain checkpoint, a run's checkpoints/ dir or a run dir
-    dspark: str = "skip"  # public DSpark tensors (mtp.*) on import: skip (say so) | error
+    origin: Optional[str] = None  # export: the public directory the weights came from (None: as recorded; none)
+    tokenizer: Optional[str] = None  # export: a tokenizer.json (None: the one the checkpoint carries)
     model: ModelConfig = MISSING
     launcher: LauncherConfig = MISSING

@@ -46,7 +46,7 @@ class PolicyTrainer:
         os.environ.update(env)  # this rank's RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT
         from data.tokenizer import TextTokenizer
         from optim import CompositeOptimizer, build_optimizer, lr_multiplier
-        from trainer.checkpoint import CheckpointManager, load_init_weights
+        from trainer.checkpoint import CheckpointManager, checkpoint_attachments, load_init_weights
         from trainer.distributed import init_distributed
         from trainer.engine import build_engine
         from trainer.pretrain import build_model, seed_everything
@@ -59,8 +59,9 @@ class PolicyTrainer:
         seed_everything(cfg.trainer.seed)
         self.tokenizer = TextTokenizer.from_file(tokenizer_path)
         self.model = build_model(cfg, self.tokenizer)
+        weights_from = None
         if policy:  # a checkpoint or a public-layout directory (rl/run.py's initial_policy)
-            load_init_weights(self.model, policy)
+            weights_from = load_init_weights(self.model, policy)
         self.optimizer = build_optimizer(self.model, cfg.optim, cfg.trainer.zero_stage, self.dist.rank,
                                          self.dist.world_size, verbose=False)
         self.own_optimizer_state = isinstance(self.optimizer, CompositeOptimizer)
@@ -68,6 +69,7 @@ class PolicyTrainer:
         self.engine, _ = build_engine(self.model, self.optimizer, self.scheduler, cfg.trainer, self.dist,
                                       whole_param_optimizer=self.own_optimizer_state)
         self.ckpts = CheckpointManager(Path(run_dir) / "checkpoints", cfg.trainer.keep_last, self.dist.rank)
+        self.ckpts.attachments = checkpoint_attachments(self.tokenizer, weights_from)
         self.version = 0  # optimizer steps taken: the version of the current weights
         self.distill = getattr(cfg, "distill", None)  # `flashtrain distill`: the reverse KL to teachers
         self.teacher_heads: dict[str, torch.Tensor] = {}  # teacher key -> LM head, sent once per teacher
@@ -200,6 +202,9 @@ class PolicyTrainer:
         ckpt = self.ckpts.resolve(resume)
         if ckpt is None:
             return None
+        from trainer.checkpoint import checkpoint_attachments
+
+        self.ckpts.attachments = checkpoint_attachments(self.tokenizer, ckpt)
         trainer_state, rank_state = self.ckpts.load(self.engine, ckpt, load_optimizer_states=not self.own_optimizer_state)
         if self.own_optimizer_state:
             shards = [s["optimizer"] for s in self.ckpts.all_rank_states(ckpt)]

@@ -1,7 +1,9 @@
 """Atomic, verified checkpoints around DeepSpeed's own save/load.
 
 Layout under <run>/checkpoints/:
-  step_00000100/              one complete checkpoint (DeepSpeed files + ours + manifest.json)
+  step_00000100/              one complete checkpoint (DeepSpeed files + ours + manifest.json), with
+                              the run's tokenizer.json and, for weights that came from a public-layout
+                              checkpoint, origin.json (trainer/interop: what an export carries over)
   latest                      the tag of the newest complete checkpoint (written last)
   .tmp_step_00000200/         a save in progress; never read, removed by the next save
   step_00000300.corrupt/      a checkpoint that failed verification, kept for inspection
@@ -30,6 +32,8 @@ MANIFEST = "manifest.json"
 LATEST = "latest"
 TRAINER_STATE = "trainer_state.pt"
 TAG_PREFIX = "step_"
+TOKENIZER = "tokenizer.json"  # the run's tokenizer, so that a checkpoint can be exported on its own
+ORIGIN = "origin.json"  # {"origin": the public-layout directory the weights first came from}
 
 
 class CheckpointError(UserError):
@@ -101,6 +105,7 @@ def _quarantine(ckpt: Path) -> None:
 class CheckpointManager:
     def __init__(self, root: Path, keep_last: int, rank: int):
         self.root, self.keep_last, self.rank = Path(root), max(keep_last, 1), rank
+        self.attachments: dict[str, str] = {}  # file name -> text, written into every checkpoint (rank 0)
         if rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
         barrier()
@@ -122,6 +127,8 @@ class CheckpointManager:
         torch.save(rank_state, staged / f"rank_{self.rank:05d}_state.pt")
         if self.rank == 0:
             torch.save(trainer_state, staged / TRAINER_STATE)
+            for name, text in self.attachments.items():
+                (staged / name).write_text(text)
         barrier()
         final = self.root / tag
         if self.rank == 0:
@@ -214,11 +221,17 @@ class CheckpointManager:
 
 def model_state(ckpt: Path) -> dict[str, torch.Tensor]:
     """The model weights of a checkpoint, memory-mapped (read when touched): DeepSpeed's model
-    states file, or the per-part files of a weights-only checkpoint (flashtrain convert import)."""
+    states file, or the per-part files of a weights-only checkpoint (flashtrain convert import).
+    Under ZeRO-3 the model states file holds empty partitions; the fp32 weights are then rebuilt
+    from the optimiser shards with DeepSpeed's own zero_to_fp32."""
     ckpt = Path(ckpt)
     files = sorted(ckpt.glob("mp_rank_*_model_states.pt"))
     if files:
         return torch.load(files[0], map_location="cpu", weights_only=False, mmap=True)["module"]
+    if any(ckpt.glob("zero_pp_rank_*_mp_rank_*_model_states.pt")):  # ZeRO-3: partitions only
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        return get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
     parts = sorted(ckpt.glob("model_part_*.pt"))
     if not parts:
         raise CheckpointError(f"{ckpt}: no model states file")
@@ -239,21 +252,35 @@ def load_model_weights(model: torch.nn.Module, ckpt: Path) -> None:
         raise CheckpointError(f"{ckpt} does not fit this model: missing {missing[:3]}, unexpected {unexpected[:3]}")
 
 
-def load_init_weights(model: torch.nn.Module, source: str, dspark: str = "skip") -> Path:
+def load_init_weights(model: torch.nn.Module, source: str) -> Path:
     """The starting weights of a run (`model.init_from`): a flashtrain checkpoint, a run's
     checkpoints/ dir or a run dir holding one (the newest complete checkpoint), or a directory in
     the public DeepSeek-V4.1-Flash layout (imported on the fly, shard by shard). Weights only: the
     optimiser and data start fresh. Every rank calls it (a checkpoint search is collective);
     returns the checkpoint or directory the weights came from."""
-    from trainer.interop.convert import import_into_model, is_public_dir
+    from trainer.interop.convert import check_imported, import_into_model, is_public_dir
 
     path = resolve_init_source(source)
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     if is_public_dir(path):
-        import_into_model(model, path, dspark, log=print if rank == 0 else (lambda _: None))
+        import_into_model(model, path, log=print if rank == 0 else (lambda _: None))
     else:
+        check_imported(model, path)
         load_model_weights(model, path)
     return path
+
+
+def checkpoint_attachments(tokenizer, weights_from: Optional[Path]) -> dict[str, str]:
+    """What a run writes into each of its checkpoints besides the weights: its tokenizer, and the
+    public-layout origin of the weights it started from (`weights_from`: model.init_from's
+    checkpoint or directory, or the checkpoint a run resumed)."""
+    from trainer.interop.convert import origin_of
+
+    out = {TOKENIZER: tokenizer.tokenizer.to_str()} if tokenizer is not None else {}
+    origin = origin_of(weights_from) if weights_from is not None else None
+    if origin is not None:
+        out[ORIGIN] = json.dumps({"origin": str(origin)}) + "\n"
+    return out
 
 
 def resolve_init_source(source: str, what: str = "model.init_from") -> Path:

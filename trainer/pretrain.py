@@ -20,7 +20,7 @@ from model.accounting import train_flops_per_token
 from model.engram import build_compression_map
 from model.transformer import Transformer
 from optim import CompositeOptimizer, Replicas, build_optimizer, lr_multiplier
-from trainer.checkpoint import CheckpointManager, load_init_weights
+from trainer.checkpoint import CheckpointManager, checkpoint_attachments, load_init_weights
 from trainer.context_parallel import slice_batch
 from trainer.distributed import DistInfo, all_reduce_sum_, init_distributed
 from trainer.engine import build_engine, check_trainer_counts
@@ -131,6 +131,8 @@ class Trainer:
         self.initialised_from = None
         if self.resumed_from is None and init_from is not None:
             self._load_weights(init_from)
+        # each checkpoint carries the tokenizer and where the weights came from, for `convert export`
+        self.ckpts.attachments = checkpoint_attachments(self.tokenizer, self.resumed_from or self.initialised_from)
         container = OmegaConf.to_container(OmegaConf.create(config_yaml), resolve=True)
         self.tracker = build_tracker(cfg.logger, self.run_dir, container, run_id, d.rank)
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl",

@@ -8,17 +8,18 @@
               `scale` e8m0 [out, in/32]: MXFP4 along the input dim (SPEC §11 "FP4 routed experts")
   fp8_row     `weight` e4m3 [rows, dim] + `scale` e8m0 [rows, ceil(dim/32)]: Engram table rows
 
-Rounding is model/quant.py's, the rules of the activation quantisers: FP8 scale pow2ceil(amax/448)
-with amax >= 1e-4 and values clamped to +-448; MXFP4 scale 2^ceil(log2(amax/6)) with
-amax >= 6*2^-126; E4M3 and E2M1 round to nearest, ties to even. Partial blocks (a dim that is not a
-multiple of 32) are padded with zeros, which never raise a block's amax.
+Rounding is the public quantisers' (model/quant.py applies the same rules to activations): FP8
+scale pow2ceil(amax/448) with amax >= 1e-4 and values clamped to +-448; MXFP4 scale
+2^ceil(log2(amax/6)) with amax >= 6*2^-126; E4M3 and E2M1 round to nearest, ties to even. Partial
+blocks (a dim that is not a multiple of 32) are padded with zeros, which never raise a block's amax.
 
-Canonical codes: with those rules quantise(dequantise(codes)) is NOT always the stored codes. A
-block whose rounded maximum lands on exactly half the format's range (E4M3 224, E2M1 3) dequantises
-to values whose amax gives the next smaller power-of-two scale, so a re-quantisation stores the same
-values at half the scale and twice the codes. `encode` therefore stores Q(D(Q(x))): the same
-dequantised values as the activation quantiser's Q(x) (bit for bit), in the one code form that is a
-fixed point of Q(D(.)), so an export of an imported checkpoint is byte-identical to its source.
+Scale hints: the same values can be stored two ways. A block whose largest code is half the format's
+range (E4M3 224, E2M1 3) at scale s holds exactly the values of codes twice as large at scale s/2, and
+which of the two a quantiser wrote depends on the unrounded weights it saw. So quantise(dequantise(c))
+is not always c, and an exported copy of imported weights would differ in bytes from its source.
+`encode` therefore takes the scale bytes the weights came with (`scale_hint`): a block whose values
+are exactly representable at its hinted scale is stored at that scale (the source's own codes); every
+other block, trained ones included, is quantised afresh.
 """
 from __future__ import annotations
 
@@ -26,14 +27,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from model.quant import FORMATS, pack_fp8, pack_mxfp4, unpack_fp8, unpack_mxfp4
+from model.quant import FORMATS, e2m1_encode, pack_fp8, pack_mxfp4, unpack_fp8, unpack_mxfp4
 
 BLOCK = 32
 ROW_CHUNK = 1 << 18  # rows quantised at a time: fp32 temporaries stay small for the 384M-row Engram tables
 QUANTISED = ("fp8_block", "fp4_expert", "fp8_row")
 ENCODINGS = ("bf16", "fp32", *QUANTISED)
 # safetensors header dtype -> bytes per element (F4: two elements per byte)
-HEADER_BYTES = {"BF16": 2.0, "F32": 4.0, "F8_E4M3": 1.0, "F8_E8M0": 1.0, "F4": 0.5}
+HEADER_BYTES = {"F4": 0.5, "BOOL": 1.0, "U8": 1.0, "I8": 1.0, "F8_E4M3": 1.0, "F8_E5M2": 1.0, "F8_E8M0": 1.0,
+                "BF16": 2.0, "F16": 2.0, "I16": 2.0, "F32": 4.0, "I32": 4.0, "F64": 8.0, "I64": 8.0}
 
 
 def _ceil(n: int, block: int = BLOCK) -> int:
@@ -62,6 +64,10 @@ def stored_bytes(encoding: str, shape: tuple[int, ...]) -> int:
     for dtype, dims in stored(encoding, shape).values():
         total += HEADER_BYTES[dtype] * torch.Size(dims).numel()
     return int(total)
+
+
+def _e8m0(sbytes: Tensor) -> Tensor:
+    return FORMATS["fp8"].decode_scale(sbytes)
 
 
 # ------------------------------------------------------------------ FP8 32x32 blocks
@@ -131,15 +137,53 @@ _WEIGHT_DTYPE = {"fp8_block": torch.float8_e4m3fn, "fp4_expert": torch.float4_e2
                  "fp8_row": torch.float8_e4m3fn}
 
 
-def encode(encoding: str, x: Tensor) -> dict[str, Tensor]:
-    """A dequantised tensor -> the stored tensors {suffix: tensor} (see `stored`)."""
-    if encoding == "bf16":
-        return {"": x.to(torch.bfloat16).contiguous()}
-    if encoding == "fp32":
-        return {"": x.to(torch.float32).contiguous()}
+def encode(encoding: str, x: Tensor, scale_hint: Tensor | None = None,
+           float_dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+    """A dequantised tensor -> the stored tensors {suffix: tensor} (see `stored`). `scale_hint`: the
+    scale bytes x came with (module doc); `float_dtype`: the dtype a bf16/fp32 tensor is stored in
+    instead of its encoding's (the source checkpoint's own choice)."""
+    if encoding in ("bf16", "fp32"):
+        dtype = float_dtype or (torch.bfloat16 if encoding == "bf16" else torch.float32)
+        return {"": x.to(dtype).contiguous()}
+    if encoding == "fp8_row" and x.shape[0] > ROW_CHUNK:  # table rows a chunk at a time: bounded temporaries
+        pieces = [encode(encoding, x[lo:lo + ROW_CHUNK], None if scale_hint is None else scale_hint[lo:lo + ROW_CHUNK])
+                  for lo in range(0, x.shape[0], ROW_CHUNK)]
+        return {k: torch.cat([p[k] for p in pieces]) for k in pieces[0]}
     codes, sbytes = _codes(encoding, x)
-    codes, sbytes = _codes(encoding, _values(encoding, codes, sbytes))  # the canonical form (module doc)
+    if scale_hint is not None and tuple(scale_hint.shape) == tuple(sbytes.shape):
+        codes, sbytes = _prefer_hint(encoding, x, codes, sbytes, scale_hint.contiguous().view(torch.uint8))
     return {"": codes.view(_WEIGHT_DTYPE[encoding]), "scale": sbytes.view(torch.float8_e8m0fnu)}
+
+
+def _codes_at(encoding: str, x: Tensor, sbytes: Tensor) -> Tensor:
+    """x quantised at the given E8M0 scale bytes, in `_codes`' layout (no representability check)."""
+    if encoding == "fp4_expert":  # [..., rows, cols], scales [..., rows, cols/32]
+        xb = x.float().unflatten(-1, (-1, BLOCK)) / _e8m0(sbytes).unsqueeze(-1)
+        nibbles = e2m1_encode(xb)
+        nibbles = torch.where((xb == 0) & torch.signbit(xb), 8, nibbles).flatten(-2)  # -0 keeps its sign bit
+        return nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
+    rows, cols = x.shape
+    scale = _e8m0(sbytes).repeat_interleave(BLOCK, 1)[:, :cols]
+    if encoding == "fp8_block":
+        scale = scale.repeat_interleave(BLOCK, 0)[:rows]
+    return (x.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def _prefer_hint(encoding: str, x: Tensor, codes: Tensor, sbytes: Tensor, hint: Tensor) -> tuple[Tensor, Tensor]:
+    """Blocks whose values the hinted scales represent exactly take the hinted codes and scales."""
+    at_hint = _codes_at(encoding, x, hint)
+    inexact = _values(encoding, at_hint, hint) != x.float()
+    if encoding == "fp4_expert":  # blocks of 32 along the last dim; codes are nibble pairs
+        ok = ~inexact.unflatten(-1, (-1, BLOCK)).any(-1)  # [..., rows, cols/32]
+        code_ok = ok.repeat_interleave(BLOCK // 2, -1)
+    elif encoding == "fp8_block":  # 32x32 blocks; the zero padding is never inexact
+        ok = _to_blocks(inexact.float()).amax(-1) == 0  # [ceil(rows/32), ceil(cols/32)]
+        code_ok = ok.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:x.shape[0], :x.shape[1]]
+    else:  # fp8_row: blocks of 32 along each row
+        rows, cols = x.shape
+        ok = ~F.pad(inexact, (0, _ceil(cols) * BLOCK - cols)).view(rows, -1, BLOCK).any(-1)
+        code_ok = ok.repeat_interleave(BLOCK, 1)[:, :cols]
+    return torch.where(code_ok, at_hint, codes), torch.where(ok, hint, sbytes)
 
 
 def decode(encoding: str, stored_tensors: dict[str, Tensor]) -> Tensor:

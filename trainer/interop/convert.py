@@ -5,6 +5,13 @@ public shards are cut, a process holds one part (a layer, or one Engram table) o
 a time. Everything is checked before anything is converted: config.json against the model config,
 every expected tensor's presence, safetensors dtype and shape, and every unexpected name; the error
 is one line naming each offending tensor. Launched distributed, rank r converts parts r, r + world, ...
+
+The origin of a checkpoint is the public-layout directory its weights first came from (a released
+checkpoint, or the `public/` folder `convert import` writes beside the weights it decodes). Export
+reads from it what flashtrain's own weights cannot say: the tensors of modules flashtrain does not
+train (carried through unchanged), the scale bytes that keep untrained weights byte-identical
+(codec.py), the source's float dtypes, the config fields flashtrain has no use for, and the
+tokenizer files.
 """
 from __future__ import annotations
 
@@ -18,18 +25,29 @@ from typing import Any, Optional
 import torch
 
 from conf.model import ModelConfig
-from model.engram import _draw_multipliers
-from trainer.checkpoint import LATEST, CheckpointError, _write_atomic, tag_for, write_manifest
+from model.engram import build_compression_map, engram_hash_multipliers
+from trainer.checkpoint import LATEST, ORIGIN, CheckpointError, _write_atomic, tag_for, write_manifest
 from trainer.distributed import barrier
-from trainer.interop.codec import decode, encode, stored, stored_bytes
-from trainer.interop.layout import DSPARK_PREFIX, Part, build_layout, config_mismatches, public_config
+from trainer.interop.codec import HEADER_BYTES, decode, encode, stored, stored_bytes
+from trainer.interop.layout import (
+    CARRIED,
+    TOKENIZER_KEYS,
+    Part,
+    build_layout,
+    config_mismatches,
+    public_config,
+)
 
 INDEX = "model.safetensors.index.json"
 CONFIG = "config.json"
-KEPT_CONFIG = "public_config.json"  # the source's config.json, kept beside an imported checkpoint
+PUBLIC = "public"  # an imported checkpoint's folder of what its fp32 parts do not hold
+HEADERS = "headers.json"  # in PUBLIC: dtype and shape of every tensor of the source
 PART_FILE = "model_part_{:05d}.pt"
-TOKENIZER_KEYS = ("engram_pad_id", "engram_compressed_vocab_size")
 EXPERT_CHUNK = 32  # routed experts quantised together on export
+# files of a public directory that describe the tokenizer and generation, copied alongside the weights
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "generation_config.json", "chat_template.jinja")
+FLOAT_DTYPES = {"BF16": torch.bfloat16, "F32": torch.float32, "F16": torch.float16}
 
 
 class InteropError(CheckpointError):
@@ -39,6 +57,19 @@ class InteropError(CheckpointError):
 def is_public_dir(path: Path) -> bool:
     path = Path(path)
     return (path / CONFIG).is_file() and any(path.glob("*.safetensors"))
+
+
+def origin_of(path: Path) -> Optional[Path]:
+    """The public-layout directory the weights at `path` first came from: a public directory
+    itself, an imported checkpoint's `public/` folder, or what a trained checkpoint recorded."""
+    path = Path(path)
+    if (path / PUBLIC / CONFIG).is_file():
+        return (path / PUBLIC).resolve()
+    if is_public_dir(path):
+        return path.resolve()
+    if (path / ORIGIN).is_file():
+        return Path(json.loads((path / ORIGIN).read_text())["origin"])
+    return None
 
 
 def model_layout(cfg: ModelConfig):
@@ -51,15 +82,15 @@ def model_layout(cfg: ModelConfig):
     return shapes, build_layout(cfg, model.plan, shapes), model.plan
 
 
-def engram_fields(model) -> dict[str, int]:
-    """The tokenizer-derived config.json fields of a live model."""
-    pads = [e.pad_id for e in model.engrams.values()]
-    return {"engram_pad_id": pads[0] if pads else 0,
-            "engram_compressed_vocab_size": int(model.lookup_map.max()) + 1}
+def compressed_vocab(lookup_map: torch.Tensor) -> int:
+    """Classes of a tokenizer compression map (dense ids from 0)."""
+    return int(lookup_map.max()) + 1
 
 
 class PublicReader:
-    """config.json, and tensors by public name through the index (or the shards' own headers)."""
+    """config.json, and tensors by public name through the index (or the shards' own headers). An
+    imported checkpoint's `public/` folder reads the same way; its headers.json describes every
+    tensor of the source, also those whose data it does not keep."""
 
     def __init__(self, root: Path):
         from safetensors import safe_open
@@ -74,6 +105,9 @@ class PublicReader:
         else:
             weight_map = {name: f.name for f in sorted(self.root.glob("*.safetensors")) for name in self._file(f).keys()}
         self.files = {name: self.root / file for name, file in weight_map.items()}
+        headers = self.root / HEADERS
+        self.headers = {k: (v[0], tuple(v[1])) for k, v in json.loads(headers.read_text()).items()} \
+            if headers.is_file() else None
 
     def _file(self, path: Path):
         if path not in self._handles:
@@ -82,16 +116,34 @@ class PublicReader:
             self._handles[path] = self._safe_open(str(path), framework="pt")
         return self._handles[path]
 
+    def names(self) -> list[str]:
+        """Every tensor of the source."""
+        return sorted(self.headers) if self.headers is not None else sorted(self.files)
+
     def header(self, name: str) -> Optional[tuple[str, tuple[int, ...]]]:
-        """(safetensors dtype, shape) from the header only; None when the shard lacks the tensor."""
+        """(safetensors dtype, shape) from the header only; None when the source lacks the tensor."""
+        if self.headers is not None:
+            return self.headers.get(name)
+        if name not in self.files:
+            return None
         handle = self._file(self.files[name])
         if name not in handle.keys():
             return None
         piece = handle.get_slice(name)
         return piece.get_dtype(), tuple(piece.get_shape())
 
+    def has_data(self, name: str) -> bool:
+        return name in self.files
+
     def tensor(self, name: str) -> torch.Tensor:
         return self._file(self.files[name]).get_tensor(name)
+
+    def carried(self) -> list[str]:
+        """The source's tensors of modules flashtrain does not train (layout.CARRIED)."""
+        return [n for n in self.names() if CARRIED.search(n)]
+
+    def tokenizer_files(self) -> list[Path]:
+        return [self.root / f for f in TOKENIZER_FILES if (self.root / f).is_file()]
 
     def release(self) -> None:
         """Drop the open shards (and their memory maps) between parts."""
@@ -104,42 +156,46 @@ def _expected_tensors(parts: list[Part]) -> dict[str, tuple[str, tuple[int, ...]
 
 
 def check_public(reader: PublicReader, parts: list[Part], expected_config: dict[str, Any], model_name: str,
-                 dspark: str = "skip", log: Callable[[str], None] = print) -> None:
-    """Raise one InteropError naming every problem; say what is skipped (DSpark tensors)."""
-    if dspark not in ("skip", "error"):
-        raise InteropError(f"dspark={dspark!r}: expected skip or error")
+                 log: Callable[[str], None] = print) -> list[str]:
+    """Raise one InteropError naming every problem; name the tensors that are carried, not
+    imported, in one warning line. Returns those names."""
     problems = config_mismatches(expected_config, reader.config)
     expected = _expected_tensors(parts)
     for name, (dtype, shape) in expected.items():
-        got = reader.header(name) if name in reader.files else None
+        got = reader.header(name)
         if got is None:
             problems.append(f"missing tensor {name}")
-        elif got[0] != dtype:
+        elif got[0] != dtype and not (dtype in FLOAT_DTYPES and got[0] in FLOAT_DTYPES):
             problems.append(f"{name}: dtype {got[0]}, expected {dtype}")
         elif got[1] != shape:
             problems.append(f"{name}: shape {list(got[1])}, expected {list(shape)}")
-    drafter = sorted(n for n in reader.files if n.startswith(DSPARK_PREFIX))
-    problems += [f"unexpected tensor {n}" for n in sorted(reader.files) if n not in expected and n not in drafter]
-    if drafter and dspark == "error":
-        problems.append(f"{len(drafter)} DSpark tensors ({drafter[0]}, ...): flashtrain has no DSpark drafter")
+    carried = reader.carried()
+    problems += [f"unexpected tensor {n}" for n in reader.names() if n not in expected and not CARRIED.search(n)]
     reader.release()
     if problems:
         raise InteropError(f"{reader.root} does not fit model {model_name}: {'; '.join(problems)}")
-    if drafter:
-        log(f"flashtrain convert: skipping {len(drafter)} DSpark drafter tensors ({DSPARK_PREFIX}*): "
-            "flashtrain has no DSpark module, so they are not imported and an export will not contain them")
+    if carried:
+        groups = sorted({n.split(".")[0] if not n.startswith("layers.") else "layers.*.ffn.gate.bias_vl"
+                         for n in carried})
+        log(f"flashtrain convert: warning: {len(carried)} tensors of modules flashtrain does not train "
+            f"({', '.join(groups)}) are carried through unchanged: not in the model, written back on export")
+    return carried
 
 
-def _derived(kind: str, key: str, shapes: dict[str, tuple[int, ...]], cfg: ModelConfig) -> torch.Tensor:
+def _tokenizer_fields(reader: PublicReader) -> dict[str, int]:
+    return {k: reader.config[k] for k in TOKENIZER_KEYS if k in reader.config}
+
+
+def _derived(kind: str, key: str, shapes: dict[str, tuple[int, ...]], config: dict[str, Any]) -> torch.Tensor:
     if kind == "zeros":
         return torch.zeros(shapes[key])
-    if kind == "engram_multipliers":  # engrams.<layer>.multipliers
-        return _draw_multipliers(cfg, int(key.split(".")[1]))
+    if kind == "engram_multipliers":  # engrams.<layer>.multipliers, from the source's compressed vocabulary
+        return engram_hash_multipliers(int(key.split(".")[1]), shapes[key][0],
+                                       int(config["engram_compressed_vocab_size"]))
     raise ValueError(f"unknown derived tensor kind {kind!r}")
 
 
-def import_part(reader: PublicReader, part: Part, shapes: dict[str, tuple[int, ...]],
-                cfg: ModelConfig) -> dict[str, torch.Tensor]:
+def import_part(reader: PublicReader, part: Part, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
     """The part's flashtrain tensors (fp32; int64 for hash multipliers), decoded from the layout."""
     out: dict[str, torch.Tensor] = {}
     for e in part.entries:
@@ -151,7 +207,7 @@ def import_part(reader: PublicReader, part: Part, shapes: dict[str, tuple[int, .
                 out[e.source] = torch.empty(shapes[e.source])
             out[e.source][e.expert] = value
     for key, kind in part.derived.items():
-        out[key] = _derived(kind, key, shapes, cfg)
+        out[key] = _derived(kind, key, shapes, reader.config)
     return out
 
 
@@ -161,19 +217,40 @@ def _rank_world() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
+def _check_compressed_vocab(model, config: dict[str, Any], root: Path) -> None:
+    """The Engram hash depends on the compressed vocabulary: the run's tokenizer must give the
+    source's."""
+    if not len(model.engrams) or "engram_compressed_vocab_size" not in config:
+        return
+    mine, theirs = compressed_vocab(model.lookup_map), int(config["engram_compressed_vocab_size"])
+    if mine != theirs:
+        raise InteropError(f"{root}: config.json says engram_compressed_vocab_size={theirs}, but the run's "
+                           f"tokenizer compresses to {mine} ids: train with the tokenizer these weights were "
+                           "trained with (data.tokenizer_path)")
+
+
+def check_imported(model, ckpt: Path) -> None:
+    """Before a `convert import` checkpoint's weights go into `model`: its Engram hash
+    multipliers were drawn for the source's compressed vocabulary, which the run's must match."""
+    config = Path(ckpt) / PUBLIC / CONFIG
+    if config.is_file():
+        _check_compressed_vocab(model, json.loads(config.read_text()), Path(ckpt))
+
+
 # ------------------------------------------------------------------ import
-def import_into_model(model, root: Path, dspark: str = "skip", log: Callable[[str], None] = print) -> None:
+def import_into_model(model, root: Path, log: Callable[[str], None] = print) -> None:
     """Load a public-layout checkpoint into a live model (every rank loads all of it), part by part."""
     cfg, state = model.cfg, model.state_dict()
     shapes = {k: tuple(v.shape) for k, v in state.items()}
     parts = build_layout(cfg, model.plan, shapes)
     reader = PublicReader(root)
-    check_public(reader, parts, public_config(cfg, model.plan, cfg.vocab_size, engram_fields(model)), cfg.name,
-                 dspark, log)
+    _check_compressed_vocab(model, reader.config, reader.root)
+    check_public(reader, parts, public_config(cfg, model.plan, cfg.vocab_size, _tokenizer_fields(reader)),
+                 cfg.name, log)
     filled = {"lookup_map"}  # built from the run's tokenizer, not stored in the layout
     with torch.no_grad():
         for part in parts:
-            for name, tensor in import_part(reader, part, shapes, cfg).items():
+            for name, tensor in import_part(reader, part, shapes).items():
                 state[name].copy_(tensor)
                 filled.add(name)
             reader.release()
@@ -181,31 +258,45 @@ def import_into_model(model, root: Path, dspark: str = "skip", log: Callable[[st
         raise InteropError(f"the layout does not fill {sorted(set(state) - filled)} of model {cfg.name}")
 
 
-def import_checkpoint(root: Path, out_root: Path, cfg: ModelConfig, dspark: str = "skip",
-                      log: Callable[[str], None] = print) -> Path:
+def import_checkpoint(root: Path, out_root: Path, cfg: ModelConfig, log: Callable[[str], None] = print) -> Path:
     """Public layout at `root` -> a weights-only flashtrain checkpoint <out_root>/step_00000000
-    (one torch file per part, a manifest, `latest`). Start training from it with model.init_from."""
+    (one torch file per part, a manifest, `latest`) and its `public/` folder: the source's
+    config.json, tokenizer files, tensor headers, scale bytes and carried tensors, so that an
+    export of it needs nothing else. Start training from it with model.init_from."""
+    from safetensors.torch import save_file
+
     rank, world = _rank_world()
     reader = PublicReader(root)
     if cfg.vocab_size is None:
         cfg = dataclasses.replace(cfg, vocab_size=reader.config.get("vocab_size"))
     shapes, parts, plan = model_layout(cfg)
-    tokenizer_fields = {k: reader.config[k] for k in TOKENIZER_KEYS if k in reader.config}
-    check_public(reader, parts, public_config(cfg, plan, cfg.vocab_size, tokenizer_fields), cfg.name, dspark,
-                 log if rank == 0 else (lambda _: None))
+    carried = check_public(reader, parts, public_config(cfg, plan, cfg.vocab_size, _tokenizer_fields(reader)),
+                           cfg.name, log if rank == 0 else (lambda _: None))
     tag = tag_for(0)
     staging, final = Path(out_root) / f".tmp_{tag}", Path(out_root) / tag
     if rank == 0:
         shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
+        (staging / PUBLIC).mkdir(parents=True)
     barrier()
     for k, part in enumerate(parts):
         if k % world == rank:
-            torch.save(import_part(reader, part, shapes, cfg), staging / PART_FILE.format(k))
+            torch.save(import_part(reader, part, shapes), staging / PART_FILE.format(k))
+            scales = {e.name("scale"): reader.tensor(e.name("scale")) for e in part.entries if e.encoding
+                      not in ("bf16", "fp32")}
+            if scales:
+                save_file(scales, str(staging / PUBLIC / f"scales-{k:05d}.safetensors"))
             reader.release()
+    if rank == len(parts) % world and carried:
+        save_file({n: reader.tensor(n) for n in carried}, str(staging / PUBLIC / "carried.safetensors"))
+        reader.release()
     barrier()
     if rank == 0:
-        shutil.copyfile(Path(root) / CONFIG, staging / KEPT_CONFIG)
+        shutil.copyfile(Path(root) / CONFIG, staging / PUBLIC / CONFIG)
+        for f in reader.tokenizer_files():
+            shutil.copyfile(f, staging / PUBLIC / f.name)
+        headers = {n: [*reader.header(n)] for n in reader.names()}
+        (staging / PUBLIC / HEADERS).write_text(json.dumps(headers, indent=0) + "\n")
+        reader.release()
         write_manifest(staging, 0)
         if final.exists():
             shutil.rmtree(final)
@@ -217,73 +308,176 @@ def import_checkpoint(root: Path, out_root: Path, cfg: ModelConfig, dspark: str 
 
 
 # ------------------------------------------------------------------ export
-def export_state(state: Mapping[str, torch.Tensor], dst: Path, cfg: ModelConfig,
-                 engram: Optional[dict[str, int]] = None, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """A flashtrain state dict (tensors may be memory-mapped) -> the public layout in `dst`. Each
-    rank writes its parts' shards; rank 0 then writes the index and config.json. `engram`: the
-    tokenizer-derived config fields when known (engram_fields)."""
+def export_state(state: Mapping[str, torch.Tensor], dst: Path, cfg: ModelConfig, tokenizer=None,
+                 origin: Optional[Path] = None, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """A flashtrain state dict (tensors may be memory-mapped) -> the public layout in `dst`: the
+    shards, the index, config.json and the tokenizer files. Each rank writes its parts' shards;
+    rank 0 then writes the rest. `tokenizer`: the run's TextTokenizer (None: no tokenizer files
+    unless the origin has them); `origin`: the public directory the weights came from (None:
+    none)."""
     from safetensors.torch import save_file
 
     rank, world = _rank_world()
     if cfg.vocab_size is None:
         cfg = dataclasses.replace(cfg, vocab_size=state["embed.weight"].shape[0])
     shapes, parts, plan = model_layout(cfg)
-    _check_source(state, shapes, cfg)
-    config = public_config(cfg, plan, cfg.vocab_size, engram or {})
+    source = PublicReader(origin) if origin is not None else None
+    _check_source(state, shapes)
+    config = _export_config(state, cfg, plan, tokenizer, source)
+    _check_engram_state(state, shapes, config, tokenizer)
+    carried = source.carried() if source is not None else []
+    missing = [n for n in carried if not source.has_data(n)]
+    if missing:
+        raise InteropError(f"origin {source.root} names {len(missing)} tensors it does not hold ({missing[0]}, ...)")
     dst = Path(dst)
     if rank == 0:
         dst.mkdir(parents=True, exist_ok=True)
         for old in [*dst.glob("model-*-of-*.safetensors"), dst / INDEX, dst / CONFIG]:
             old.unlink(missing_ok=True)
     barrier()
+    n_shards = len(parts) + (1 if carried else 0)
+    shard = lambda k: f"model-{k + 1:05d}-of-{n_shards:05d}.safetensors"  # noqa: E731
     weight_map, total = {}, 0
     for k, part in enumerate(parts):
-        file = part.shard_file(k, len(parts))
         for e in part.entries:
             for suffix in stored(e.encoding, e.shape):
-                weight_map[e.name(suffix)] = file
+                weight_map[e.name(suffix)] = shard(k)
             total += stored_bytes(e.encoding, e.shape)
-        if k % world != rank:
-            continue
-        tensors, stacks = {}, {}
-        for e in part.entries:
-            if e.expert is None:
-                encoded = encode(e.encoding, state[e.source].float().reshape(e.shape))
-            else:  # experts are encoded EXPERT_CHUNK at a time (row-wise blocks: the same codes as one by one)
-                key = (e.source, e.expert // EXPERT_CHUNK)
-                if key not in stacks:
-                    stacks.clear()
-                    lo = key[1] * EXPERT_CHUNK
-                    stacks[key] = encode(e.encoding, state[e.source][lo:lo + EXPERT_CHUNK].float())
-                encoded = {s: t[e.expert % EXPERT_CHUNK] for s, t in stacks[key].items()}
-            for suffix, t in encoded.items():
-                tensors[e.name(suffix)] = t
-        save_file(tensors, str(dst / file), metadata={"format": "pt"})
+        if k % world == rank:
+            save_file(_encode_part(part, state, source), str(dst / shard(k)), metadata={"format": "pt"})
+            if source is not None:
+                source.release()
+    if carried:
+        for name in carried:
+            weight_map[name] = shard(len(parts))
+            dtype, shape = source.header(name)
+            total += int(HEADER_BYTES[dtype] * torch.Size(shape).numel())
+        if len(parts) % world == rank:
+            save_file({n: source.tensor(n) for n in carried}, str(dst / shard(len(parts))), metadata={"format": "pt"})
+            source.release()
     barrier()
     if rank == 0:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         _write_atomic(dst / INDEX, json.dumps(index, indent=2) + "\n")
         _write_atomic(dst / CONFIG, json.dumps(config, indent=2) + "\n")
-        missing = [k for k in TOKENIZER_KEYS if k not in config]
-        note = f" (config.json lacks the tokenizer-derived {missing})" if missing else ""
-        log(f"flashtrain convert: exported {len(parts)} shards, {total / 2**20:.1f} MiB, to {dst}{note}")
+        note = _write_tokenizer(dst, tokenizer, source)
+        log(f"flashtrain convert: exported {n_shards} shards, {total / 2**20:.1f} MiB, to {dst}{note}")
     barrier()
-    return {"shards": len(parts), "bytes": total, "tensors": len(weight_map)}
+    return {"shards": n_shards, "bytes": total, "tensors": len(weight_map), "carried": len(carried)}
 
 
-def _check_source(state: Mapping[str, torch.Tensor], shapes: dict[str, tuple[int, ...]], cfg: ModelConfig) -> None:
+def _encode_part(part: Part, state: Mapping[str, torch.Tensor], source: Optional[PublicReader]) -> dict[str, torch.Tensor]:
+    """The stored tensors of one part. With an origin, quantised blocks it represents exactly keep
+    its scales (codec.py) and float tensors keep its dtype."""
+    def hint(e):
+        name = e.name("scale")
+        return source.tensor(name) if source is not None and e.encoding not in ("bf16", "fp32") \
+            and source.has_data(name) else None
+
+    def float_dtype(e):
+        header = source.header(e.public) if source is not None else None
+        return FLOAT_DTYPES.get(header[0]) if header is not None else None
+
+    experts = {(e.source, e.expert): e for e in part.entries if e.expert is not None}
+    tensors, stacks = {}, {}
+    for e in part.entries:
+        if e.expert is None:
+            encoded = encode(e.encoding, state[e.source].float().reshape(e.shape), hint(e), float_dtype(e))
+        else:  # experts are encoded EXPERT_CHUNK at a time (row-wise blocks: the same codes as one by one)
+            key = (e.source, e.expert // EXPERT_CHUNK)
+            if key not in stacks:
+                stacks.clear()
+                lo = key[1] * EXPERT_CHUNK
+                chunk = state[e.source][lo:lo + EXPERT_CHUNK].float()
+                hints = [hint(experts[e.source, j]) for j in range(lo, lo + chunk.shape[0])]
+                stacked_hint = torch.stack(hints) if all(h is not None for h in hints) else None
+                stacks[key] = encode(e.encoding, chunk, stacked_hint)
+            encoded = {s: t[e.expert % EXPERT_CHUNK] for s, t in stacks[key].items()}
+        for suffix, t in encoded.items():
+            tensors[e.name(suffix)] = t
+    return tensors
+
+
+def _export_config(state, cfg: ModelConfig, plan, tokenizer, source: Optional[PublicReader]) -> dict[str, Any]:
+    """config.json: flashtrain's fields over the origin's (which keeps the fields of the modules
+    flashtrain does not train, and the drafter's compress ratios past the backbone's)."""
+    engram: dict[str, int] = {}
+    if source is not None:
+        engram.update({k: source.config[k] for k in TOKENIZER_KEYS if k in source.config})
+    if tokenizer is not None:
+        engram["engram_pad_id"] = tokenizer.pad_id
+    if "lookup_map" in state:
+        engram["engram_compressed_vocab_size"] = compressed_vocab(state["lookup_map"])
+    elif tokenizer is not None:  # an imported checkpoint keeps no map: the run's tokenizer gives it
+        engram["engram_compressed_vocab_size"] = build_compression_map(tokenizer.tokenizer, cfg.vocab_size)[1]
+    config = public_config(cfg, plan, cfg.vocab_size, engram)
+    if source is None:
+        return config
+    merged = {**source.config, **config}
+    extra = source.config.get("compress_ratios", [])[cfg.n_layers:]
+    merged["compress_ratios"] = config["compress_ratios"] + list(extra)
+    merged["n_mtp_layers"] = source.config.get("n_mtp_layers", 1 if extra else 0)
+    for key in ("max_seq_len", "dtype", "expert_dtype"):  # the source's runtime and storage choices
+        if key in source.config:
+            merged[key] = source.config[key]
+    return merged
+
+
+def _check_source(state: Mapping[str, torch.Tensor], shapes: dict[str, tuple[int, ...]]) -> None:
     problems = [f"missing tensor {k}" for k in shapes if k not in state and k != "lookup_map"]
     problems += [f"unexpected tensor {k}" for k in state if k not in shapes]
     problems += [f"{k}: shape {list(state[k].shape)}, expected {list(s)}" for k, s in shapes.items()
                  if k in state and tuple(state[k].shape) != s]
-    for key in shapes:
-        if key.endswith(".multipliers") and key in state and not torch.equal(
-                state[key].cpu(), _draw_multipliers(cfg, int(key.split(".")[1]))):
-            problems.append(f"{key}: differ from the draw of model.engram_seed={cfg.engram_seed}, "
-                            "which is all the public layout can carry")
     if problems:
-        raise InteropError(f"the checkpoint does not fit model {cfg.name}: {'; '.join(problems)}")
+        raise InteropError(f"the checkpoint does not fit this model: {'; '.join(problems)}")
 
 
-def export_model(model, dst: Path, log: Callable[[str], None] = print) -> dict[str, Any]:
-    return export_state(model.state_dict(), dst, model.cfg, engram_fields(model), log)
+def _check_engram_state(state, shapes, config: dict[str, Any], tokenizer) -> None:
+    """The public code rebuilds the compression map from the tokenizer and the hash multipliers
+    from its class count: the checkpoint's must be those, or the export would hash differently."""
+    keys = [k for k in shapes if k.endswith(".multipliers")]
+    if not keys:
+        return
+    if "engram_compressed_vocab_size" not in config:
+        raise InteropError("the checkpoint holds no Engram compression map (an imported one) and no origin gives "
+                           "its size: pass tokenizer=<its tokenizer.json> or origin=<its public directory>")
+    classes = int(config["engram_compressed_vocab_size"])
+    bad = [k for k in keys if not torch.equal(
+        state[k].cpu(), engram_hash_multipliers(int(k.split(".")[1]), shapes[k][0], classes))]
+    if bad:
+        raise InteropError(f"{', '.join(bad)}: not the public code's multipliers for {classes} compressed ids "
+                           "(a checkpoint trained with an older Engram hash)")
+    if tokenizer is not None and "lookup_map" in state:
+        lookup, _ = build_compression_map(tokenizer.tokenizer, state["lookup_map"].numel())
+        n_tok = tokenizer.vocab_size
+        differ = int((lookup[:n_tok] != state["lookup_map"][:n_tok].cpu()).sum())
+        if differ:
+            raise InteropError(f"the checkpoint's Engram compression map differs from the public code's for its "
+                               f"tokenizer at {differ} of {n_tok} token ids (a checkpoint trained with an older map)")
+
+
+def _write_tokenizer(dst: Path, tokenizer, source: Optional[PublicReader]) -> str:
+    """The tokenizer files: the origin's own when the run used that tokenizer, else the run's
+    tokenizer.json with a tokenizer_config.json that transformers' AutoTokenizer reads."""
+    from tokenizers import Tokenizer
+
+    files = source.tokenizer_files() if source is not None else []
+    same = any(f.name == "tokenizer.json" for f in files) and (
+        tokenizer is None or Tokenizer.from_file(str(source.root / "tokenizer.json")).to_str()
+        == tokenizer.tokenizer.to_str())
+    if same:
+        for f in files:
+            shutil.copyfile(f, dst / f.name)
+        return ""
+    if tokenizer is None:
+        return " (no tokenizer files: none given and none at the origin)"
+    tokenizer.tokenizer.save(str(dst / "tokenizer.json"))
+    special = {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>"}
+    _write_atomic(dst / "tokenizer_config.json", json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", **special, "clean_up_tokenization_spaces": False}, indent=2) + "\n")
+    return ""
+
+
+def export_model(model, dst: Path, tokenizer=None, origin: Optional[Path] = None,
+                 log: Callable[[str], None] = print) -> dict[str, Any]:
+    return export_state(model.state_dict(), dst, model.cfg, tokenizer, origin, log)

@@ -7,15 +7,37 @@ sharing (part k goes to rank k % world); on export each part is one safetensors 
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from conf.errors import ConfigError
 from conf.model import ModelConfig
+from model.engram import engram_table_primes
 from model.plan import LayerPlan
 
-SCORE_FUNC = "sqrtsoftplus"  # model/moe.py's router: sqrt(softplus(Wx))
-DSPARK_PREFIX = "mtp."  # the public DSpark drafter's tensors; flashtrain has no drafter
+# Public tensors of modules flashtrain does not train yet: the DSpark drafter (`mtp.*`) and the
+# vision tower with its per-layer routing bias for image tokens. Import keeps them as they are and
+# export writes them back unchanged.
+CARRIED = re.compile(r"^mtp\.|^vision\.|^aligner\.|^image_(start|end|newline)$|\.ffn\.gate\.bias_vl$")
+
+# The reference ModelArgs' defaults of the fields flashtrain compares on import: a config.json that
+# leaves a field out means this value to the public code. dtype fp8 and expert_dtype fp4 are the
+# storage the layout has (FP8 linears, FP4 experts).
+REFERENCE_DEFAULTS: dict[str, Any] = {
+    "dtype": "fp8", "expert_dtype": "fp4", "vocab_size": 129280, "dim": 1024, "moe_inter_dim": 1024,
+    "n_layers": 5, "n_heads": 16, "n_routed_experts": 8, "n_shared_experts": 1, "n_activated_experts": 2,
+    "score_func": "sqrtsoftplus", "gate_temp": 1.0, "norm_topk_prob": True, "route_scale": 1.0,
+    "swiglu_limit": 0.0, "q_lora_rank": 256, "head_dim": 128, "rope_head_dim": 32, "norm_eps": 1e-20,
+    "o_groups": 8, "o_lora_rank": 256, "window_size": 128, "compress_ratios": [0, 2, 2, 1, 1, 0],
+    "kv_source_layers": [1, 3], "index_source_layers": [1, 3], "compress_rope_theta": 40000.0,
+    "original_seq_len": 0, "rope_theta": 10000.0, "rope_factor": 40.0, "beta_fast": 32, "beta_slow": 1,
+    "index_n_heads": 16, "index_head_dim": 64, "index_topk": 64, "candidate_source_layer": -1,
+    "candidate_topk_blocks": 0, "candidate_block_size": 0, "hc_mult": 4, "hc_sinkhorn_iters": 20,
+    "hc_eps": 1e-6, "engram_layer_ids": [], "engram_num_embeddings": [], "engram_max_ngram_size": 1,
+    "engram_vocab_size": 0, "engram_n_heads": 0, "engram_head_dim": 0, "engram_pad_id": 2,
+    "engram_compressed_vocab_size": 0, "n_mtp_layers": 1, "max_seq_len": 4096,
+}
 
 
 @dataclass(frozen=True)
@@ -38,9 +60,6 @@ class Part:
     entries: list[Entry] = field(default_factory=list)
     # flashtrain state the public layout does not hold: key -> how import fills it
     derived: dict[str, str] = field(default_factory=dict)
-
-    def shard_file(self, index: int, total: int) -> str:
-        return f"model-{index + 1:05d}-of-{total:05d}.safetensors"
 
 
 def build_layout(cfg: ModelConfig, plan: LayerPlan, shapes: dict[str, tuple[int, ...]]) -> list[Part]:
@@ -100,66 +119,104 @@ def build_layout(cfg: ModelConfig, plan: LayerPlan, shapes: dict[str, tuple[int,
             g = Part(f"engram{i}")
             add(g, e + "embed.weight", fe + "table.weight", "fp8_row")
             add(g, e + "wkv.weight", fe + "proj.weight", fp8)
-            add(g, e + "q_weight", fe + "hidden_norm.weight", "bf16")
-            add(g, e + "k_weight", fe + "key_norm.weight", "bf16")
-            g.derived[fe + "multipliers"] = "engram_multipliers"  # drawn from model.engram_seed
+            add(g, e + "q_weight", fe + "hidden_norm_weight", "bf16")
+            add(g, e + "k_weight", fe + "key_norm_weight", "bf16")
+            # a function of the layer and the compressed vocabulary (config.json), as the public code draws them
+            g.derived[fe + "multipliers"] = "engram_multipliers"
             parts.append(g)
     for part in parts:
         for entry in part.entries:
             if entry.encoding == "fp4_expert" and entry.shape[1] % 32:
                 raise ConfigError(f"{entry.public}: input dim {entry.shape[1]} is not a multiple of 32, "
                                   "which the FP4 expert layout needs")
+    if plan.layers and any(s.engram for s in plan.layers) and cfg.engram_dim % 32:
+        raise ConfigError(f"model.engram_dim={cfg.engram_dim}: the public Engram table stores one scale per "
+                          "32 values of a row, so it must be a multiple of 32")
     return parts
 
 
 # ------------------------------------------------------------------ config.json
+def _check_expressible(plan: LayerPlan) -> None:
+    """The public config names one candidate-pool layer and applies its pool to every indexer after
+    it; a plan outside that shape has no public config."""
+    builders = plan.pool_builders
+    if len(builders) > 1:
+        raise ConfigError(f"layers {builders} each build a candidate pool; the public config has one")
+    if builders:
+        later_full = [s.layer_id for s in plan.layers if s.layer_id > builders[0] and s.mode == "full"]
+        if later_full:
+            raise ConfigError(f"full layers {later_full} follow the candidate-pool layer {builders[0]}; the "
+                              "public code would restrict their indexers to its pool")
+
+
 def public_config(cfg: ModelConfig, plan: LayerPlan, vocab_size: int, engram: dict[str, int]) -> dict[str, Any]:
-    """config.json in the reference ModelArgs' field names. `engram`: the tokenizer-derived
-    fields (engram_compressed_vocab_size, engram_pad_id)."""
+    """config.json in the reference ModelArgs' field names and meanings. `engram`: the
+    tokenizer-derived fields (engram_compressed_vocab_size, engram_pad_id, a raw token id)."""
+    _check_expressible(plan)
     orders = sorted(cfg.engram_orders)
     if cfg.engram_layers and orders != list(range(2, orders[-1] + 1)):
         raise ConfigError(f"model.engram_orders={cfg.engram_orders}: the public config can only say 2..N")
-    ratios = [s.compress_ratio for s in plan.layers]
-    return {
-        "vocab_size": vocab_size, "dim": cfg.dim, "n_layers": cfg.n_layers, "norm_eps": cfg.norm_eps,
-        "dtype": "fp8",
+    primes = engram_table_primes(cfg) if cfg.engram_layers else {}
+    layers = sorted(cfg.engram_layers)
+    builders = plan.pool_builders
+    config = {
+        "vocab_size": vocab_size, "dim": cfg.dim, "n_layers": cfg.n_layers, "n_mtp_layers": 0,
+        "max_seq_len": cfg.max_seq_len, "norm_eps": cfg.norm_eps,
         "n_heads": cfg.n_heads, "head_dim": cfg.kv_dim, "rope_head_dim": cfg.rope_dim,
         "q_lora_rank": cfg.q_lora_rank, "o_lora_rank": cfg.o_lora_rank, "o_groups": cfg.o_groups,
         "moe_inter_dim": cfg.moe_inter_dim, "n_routed_experts": cfg.n_routed_experts,
         "n_activated_experts": cfg.n_activated_experts, "n_shared_experts": cfg.n_shared_experts,
-        "score_func": SCORE_FUNC, "route_scale": cfg.route_scale, "swiglu_limit": cfg.swiglu_limit,
-        "window_size": cfg.window, "compress_ratios": ratios,
+        "score_func": "sqrtsoftplus", "gate_temp": 1.0, "norm_topk_prob": True,  # model/moe.py's router
+        "route_scale": cfg.route_scale, "swiglu_limit": cfg.swiglu_limit,
+        "window_size": cfg.window, "compress_ratios": [s.compress_ratio for s in plan.layers],
         "kv_source_layers": plan.kv_sources, "index_source_layers": plan.index_sources,
         "index_n_heads": cfg.index_heads, "index_head_dim": cfg.index_dim, "index_topk": cfg.index_topk,
-        "candidate_source_layer": plan.pool_builders[0] if plan.pool_builders else None,
+        "candidate_source_layer": builders[0] if builders else -1,
         "candidate_topk_blocks": cfg.pool_blocks, "candidate_block_size": cfg.pool_block,
         "rope_theta": cfg.rope_theta, "compress_rope_theta": cfg.rope_theta_compressed,
         "original_seq_len": cfg.original_seq_len, "rope_factor": cfg.rope_factor,
         "beta_fast": cfg.beta_fast, "beta_slow": cfg.beta_slow,
         "hc_mult": cfg.hc_mult, "hc_sinkhorn_iters": cfg.hc_sinkhorn_iters, "hc_eps": cfg.hc_eps,
-        "engram_layer_ids": sorted(cfg.engram_layers), "engram_num_embeddings": cfg.engram_min_rows,
-        "engram_max_ngram_size": orders[-1] if orders else 0, "engram_vocab_size": vocab_size,
-        "engram_n_heads": cfg.engram_heads, "engram_head_dim": cfg.engram_dim,
-        "engram_pad_id": engram["engram_pad_id"],
-        "engram_compressed_vocab_size": engram["engram_compressed_vocab_size"],
+        "engram_layer_ids": layers,
+        "engram_num_embeddings": [sum(primes[i]) for i in layers],
+        "engram_max_ngram_size": orders[-1] if layers else 1,
+        # the public code hands out the primes >= engram_vocab_size, flashtrain those > engram_min_rows
+        "engram_vocab_size": cfg.engram_min_rows + 1 if layers else 0,
+        "engram_n_heads": cfg.engram_heads if layers else 0,
+        "engram_head_dim": cfg.engram_dim if layers else 0,
     }
+    config.update({k: engram[k] for k in TOKENIZER_KEYS if k in engram})
+    # `dtype` (fp8) and `expert_dtype` (fp4) are the public defaults and stay out: transformers'
+    # AutoTokenizer reads config.json as a model config, where "fp8" is not a torch dtype
+    return config
 
 
-# fields the tokenizer decides (flashtrain builds its compression map from its tokenizer), the
-# storage dtype, and the drafter's: not compared on import
-UNCHECKED = ("dtype", "engram_pad_id", "engram_compressed_vocab_size", "engram_vocab_size")
+# fields the tokenizer decides; flashtrain builds its compression map from the run's tokenizer and
+# compares the class count separately (trainer/interop/convert.py)
+TOKENIZER_KEYS = ("engram_pad_id", "engram_compressed_vocab_size")
+# runtime sizes, not the model: the public code sizes its caches from them
+RUNTIME_KEYS = ("max_seq_len", "max_batch_size", "temperature")
 
 
 def config_mismatches(expected: dict[str, Any], found: dict[str, Any]) -> list[str]:
-    """Fields of config.json that are missing or disagree with the model config, one line each."""
+    """Fields of config.json that disagree with the model config, one line each. An absent field
+    means the reference's default; compress_ratios may go on past n_layers (the drafter's layers)."""
     problems = []
     for key, want in expected.items():
-        if key in UNCHECKED:
+        if key in TOKENIZER_KEYS or key in RUNTIME_KEYS or key == "n_mtp_layers":
             continue
-        if key not in found:
+        if key not in found and key not in REFERENCE_DEFAULTS:
             problems.append(f"config.json lacks {key}")
-        elif _normalise(found[key]) != _normalise(want):
-            problems.append(f"config.json {key}={found[key]!r} but the model has {want!r}")
+            continue
+        got = found.get(key, REFERENCE_DEFAULTS.get(key))
+        if key == "compress_ratios" and isinstance(got, list):
+            got = got[:len(want)]
+        if _normalise(got) != _normalise(want):
+            where = "" if key in found else " (absent: the public default)"
+            problems.append(f"config.json {key}={got!r}{where} but the model has {want!r}")
+    for key in ("dtype", "expert_dtype"):  # storage: the layout has FP8 linears and FP4 experts
+        if found.get(key, REFERENCE_DEFAULTS[key]) != REFERENCE_DEFAULTS[key]:
+            problems.append(f"config.json {key}={found[key]!r} but the layout stores {REFERENCE_DEFAULTS[key]!r}")
     return problems
 
 

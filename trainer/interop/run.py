@@ -1,20 +1,13 @@
 """The `convert` stage (conf/convert.py): import or export, on every rank of the launch."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from conf.convert import ConvertConfig
 from conf.errors import ConfigError
-from trainer.checkpoint import model_state, resolve_checkpoint
-from trainer.interop.convert import (
-    KEPT_CONFIG,
-    TOKENIZER_KEYS,
-    export_state,
-    import_checkpoint,
-    is_public_dir,
-)
+from trainer.checkpoint import TOKENIZER, model_state, resolve_checkpoint
+from trainer.interop.convert import InteropError, export_state, import_checkpoint, is_public_dir, origin_of
 
 
 def run_convert(cfg: ConvertConfig, run_dir: Path) -> dict[str, Any]:
@@ -27,23 +20,38 @@ def run_convert(cfg: ConvertConfig, run_dir: Path) -> dict[str, Any]:
         if not is_public_dir(source):
             raise ConfigError(f"import={cfg.import_}: no config.json and *.safetensors shards there")
         out = Path(cfg.out).expanduser() if cfg.out else Path(run_dir) / "checkpoints"
-        return {"checkpoint": str(import_checkpoint(source, out, cfg.model, cfg.dspark))}
+        return {"checkpoint": str(import_checkpoint(source, out, cfg.model))}
     if cfg.checkpoint is None:
         raise ConfigError("convert: export=DIR needs checkpoint=<a flashtrain checkpoint, checkpoints/ dir or run dir>")
     if not Path(cfg.checkpoint).expanduser().exists():
         raise ConfigError(f"checkpoint={cfg.checkpoint}: no such checkpoint or directory")
     ckpt = resolve_checkpoint(Path(cfg.checkpoint))
-    state = model_state(ckpt)
-    return export_state(state, Path(cfg.export).expanduser(), cfg.model, _engram_fields(ckpt, state))
+    origin = _origin(cfg.origin, ckpt)
+    return export_state(model_state(ckpt), Path(cfg.export).expanduser(), cfg.model, _tokenizer(cfg.tokenizer, ckpt),
+                        origin)
 
 
-def _engram_fields(ckpt: Path, state) -> dict[str, int]:
-    """The tokenizer-derived config.json fields: from the public config an imported checkpoint
-    keeps, else what the checkpoint's compression map says (the pad id needs the tokenizer)."""
-    kept = ckpt / KEPT_CONFIG
-    if kept.is_file():
-        config = json.loads(kept.read_text())
-        return {k: config[k] for k in TOKENIZER_KEYS if k in config}
-    if "lookup_map" in state:
-        return {"engram_compressed_vocab_size": int(state["lookup_map"].max()) + 1}
-    return {}
+def _origin(setting: Optional[str], ckpt: Path) -> Optional[Path]:
+    """origin=auto: what the checkpoint recorded; none: no origin; else a public-layout directory."""
+    if setting == "none":
+        return None
+    origin = origin_of(ckpt) if setting in (None, "auto") else Path(setting).expanduser()
+    if origin is not None and not is_public_dir(origin):
+        what = "origin" if setting not in (None, "auto") else f"{ckpt} came from {origin}, which"
+        raise InteropError(f"{what}={origin} is not a public-layout directory (gone or moved?): it holds the "
+                           "tensors flashtrain does not train and the scales of untrained weights; pass "
+                           "origin=<its new place>, or origin=none to export without them")
+    return origin
+
+
+def _tokenizer(setting: Optional[str], ckpt: Path):
+    """The run's tokenizer: tokenizer=PATH, else the tokenizer.json the checkpoint carries (None: the
+    origin's files, if any, are exported)."""
+    from data.tokenizer import TextTokenizer
+
+    path = Path(setting).expanduser() if setting else ckpt / TOKENIZER
+    if not path.is_file():
+        if setting:
+            raise ConfigError(f"tokenizer={setting}: no such file")
+        return None
+    return TextTokenizer.from_file(path)
