@@ -304,11 +304,12 @@ def main(argv=None) -> dict:
             out["aligned_kv_quant" if qat else "aligned_no_quant"] = compare(theirs, ours)
             logits[qat] = (ours, theirs, aligned)
         # flashtrain breaks ties at the k-th index score (ReLU zeros) towards the lowest entry ids;
-        # the public code leaves them to torch.topk. The same comparison with flashtrain's selection
-        # made by that very call isolates everything else.
-        with reference_ties():
-            tied = build_flashtrain(export, args.model, export / "tokenizer.json", True)(ids).logits
-        out["aligned_kv_quant_reference_ties"] = compare(logits[True][1], tied)
+        # the public code leaves them to torch.topk. The same comparisons with flashtrain's
+        # selection made by that very call isolate everything else.
+        for qat, name in ((True, "aligned_kv_quant"), (False, "aligned_no_quant")):
+            with reference_ties():
+                tied = build_flashtrain(export, args.model, export / "tokenizer.json", qat)(ids).logits
+            out[name + "_reference_ties"] = compare(logits[qat][1], tied)
         ours, aligned_logits, aligned = logits[True]
         native = build_reference(ref, export, hf_tok, aligned=False)
         native_logits = run_reference(ref, native, ids)
