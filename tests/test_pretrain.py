@@ -200,3 +200,25 @@ def test_trainer_counts_a_run_cannot_use_are_refused(field, value, needle):
     with pytest.raises(ConfigError, match=f"trainer.{field}={value}: must be {re.escape(needle)}"):
         check_trainer_counts(TrainerConfig(**{field: value}))
     check_trainer_counts(TrainerConfig(save_every=0, eval_every=0, grad_clip=0.0))  # 0: off / only at the end
+
+
+def test_a_run_needs_no_compiler_and_no_lock_a_killed_build_left(data_cache, port_base, tmp_path):
+    """A fresh process (no zygote), a C++ compiler that does not exist, and the lock file that a
+    `kill -9` during DeepSpeed's JIT build of its shared-memory op leaves in the extensions cache:
+    the run must finish, build nothing and not wait on the lock."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, cli_env
+
+    lock = tmp_path / "ext" / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.write_text("")
+    env = {**cli_env(port_base()), "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"), "CXX": str(tmp_path / "no-c++"),
+           "CC": str(tmp_path / "no-cc")}
+    p = subprocess.run([sys.executable, "-m", "launch", "pretrain", *FAST, "trainer.max_steps=1",
+                        f"data.cache_dir={data_cache}", f"hydra.run.dir={tmp_path / 'run'}"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "built successfully" not in p.stdout + p.stderr
+    assert lock.exists() and sorted(p.name for p in lock.parent.iterdir()) == ["lock"]  # nothing built

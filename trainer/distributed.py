@@ -43,10 +43,23 @@ def select_accelerator() -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
+def skip_shm_comm_build() -> None:
+    """DeepSpeed's torch backend compiles its shared-memory all-reduce op (which only its
+    inference all-reduce uses; training collectives go through torch.distributed) on first use:
+    it needs a C++ compiler, takes 40-70 s into ~/.cache/torch_extensions, and a build killed
+    midway leaves a file lock on which every later run waits forever. DeepSpeed skips an op it
+    holds incompatible, so mark this one so before any backend is built."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 def init_distributed() -> DistInfo:
     single_process_env()
     select_accelerator()
     import deepspeed
+
+    skip_shm_comm_build()
 
     local_rank = int(os.environ["LOCAL_RANK"])
     if torch.cuda.is_available():
