@@ -114,6 +114,17 @@ def test_independent_reader_decodes_the_model(exported):
     assert len(covered) == n_public
 
 
+def test_exported_files_get_the_umask_mode(exported):
+    """safetensors alone writes 0600: an export must be as readable as any other file."""
+    import os
+
+    root, _, _ = exported
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (root / "first").iterdir()}
+    assert set(modes.values()) == {0o666 & ~umask}, modes
+
+
 def test_round_trip_is_exact_and_the_second_export_byte_identical(exported):
     root, _, imported = exported
     _, tensors = read(root / "second")

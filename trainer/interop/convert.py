@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -211,6 +212,17 @@ def import_part(reader: PublicReader, part: Part, shapes: dict[str, tuple[int, .
     return out
 
 
+def save_shard(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """safetensors' save_file, with the mode any other file of the run gets: it creates its files
+    0600 whatever the umask, so an export would be unreadable to the users it is shared with."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def _rank_world() -> tuple[int, int]:
     import torch.distributed as dist
 
@@ -263,8 +275,6 @@ def import_checkpoint(root: Path, out_root: Path, cfg: ModelConfig, log: Callabl
     (one torch file per part, a manifest, `latest`) and its `public/` folder: the source's
     config.json, tokenizer files, tensor headers, scale bytes and carried tensors, so that an
     export of it needs nothing else. Start training from it with model.init_from."""
-    from safetensors.torch import save_file
-
     rank, world = _rank_world()
     reader = PublicReader(root)
     if cfg.vocab_size is None:
@@ -284,10 +294,10 @@ def import_checkpoint(root: Path, out_root: Path, cfg: ModelConfig, log: Callabl
             scales = {e.name("scale"): reader.tensor(e.name("scale")) for e in part.entries if e.encoding
                       not in ("bf16", "fp32")}
             if scales:
-                save_file(scales, str(staging / PUBLIC / f"scales-{k:05d}.safetensors"))
+                save_shard(scales, staging / PUBLIC / f"scales-{k:05d}.safetensors")
             reader.release()
     if rank == len(parts) % world and carried:
-        save_file({n: reader.tensor(n) for n in carried}, str(staging / PUBLIC / "carried.safetensors"))
+        save_shard({n: reader.tensor(n) for n in carried}, staging / PUBLIC / "carried.safetensors")
         reader.release()
     barrier()
     if rank == 0:
@@ -315,8 +325,6 @@ def export_state(state: Mapping[str, torch.Tensor], dst: Path, cfg: ModelConfig,
     rank 0 then writes the rest. `tokenizer`: the run's TextTokenizer (None: no tokenizer files
     unless the origin has them); `origin`: the public directory the weights came from (None:
     none)."""
-    from safetensors.torch import save_file
-
     rank, world = _rank_world()
     if cfg.vocab_size is None:
         cfg = dataclasses.replace(cfg, vocab_size=state["embed.weight"].shape[0])
@@ -344,7 +352,7 @@ def export_state(state: Mapping[str, torch.Tensor], dst: Path, cfg: ModelConfig,
                 weight_map[e.name(suffix)] = shard(k)
             total += stored_bytes(e.encoding, e.shape)
         if k % world == rank:
-            save_file(_encode_part(part, state, source), str(dst / shard(k)), metadata={"format": "pt"})
+            save_shard(_encode_part(part, state, source), dst / shard(k))
             if source is not None:
                 source.release()
     if carried:
@@ -353,7 +361,7 @@ def export_state(state: Mapping[str, torch.Tensor], dst: Path, cfg: ModelConfig,
             dtype, shape = source.header(name)
             total += int(HEADER_BYTES[dtype] * torch.Size(shape).numel())
         if len(parts) % world == rank:
-            save_file({n: source.tensor(n) for n in carried}, str(dst / shard(len(parts))), metadata={"format": "pt"})
+            save_shard({n: source.tensor(n) for n in carried}, dst / shard(len(parts)))
             source.release()
     barrier()
     if rank == 0:
