@@ -222,3 +222,13 @@ def test_a_run_needs_no_compiler_and_no_lock_a_killed_build_left(data_cache, por
     assert p.returncode == 0, p.stderr[-3000:]
     assert "built successfully" not in p.stdout + p.stderr
     assert lock.exists() and sorted(p.name for p in lock.parent.iterdir()) == ["lock"]  # nothing built
+
+
+def test_resume_with_another_model_config_is_one_line(flashtrain, tmp_path):
+    run = tmp_path / "run"
+    p = flashtrain("pretrain", *FAST, "trainer.max_steps=1", "trainer.save_every=1", f"hydra.run.dir={run}")
+    assert p.returncode == 0, p.stderr[-3000:]
+    before = _checkpoint_files(run)
+    p = flashtrain("pretrain", *FAST, "trainer.max_steps=2", "model.moe_inter_dim=64", f"hydra.run.dir={run}")
+    _one_line_error(p, "step_00000001 was written by another model config", "size mismatch")
+    assert _checkpoint_files(run) == before

@@ -202,9 +202,16 @@ class CheckpointManager:
         if not (ckpt / TRAINER_STATE).exists():
             raise CheckpointError(f"{ckpt} holds model weights only (flashtrain convert import): start a run from "
                                   f"it with model.init_from={ckpt}, not trainer.resume")
-        load_path, _ = engine.load_checkpoint(str(ckpt.parent), tag=ckpt.name,
-                                              load_optimizer_states=load_optimizer_states,
-                                              load_lr_scheduler_states=True)
+        try:
+            load_path, _ = engine.load_checkpoint(str(ckpt.parent), tag=ckpt.name,
+                                                  load_optimizer_states=load_optimizer_states,
+                                                  load_lr_scheduler_states=True)
+        except RuntimeError as e:  # torch's load_state_dict: one line per tensor that does not fit
+            if "Error(s) in loading state_dict" not in str(e):
+                raise
+            first = next((ln.strip() for ln in str(e).splitlines()[1:] if ln.strip()), "")
+            raise CheckpointError(f"{ckpt} was written by another model config ({first.rstrip('.')}): resume "
+                                  "with the config it was trained with, or start a new run dir") from None
         if load_path is None:
             raise CheckpointError(f"DeepSpeed could not load {ckpt}")
         trainer_state = torch.load(ckpt / TRAINER_STATE, map_location="cpu", weights_only=False)
