@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -115,6 +116,9 @@ def launch_slurm(cfg: LauncherConfig, argv: list[str], run_dir: Path) -> int:
     if cfg.dry_run:
         print(script, end="")
         return 0
+    if shutil.which("sbatch") is None:  # before anything is written: a run dir without a job misleads
+        raise ConfigError("launcher=slurm: no `sbatch` on PATH (not a Slurm login node?); "
+                          "launcher.dry_run=true prints the script instead")
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "launch.sbatch"
     path.write_text(script)

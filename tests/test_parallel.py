@@ -91,6 +91,17 @@ def test_two_node_run_on_one_machine(tmp_path, data_cache, port_base):
     assert "2 x cpu" in outs[0]
 
 
+def test_slurm_without_sbatch_is_one_line_and_writes_nothing(flashtrain, tmp_path):
+    import shutil
+
+    if shutil.which("sbatch"):
+        pytest.skip("this machine has sbatch")
+    p = flashtrain("pretrain", "launcher=slurm", "launcher.nnodes=2", f"hydra.run.dir={tmp_path / 'run'}")
+    errors = [ln for ln in p.stderr.splitlines() if ln.startswith("flashtrain: error:")]
+    assert p.returncode == 2 and len(errors) == 1 and "no `sbatch` on PATH" in errors[0], p.stderr[-2000:]
+    assert "Traceback" not in p.stderr and not (tmp_path / "run" / "launch.sbatch").exists()
+
+
 def test_slurm_dry_run_prints_a_valid_sbatch_script(flashtrain, tmp_path):
     p = flashtrain("pretrain", "launcher=slurm", "launcher.dry_run=true", "launcher.nnodes=4",
                    "launcher.partition=h200", "model=small", f"hydra.run.dir={tmp_path / 'run'}")
