@@ -42,7 +42,12 @@ def describe_config_error(exc: BaseException) -> str:
             return f"bad value for '{err.full_key}': {first}"
     lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
     if lines and "Could not find" in lines[0] and "Available options" in str(exc):
-        options = [ln for ln in lines[1:] if not ln.startswith("Available")]
+        options = []
+        for ln in lines[1:]:  # the options follow "Available options:", then Hydra's search path
+            if ln.startswith("Config search path"):
+                break
+            if not ln.startswith("Available"):
+                options.append(ln)
         return f"{lines[0]} (available: {', '.join(options)})"
     return " ".join(lines[:2]) if lines else type(exc).__name__
 

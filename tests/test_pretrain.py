@@ -129,6 +129,7 @@ def _checkpoint_files(run: Path) -> dict[str, int]:
     ("optim.lr=-1", ["optim", "lr"]),  # was the optimiser's traceback
     ("launcher.nproc=0", ["launcher.nproc=0"]),  # was one process
     ("trainer.log_every=0", ["trainer.log_every=0"]),  # was a crash at the first step
+    ("model=doesnotexist", ["model/doesnotexist", "(available: flash, small, tiny)"]),  # was Hydra's search path too
 ])
 def test_bad_input_one_line_and_nothing_lost(flashtrain, tmp_path, override, needles):
     run = tmp_path / "run"
