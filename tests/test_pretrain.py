@@ -233,3 +233,16 @@ def test_resume_with_another_model_config_is_one_line(flashtrain, tmp_path):
     p = flashtrain("pretrain", *FAST, "trainer.max_steps=2", "model.moe_inter_dim=64", f"hydra.run.dir={run}")
     _one_line_error(p, "step_00000001 was written by another model config", "size mismatch")
     assert _checkpoint_files(run) == before
+
+
+@pytest.mark.parametrize("stage, setting", [
+    ("generate", "generate.checkpoint"), ("eval_long", "eval.checkpoint"), ("long_context", "init_from"),
+    ("pretrain", "model.init_from"),
+])
+def test_a_missing_checkpoint_is_named_by_the_setting_that_gave_it(flashtrain, tmp_path, stage, setting):
+    run = tmp_path / "run"
+    extra = {"generate": ["model=tiny", "generate.prompt=x"], "eval_long": ["model=tiny"],
+             "long_context": ["schedule=tiny", "logger=none"], "pretrain": [*FAST]}[stage]
+    p = flashtrain(stage, *extra, f"{setting}={tmp_path / 'nowhere'}", f"hydra.run.dir={run}")
+    _one_line_error(p, f"{setting}={tmp_path / 'nowhere'}: no such checkpoint or directory")
+    assert not (tmp_path / "nowhere").exists() and not (run / "unused").exists()

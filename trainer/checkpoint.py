@@ -103,10 +103,11 @@ def _quarantine(ckpt: Path) -> None:
 
 
 class CheckpointManager:
-    def __init__(self, root: Path, keep_last: int, rank: int):
+    def __init__(self, root: Path, keep_last: int, rank: int, create: bool = True):
+        """create=False: only to find and read checkpoints under root, which is left as it is."""
         self.root, self.keep_last, self.rank = Path(root), max(keep_last, 1), rank
         self.attachments: dict[str, str] = {}  # file name -> text, written into every checkpoint (rank 0)
-        if rank == 0:
+        if rank == 0 and create:
             self.root.mkdir(parents=True, exist_ok=True)
         barrier()
 
@@ -174,9 +175,10 @@ class CheckpointManager:
         chosen = broadcast_object(chosen)
         return Path(chosen) if chosen else None
 
-    def resolve(self, resume: str) -> Optional[Path]:
+    def resolve(self, resume: str, what: str = "trainer.resume") -> Optional[Path]:
         """trainer.resume: 'auto' (newest valid here, else start fresh), 'none', or a path to a
-        checkpoint directory or to a run's checkpoints/ directory."""
+        checkpoint directory or to a run's checkpoints/ directory. `what`: the setting that named
+        it, for the errors."""
         if resume == "none":
             return None
         if resume == "auto":
@@ -184,17 +186,17 @@ class CheckpointManager:
         path = Path(resume).expanduser()
         if (path / MANIFEST).exists() or path.name.startswith(TAG_PREFIX):
             if not path.is_dir():
-                raise CheckpointError(f"trainer.resume={resume}: no such checkpoint directory")
+                raise CheckpointError(f"{what}={resume}: no such checkpoint directory")
             problem = verify(path)
             if problem:
-                raise CheckpointError(f"trainer.resume={resume}: checkpoint is unusable: {problem}")
+                raise CheckpointError(f"{what}={resume}: checkpoint is unusable: {problem}")
             return path
         if path.is_dir():
-            found = CheckpointManager(path, self.keep_last, self.rank).find_latest_valid()
+            found = CheckpointManager(path, self.keep_last, self.rank, create=False).find_latest_valid()
             if found is None:
-                raise CheckpointError(f"trainer.resume={resume}: no complete checkpoint in that directory")
+                raise CheckpointError(f"{what}={resume}: no complete checkpoint in that directory")
             return found
-        raise CheckpointError(f"trainer.resume={resume}: no such checkpoint or directory")
+        raise CheckpointError(f"{what}={resume}: no such checkpoint or directory")
 
     # ------------------------------------------------------------------ load
     def load(self, engine, ckpt: Path, load_optimizer_states: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -259,7 +261,7 @@ def load_model_weights(model: torch.nn.Module, ckpt: Path) -> None:
         raise CheckpointError(f"{ckpt} does not fit this model: missing {missing[:3]}, unexpected {unexpected[:3]}")
 
 
-def load_init_weights(model: torch.nn.Module, source: str) -> Path:
+def load_init_weights(model: torch.nn.Module, source: str, what: str = "model.init_from") -> Path:
     """The starting weights of a run (`model.init_from`): a flashtrain checkpoint, a run's
     checkpoints/ dir or a run dir holding one (the newest complete checkpoint), or a directory in
     the public DeepSeek-V4.1-Flash layout (imported on the fly, shard by shard). Weights only: the
@@ -267,7 +269,7 @@ def load_init_weights(model: torch.nn.Module, source: str) -> Path:
     returns the checkpoint or directory the weights came from."""
     from trainer.interop.convert import check_imported, import_into_model, is_public_dir
 
-    path = resolve_init_source(source)
+    path = resolve_init_source(source, what)
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     if is_public_dir(path):
         import_into_model(model, path, log=print if rank == 0 else (lambda _: None))
@@ -299,14 +301,14 @@ def resolve_init_source(source: str, what: str = "model.init_from") -> Path:
     path = Path(source).expanduser()
     if not path.exists():
         raise CheckpointError(f"{what}={source}: no such checkpoint or directory")
-    return path if is_public_dir(path) else resolve_checkpoint(path)
+    return path if is_public_dir(path) else resolve_checkpoint(path, what)
 
 
-def resolve_checkpoint(path: Path) -> Path:
+def resolve_checkpoint(path: Path, what: str = "checkpoint") -> Path:
     """A checkpoint directory, or the newest complete one of a checkpoints/ dir or a run dir
-    holding checkpoints/ (collective)."""
+    holding checkpoints/ (collective). `what`: the setting that named it, for the errors."""
     path = Path(path).expanduser()
     if (path / "checkpoints").is_dir():
         path = path / "checkpoints"
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    return CheckpointManager(path, 1, rank).resolve(str(path))
+    return CheckpointManager(path, 1, rank, create=False).resolve(str(path), what)

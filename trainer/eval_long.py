@@ -23,7 +23,7 @@ import torch
 from conf.errors import ConfigError
 from conf.eval_long import EvalLongConfig
 from data import build_datasets
-from trainer.checkpoint import CheckpointManager, load_model_weights
+from trainer.checkpoint import load_model_weights, resolve_checkpoint
 from trainer.pretrain import build_model
 
 KEYS = ("heron", "walnut", "copper", "lantern", "meadow", "quartz", "saffron", "harbor", "falcon", "juniper",
@@ -110,7 +110,7 @@ def run_eval_long(cfg: EvalLongConfig, run_dir: Path) -> list[dict[str, Any]]:
     model_cfg = dataclasses.replace(cfg.model, max_seq_len=max(cfg.model.max_seq_len, max(ev.lengths)))
     model = build_model(dataclasses.replace(cfg, model=model_cfg), tok)
     if ev.checkpoint:
-        load_model_weights(model, CheckpointManager(Path(run_dir) / "unused", 1, 0).resolve(ev.checkpoint))
+        load_model_weights(model, resolve_checkpoint(Path(ev.checkpoint), "eval.checkpoint"))
     model.to(device).eval()
     rng = random.Random(ev.seed)
     groups: dict[tuple, list[dict]] = defaultdict(list)

@@ -69,6 +69,7 @@ def run_long_context(cfg: LongContextConfig, run_dir: Path, config_yaml: str) ->
         stage_dir = Path(run_dir) / f"stage_{i}_{stage.name}"
         scfg = stage_config(cfg, stage, world_size)
         trainer = Trainer(scfg, stage_dir, OmegaConf.to_yaml(OmegaConf.structured(scfg)), init_from=previous,
+                          init_setting="init_from" if i == 0 else f"the stage before {stage.name} (its checkpoints)",
                           indexer_mode="dense" if stage.indexer == "dense_warmup" else "sparse",
                           train_only_indexer=stage.indexer == "dense_warmup")
         try:

@@ -79,9 +79,10 @@ def build_model(cfg: PretrainConfig, tokenizer) -> Transformer:
 
 class Trainer:
     def __init__(self, cfg: PretrainConfig, run_dir: Path, config_yaml: str, init_from: Optional[Path] = None,
-                 indexer_mode: str = "sparse", train_only_indexer: bool = False):
+                 indexer_mode: str = "sparse", train_only_indexer: bool = False, init_setting: str = "model.init_from"):
         """init_from: a checkpoint (or checkpoints dir) whose model weights start a fresh run
-        (default: model.init_from, which may also be a public-layout directory);
+        (default: model.init_from, which may also be a public-layout directory; init_setting names
+        the setting it came from in errors);
         indexer_mode / train_only_indexer: the long-context stage's indexer regime."""
         self.cfg, self.run_dir, self.config_yaml = cfg, Path(run_dir), config_yaml
         tc = cfg.trainer
@@ -127,10 +128,11 @@ class Trainer:
         self.step, self.tokens_seen = 0, 0
         self.resumed_from = self.ckpts.resolve(tc.resume)
         run_id = self._resume(self.resumed_from) if self.resumed_from is not None else None
-        init_from = init_from if init_from is not None else cfg.model.init_from
+        if init_from is None:
+            init_from, init_setting = cfg.model.init_from, "model.init_from"
         self.initialised_from = None
         if self.resumed_from is None and init_from is not None:
-            self._load_weights(init_from)
+            self._load_weights(init_from, init_setting)
         # each checkpoint carries the tokenizer and where the weights came from, for `convert export`
         self.ckpts.attachments = checkpoint_attachments(self.tokenizer, self.resumed_from or self.initialised_from)
         container = OmegaConf.to_container(OmegaConf.create(config_yaml), resolve=True)
@@ -170,11 +172,11 @@ class Trainer:
             for p, data in local_experts:
                 p.copy_(data)
 
-    def _load_weights(self, source) -> None:
+    def _load_weights(self, source, what: str = "model.init_from") -> None:
         """Model weights only (optimiser, schedule and data start fresh): a stage boundary, or
         the released model (a public-layout directory, see trainer/interop)."""
         with full_experts(self.engine.module, self.layout):
-            self.initialised_from = load_init_weights(self.engine.module, str(source))
+            self.initialised_from = load_init_weights(self.engine.module, str(source), what)
         refresh = getattr(self.engine.optimizer, "refresh_fp32_params", None)
         if callable(refresh):  # a partitioned optimiser keeps its own fp32 copies (as DeepSpeed's own load does)
             refresh()

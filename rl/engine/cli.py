@@ -11,7 +11,7 @@ from conf.errors import ConfigError
 from conf.generate import GenerateConfig
 from data import build_datasets
 from rl.engine.generate import generate
-from trainer.checkpoint import CheckpointManager, load_model_weights
+from trainer.checkpoint import load_model_weights, resolve_checkpoint
 from trainer.pretrain import build_model
 
 
@@ -25,7 +25,7 @@ def run_generate(cfg: GenerateConfig, run_dir: Path) -> dict:
     _, _, tok = build_datasets(cfg.data)  # the tokenizer the run trained (cached next to the data)
     model = build_model(cfg, tok)
     if g.checkpoint:
-        load_model_weights(model, CheckpointManager(Path(run_dir) / "unused", 1, 0).resolve(g.checkpoint))
+        load_model_weights(model, resolve_checkpoint(Path(g.checkpoint), "generate.checkpoint"))
     model.to(device)
     prompt = [tok.bos_id, *tok.encode(g.prompt)]
     (out,) = generate(model, [prompt], g.max_new_tokens, g.temperature, g.top_p, stop={tok.eos_id},
