@@ -284,6 +284,17 @@ def test_malformed_file_exits_2_with_one_line(flashtrain, corpus, tmp_path):
     assert "Traceback" not in p.stderr
 
 
+@pytest.mark.parametrize("fraction, split, hint", [("0.8", "train", "a smaller sft.val_fraction"),
+                                                   ("0.2", "validation", "a larger sft.val_fraction")])
+def test_a_split_too_small_says_which_way_to_move_the_fraction(flashtrain, corpus, tmp_path, fraction, split, hint):
+    src = _write_jsonl(tmp_path / "chat.jsonl", [_chat_row(i) for i in range(5)])
+    p = flashtrain("sft", *FAST, *corpus, f"sft.source={src}", f"sft.val_fraction={fraction}", "sft.pack=false",
+                   "trainer.micro_batch_size=2", f"hydra.run.dir={tmp_path / 'run'}")
+    lines = [ln for ln in p.stderr.splitlines() if ln.startswith("flashtrain: error:")]
+    assert p.returncode == 2 and len(lines) == 1, p.stderr[-3000:]
+    assert f"the SFT {split} split has 1 rows" in lines[0] and hint in lines[0], lines[0]
+
+
 @pytest.mark.parametrize("bad, needle", [("init_from=/nonexistent/run", "init_from=/nonexistent/run: no such"),
                                          ("sft.tiers=[low,medium]", "unknown tier(s) ['medium']")])
 def test_bad_settings_exit_2_before_any_work(flashtrain, tmp_path, bad, needle):

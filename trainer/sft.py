@@ -74,8 +74,9 @@ class SFTTrainer(Trainer):
         global_batch = tc.micro_batch_size * max(1, self.dist.world_size // max(1, tc.context_parallel))
         for name, split in (("train", train), ("validation", val)):
             if len(split) < global_batch:
+                grow = "a larger" if name == "validation" else "a smaller"  # the fraction moves rows between them
                 raise DataError(f"the SFT {name} split has {len(split)} rows, fewer than one global micro-batch "
-                                f"({global_batch}); use more data, a larger sft.val_fraction or a smaller "
+                                f"({global_batch}); use more data, {grow} sft.val_fraction or a smaller "
                                 "trainer.micro_batch_size")
         if self.dist.is_main:
             s, v = train.stats, val.stats
