@@ -195,14 +195,23 @@ def _one_line(error: BaseException) -> str:
 
 
 def _load_file(path: Path, cache_dir: Optional[str]):
+    import logging
+
     import datasets
 
+    # the JSON builder logs its own parse error (with a 0-based row of its own counting) before it
+    # raises; the error below names the file and line once
+    quiet = logging.getLogger("datasets.packaged_modules.json.json")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)
     try:
         return datasets.load_dataset(FILE_BUILDERS[path.suffix.lower()], data_files=str(path), split="train",
                                      cache_dir=cache_dir)
     except Exception as error:  # `datasets` wraps parse errors in several types: name the file, one line
         precise = _first_bad_json_line(path) if FILE_BUILDERS[path.suffix.lower()] == "json" else None
         raise DataError(precise or f"{path}: datasets could not read it ({_one_line(error)})") from None
+    finally:
+        quiet.setLevel(level)
 
 
 def _load_hub(cfg: SFTDataConfig, cache_dir: Optional[str]):

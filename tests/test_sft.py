@@ -249,11 +249,12 @@ def test_malformed_rows_name_file_and_row(tmp_path, bad, needle):
     assert f"{src} row 2" in message and needle in message and "\n" not in message, message
 
 
-def test_invalid_json_line_is_named(tmp_path):
+def test_invalid_json_line_is_named_once(tmp_path, caplog):
     src = tmp_path / "chat.jsonl"
     src.write_text(json.dumps(_chat_row(1)) + "\n{not json\n")
     with pytest.raises(DataError, match=r"chat\.jsonl:2: not valid JSON"):
         load_conversations(SFTDataConfig(source=str(src)), EffortTiers(), str(tmp_path / "hf"))
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]  # not also datasets' own, with its row count
     with pytest.raises(DataError, match="does not exist"):
         load_conversations(SFTDataConfig(source=str(tmp_path / "missing.jsonl")), EffortTiers())
 
