@@ -34,6 +34,7 @@ class RLLoopConfig:
     length_penalty_base: float = 8.0  # the penalty at effort 1 is `base` times the one at effort 100
     length_penalty_scale: float = 0.2  # coefficient at effort 100, on length / max_new_tokens
     adv_std_floor: float = 0.1  # group advantages divide by max(std, this): no unit advantage from a 1-token gap
+    flat_reward_warn_steps: int = 5  # warn when this many steps in a row had every advantage 0 (0: never)
     clip_low: float = 0.2
     clip_high: float = 0.28
     ppo_epochs: int = 1  # passes over each batch (one policy version)...

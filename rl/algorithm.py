@@ -48,6 +48,26 @@ def group_advantages(rewards: torch.Tensor, group_size: int, std_floor: float = 
     return ((r - r.mean(dim=1, keepdim=True)) / (std + eps)).view(-1)
 
 
+class FlatRewardWatch:
+    """Counts consecutive training batches whose every group scored all its samples alike (all
+    advantages 0, so the policy loss and its gradient are 0: nothing is learned), and says once
+    when the count reaches `steps` (0: never). A policy that never finishes an answer scores 0
+    everywhere and would otherwise "succeed" in silence."""
+
+    def __init__(self, steps: int):
+        self.steps, self.run, self.warned = steps, 0, False
+
+    def update(self, advantages: torch.Tensor, task_reward: float) -> str | None:
+        """The batch's advantages -> the warning to print, the first time the run is long enough."""
+        self.run = self.run + 1 if bool((advantages == 0).all()) else 0
+        if self.steps <= 0 or self.run < self.steps or self.warned:
+            return None
+        self.warned = True
+        return (f"flashtrain rl: warning: for {self.run} steps every sample scored the same as the rest of its "
+                f"group (mean task reward {task_reward:.3g}): advantages and policy loss are 0 and the policy "
+                "does not change; check rl.task's rewards, rl.max_new_tokens and the starting policy")
+
+
 def stale_mask(versions: torch.Tensor, current: int, max_staleness: int) -> torch.Tensor:
     """versions [...] of the policy that produced each token -> True where the token may train:
     at most `max_staleness` versions older than `current` (a version from the future is a bug)."""

@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 import torch
 
-from rl.algorithm import group_advantages, percentile, shaped_reward
+from rl.algorithm import FlatRewardWatch, group_advantages, percentile, shaped_reward
 
 
 @dataclass
@@ -85,6 +85,7 @@ class Coordinator:
         self.trained: set[int] = set()
         self.duplicates = 0  # prompts trained twice: must stay 0
         self.restarts = {"rollout": 0, "reward": 0}
+        self.flat = FlatRewardWatch(self.rl.flat_reward_warn_steps)
         self.samples_trained, self.train_s, self.wall_start = 0, 0.0, time.perf_counter()
         self.samples_at_wall_start = 0  # a resumed run's rate counts only this process's samples
         self.weights_ref = None
@@ -165,6 +166,9 @@ class Coordinator:
                                torch.tensor([s["effort"] for s in samples]), rl.max_new_tokens,
                                rl.length_penalty_base, rl.length_penalty_scale)
         adv = group_advantages(shaped, rl.group_size, rl.adv_std_floor)
+        warning = self.flat.update(adv, sum(s["task_reward"] for s in samples) / len(samples))
+        if warning:
+            print(warning, flush=True)
         for s, r, a in zip(samples, shaped.tolist(), adv.tolist()):
             s["reward"], s["advantage"] = r, a
         refs = self._train_calls(samples)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from rl.algorithm import (
+    FlatRewardWatch,
     group_advantages,
     length_penalty_coef,
     percentile,
@@ -99,3 +100,15 @@ def test_percentile_nearest_rank():
     assert percentile(list(range(1, 11)), 90) == 9
     assert percentile([3, 1, 2], 50) == 2
     assert not math.isnan(percentile([0.0, 0.0], 99))
+
+
+def test_a_run_that_learns_nothing_is_said_once():
+    """All-equal rewards in every group (a policy that never finishes an answer): advantages 0."""
+    watch = FlatRewardWatch(steps=3)
+    flat = group_advantages(torch.zeros(8), group_size=4)
+    learning = group_advantages(torch.tensor([0.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0]), group_size=4)
+    assert [watch.update(a, 0.0) for a in (flat, flat, learning, flat, flat)] == [None] * 5  # the run restarts
+    said = watch.update(flat, 0.0)
+    assert said is not None and "for 3 steps" in said and "mean task reward 0" in said
+    assert watch.update(flat, 0.0) is None  # once
+    assert FlatRewardWatch(steps=0).update(flat, 0.0) is None
