@@ -9,9 +9,12 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
+import torch
 from omegaconf import OmegaConf
+
+from conf.errors import ConfigError
 
 
 def builtin_sft_policy(cfg, run_dir: Path) -> Path:
@@ -36,7 +39,6 @@ def builtin_sft_policy(cfg, run_dir: Path) -> Path:
 def initial_policy(cfg) -> str | None:
     """rl.policy or model.init_from (one of them): a checkpoint (resolved to the newest complete
     one) or a public-layout directory (the trainers import it); None: run the built-in SFT."""
-    from conf.errors import ConfigError
     from trainer.checkpoint import resolve_init_source
 
     if cfg.rl.policy is not None and cfg.model.init_from is not None:
@@ -46,6 +48,24 @@ def initial_policy(cfg) -> str | None:
     if cfg.model.init_from is not None:
         return str(resolve_init_source(cfg.model.init_from))
     return None
+
+
+def actor_demand(rl, extra_actors: int = 0) -> dict[str, float]:
+    """The Ray resources the RL actors hold at once: a CPU each, and their GPUs."""
+    return {"CPU": float(rl.trainer_workers + rl.rollout_workers + rl.reward_workers + extra_actors),
+            "GPU": rl.trainer_workers * rl.trainer_gpus + rl.rollout_workers * rl.rollout_gpus}
+
+
+def resource_shortfall(have: dict[str, float], need: dict[str, float], rl, extra_actors: int = 0) -> Optional[str]:
+    """What the cluster `have` lacks for the actors, in one line (None: enough). Ray would leave
+    the actors pending until a call's timeout, and that error names neither."""
+    short = [f"{need[k]:g} {k}s but the cluster has {have.get(k, 0.0):g}" for k in ("CPU", "GPU")
+             if need[k] > have.get(k, 0.0)]
+    if not short:
+        return None
+    who = (f"{rl.trainer_workers} trainer, {rl.rollout_workers} rollout and {rl.reward_workers} reward actors"
+           + (f" and {extra_actors} teacher workers" if extra_actors else ""))
+    return f"rl: {who} need {' and '.join(short)} (rl.ray_num_cpus, the rl.*_workers counts, rl.*_gpus)"
 
 
 def run_rl(cfg, run_dir: Path, config_yaml: str, make_coordinator=None, console=None,
@@ -62,6 +82,13 @@ def run_rl(cfg, run_dir: Path, config_yaml: str, make_coordinator=None, console=
     from trainer.tracking import build_tracker
 
     check_trainer_counts(cfg.trainer)  # before the built-in SFT, not when the trainer actors start after it
+    rl = cfg.rl
+    need = actor_demand(rl, extra_actors)
+    if rl.ray_address is None and rl.ray_num_cpus:  # a local cluster of that size: known before any work
+        problem = resource_shortfall({"CPU": float(rl.ray_num_cpus), "GPU": float(torch.cuda.device_count())}, need,
+                                     rl, extra_actors)
+        if problem:
+            raise ConfigError(problem)
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(config_yaml)
@@ -72,12 +99,16 @@ def run_rl(cfg, run_dir: Path, config_yaml: str, make_coordinator=None, console=
     if policy is None:
         policy = str(builtin_sft_policy(cfg, run_dir))
 
-    rl = cfg.rl
-    needed = rl.trainer_workers + rl.rollout_workers + rl.reward_workers + extra_actors
+    needed = int(need["CPU"])
     started_ray = not ray.is_initialized()
     if started_ray:
         ray.init(address=rl.ray_address, num_cpus=None if rl.ray_address else (rl.ray_num_cpus or max(needed, os.cpu_count() or 1)),
                  include_dashboard=False, log_to_driver=True, configure_logging=False)
+    problem = resource_shortfall(ray.cluster_resources(), need, rl, extra_actors)
+    if problem and rl.ray_address is None:
+        raise ConfigError(problem)
+    if problem:  # an external cluster may still grow (autoscaling): say it, then wait as configured
+        print(f"flashtrain: warning: {problem}; the actors wait up to rl.timeout_s={rl.timeout_s:g} s", flush=True)
     id_file = run_dir / "wandb_run_id"
     resuming = (run_dir / "checkpoints" / "latest").exists() and cfg.trainer.resume != "none"
     container = OmegaConf.to_container(OmegaConf.create(config_yaml), resolve=True)

@@ -156,3 +156,25 @@ def test_a_bad_trainer_batch_fails_before_the_built_in_sft(flashtrain, tmp_path)
     p = flashtrain("rl", *RL_FAST, "trainer.micro_batch_size=0", f"hydra.run.dir={run}")
     assert p.returncode == 2 and "trainer.micro_batch_size=0: must be at least 1" in p.stderr, p.stderr[-2000:]
     assert not (run / "sft").exists()
+
+
+def test_actors_the_local_cluster_cannot_place_are_one_line_before_any_work(flashtrain, tmp_path):
+    """Ray would leave them pending until rl.timeout_s and then raise GetTimeoutError."""
+    p = flashtrain("rl", "logger=none", "rl.ray_num_cpus=2", f"hydra.run.dir={tmp_path / 'rl'}", timeout=120)
+    errors = [ln for ln in p.stderr.splitlines() if ln.startswith("flashtrain: error:")]
+    assert p.returncode == 2 and len(errors) == 1, p.stderr[-2000:]
+    assert "1 trainer, 2 rollout and 1 reward actors need 4 CPUs but the cluster has 2" in errors[0], errors[0]
+    assert not (tmp_path / "rl" / "sft").exists()  # refused before the built-in SFT
+
+
+def test_resource_shortfall_names_cpus_and_gpus():
+    from types import SimpleNamespace
+
+    from rl.run import actor_demand, resource_shortfall
+
+    rl = SimpleNamespace(trainer_workers=2, rollout_workers=1, reward_workers=1, trainer_gpus=1.0, rollout_gpus=0.5)
+    need = actor_demand(rl, extra_actors=2)
+    assert need == {"CPU": 6.0, "GPU": 2.5}
+    assert resource_shortfall({"CPU": 8.0, "GPU": 4.0}, need, rl, 2) is None
+    said = resource_shortfall({"CPU": 8.0, "GPU": 2.0}, need, rl, 2)
+    assert "need 2.5 GPUs but the cluster has 2" in said and "2 teacher workers" in said and "CPU" not in said
