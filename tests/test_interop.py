@@ -233,6 +233,13 @@ def test_tensors_flashtrain_does_not_train_are_named_once_and_carried_through(ex
     assert exported_config == config
 
 
+def test_an_imported_checkpoints_public_folder_is_not_taken_for_the_weights(exported, tmp_path):
+    root, _, _ = exported
+    ckpt = import_checkpoint(root / "first", tmp_path / "checkpoints", CFG, log=QUIET)
+    with pytest.raises(InteropError, match="described but not held .* give the checkpoint itself"):
+        import_into_model(_model(9), ckpt / "public", log=QUIET)
+
+
 def test_a_config_that_differs_is_named(exported, tmp_path):
     root, _, _ = exported
     shutil.copytree(root / "first", tmp_path / "pub")

@@ -166,6 +166,10 @@ def check_public(reader: PublicReader, parts: list[Part], expected_config: dict[
         got = reader.header(name)
         if got is None:
             problems.append(f"missing tensor {name}")
+        elif not reader.has_data(name) and not name.endswith(".scale"):
+            problems.append(f"{name}: described but not held (an imported checkpoint's {PUBLIC}/ folder: give the "
+                            "checkpoint itself)")
+            break
         elif got[0] != dtype and not (dtype in FLOAT_DTYPES and got[0] in FLOAT_DTYPES):
             problems.append(f"{name}: dtype {got[0]}, expected {dtype}")
         elif got[1] != shape:
