@@ -18,6 +18,10 @@ class DataConfig:
     val_fraction: float = 0.02  # documents held out for validation
     max_documents: Optional[int] = None  # cap on documents read (None = all)
     cache_dir: str = "~/.cache/flashtrain"  # tokenizers and packed datasets live here
+    # How long a run waits for another process that holds the lock on a tokenizer or packed dataset it
+    # is building in cache_dir. A killed holder releases the lock at once (an OS file lock); a stuck
+    # one would otherwise be waited for forever.
+    lock_timeout_s: float = 1800.0
     split_seed: int = 1234  # seed of the train/validation document split
 
 

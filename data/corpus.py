@@ -7,6 +7,7 @@ under ``<cache_dir>/hf``. Hub corpora go through `datasets.load_dataset` and its
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import json
@@ -47,6 +48,22 @@ def stable_hash(value: Any) -> str:
     """
     payload = json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(payload).hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def cache_lock(path: Path, timeout_s: float, what: str):
+    """Hold the lock that makes one process build cache entry `path` while the others wait. An OS
+    file lock: a killed holder releases it at once. A holder that is alive but stuck is waited for
+    `timeout_s` at most, then the wait ends in one line naming the lock."""
+    from filelock import FileLock, Timeout
+
+    lock = f"{path}.lock"
+    try:
+        with FileLock(lock, timeout=timeout_s):
+            yield
+    except Timeout:
+        raise DataError(f"waited {timeout_s:g} s for {lock}: another process holds it while it builds the {what}; "
+                        "stop that process or raise data.lock_timeout_s") from None
 
 
 def load_documents(cfg: DataConfig) -> datasets.Dataset:

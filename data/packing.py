@@ -20,9 +20,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import torch
-from filelock import FileLock
 
-from data.corpus import load_documents, stable_hash
+from data.corpus import cache_lock, load_documents, stable_hash
 from data.errors import DataError
 from data.tokenizer import TextTokenizer, load_or_train_tokenizer
 
@@ -101,7 +100,7 @@ def build_datasets(cfg: DataConfig) -> tuple[PackedDataset, PackedDataset, TextT
     path = Path(cfg.cache_dir).expanduser() / "packed" / key
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        with FileLock(f"{path}.lock"):
+        with cache_lock(path, cfg.lock_timeout_s, "packed dataset"):
             if not path.exists():  # another process may have built it while we waited
                 packed = datasets.DatasetDict(
                     {

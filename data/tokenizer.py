@@ -12,10 +12,9 @@ from typing import TYPE_CHECKING
 
 import datasets
 import pyarrow.compute as pc
-from filelock import FileLock
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from data.corpus import stable_hash
+from data.corpus import cache_lock, stable_hash
 from data.errors import DataError
 
 if TYPE_CHECKING:
@@ -120,7 +119,7 @@ def load_or_train_tokenizer(cfg: DataConfig, documents: datasets.Dataset) -> Tex
 
     The cache file is ``<cache_dir>/tokenizers/<key>.json``, the key hashing the corpus fingerprint,
     the vocabulary size and the special tokens. A file lock makes concurrent processes (all ranks of a
-    job starting at once) train it once; the others wait and load the result.
+    job starting at once) train it once; the others wait (data.lock_timeout_s at most) and load the result.
     """
     if cfg.tokenizer_path:
         tokenizer = TextTokenizer.from_file(cfg.tokenizer_path)
@@ -137,7 +136,7 @@ def load_or_train_tokenizer(cfg: DataConfig, documents: datasets.Dataset) -> Tex
         path = Path(cfg.cache_dir).expanduser() / "tokenizers" / f"{key}.json"
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
-            with FileLock(f"{path}.lock"):
+            with cache_lock(path, cfg.lock_timeout_s, "tokenizer"):
                 if not path.exists():  # another process may have trained it while we waited
                     trained = _train(documents, cfg.vocab_size)
                     # Written aside and renamed: a reader that skips the lock never sees half a file.

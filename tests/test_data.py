@@ -438,3 +438,37 @@ def test_missing_text_field(tmp_path: Path) -> None:
 def test_corpus_too_short_for_one_sample(tmp_path: Path) -> None:
     with pytest.raises(DataError, match="the train split has 12 tokens, fewer than one sample"):
         build_datasets(abcd_corpus(tmp_path, seq_len=64))
+
+
+def test_a_cache_lock_wait_has_a_deadline_and_a_killed_holder_frees_it(tmp_path: Path) -> None:
+    """A process that holds the lock of a cache entry it builds: a stuck one is waited for up to
+    data.lock_timeout_s, then one line names the lock; `kill -9` releases it at once."""
+    import signal
+    import time
+
+    from data.corpus import cache_lock
+
+    entry = tmp_path / "tokenizers" / "abc.json"
+    entry.parent.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, time
+        from filelock import FileLock
+        with FileLock({str(entry) + '.lock'!r}):
+            print("held", flush=True)
+            time.sleep(600)
+        """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        start = time.monotonic()
+        with pytest.raises(DataError, match=r"waited 0.5 s for .*abc\.json\.lock: another process holds it while it "
+                                            r"builds the tokenizer"):
+            with cache_lock(entry, 0.5, "tokenizer"):
+                pass
+        assert time.monotonic() - start < 5
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=10)
+        with cache_lock(entry, 5, "tokenizer"):  # no stale lock after the kill
+            pass
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
