@@ -139,6 +139,11 @@ def build_compression_map(tokenizer: Tokenizer, vocab_size: int | None = None) -
     return torch.tensor(out, dtype=torch.long), len(ids)
 
 
+def compressed_vocab(lookup_map: torch.Tensor) -> int:
+    """The number of lookup ids of a compression map (dense from 0): what bounds the multipliers."""
+    return int(lookup_map.max()) + 1
+
+
 # --------------------------------------------------------------------------- modules
 class EngramTable(nn.Module):
     """One layer's rows of all hash heads in one [rows, dim] matrix. Lookups gather on the table's

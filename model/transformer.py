@@ -18,7 +18,7 @@ from torch import nn
 
 from conf.model import ModelConfig
 from model.attention import CSA2Attention
-from model.engram import Engram
+from model.engram import Engram, compressed_vocab
 from model.indexer import IndexQuery
 from model.mhc import HyperConnection, initial_pre, mix_streams, update_streams
 from model.moe import MoE, RoutedExperts
@@ -109,7 +109,7 @@ class Transformer(nn.Module):
         self.plan = build_layer_plan(cfg)
         V, D = cfg.vocab_size, cfg.dim
         self.embed = nn.Embedding(V, D)
-        n_lookup = V if lookup_map is None else int(lookup_map.max()) + 1  # bounds the hash multipliers
+        n_lookup = V if lookup_map is None else compressed_vocab(lookup_map)
         self.engrams = nn.ModuleDict({str(s.layer_id): Engram(cfg, s.layer_id, pad_id=lookup_pad_id,
                                                               compressed_vocab=n_lookup)
                                       for s in self.plan.layers if s.engram})

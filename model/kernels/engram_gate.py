@@ -23,13 +23,8 @@ and the gate sees the sign torch.copysign sees (on an H200 tl.sum of -0s alone g
 fp32; out, g_h and g_kv are rounded once to h's / kv's dtype. Backward programs walk a share of the
 tokens and keep their part of Q in registers ([S, D], one more tile); the host adds the
 [programs, S, D] partials. A tile holds a token's whole rows ([S, D] padded to powers of two), ~32
-fp32 values of a tile a thread. On an H200 (fp32 streams, bf16 kv, S = 4): at `small`'s D = 1024
-(4 warps) the forward takes 128 registers, no spills, and the backward 255 with 48 bytes spilled;
-at D = 4096 (16 warps) the backward spills ~260 bytes. The [S, D] accumulator costs the backward
-time against weights shared by the streams ([D], one Q row): 0.68 against 0.60 ms at D = 1024
-(32768 tokens), 2.59 against 1.67 ms at D = 4096 (8192 tokens); the forward is unchanged
-(0.335 ms at D = 1024, ~4.2 TB/s). Loading the weights afresh for every token instead of holding
-them compiled to a slower backward (7.6 ms at D = 4096).
+fp32 values of a tile a thread. The weights and the Q accumulator stay in registers for all of a
+program's tokens (one [S, D] tile each): a backward that reloads the weights per token is slower.
 """
 from __future__ import annotations
 

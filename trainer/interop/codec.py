@@ -98,13 +98,10 @@ def _fp8_block_values(codes: Tensor, sbytes: Tensor) -> Tensor:
 
 # ------------------------------------------------------------------ FP8 rows (Engram tables)
 def _fp8_row_codes(x: Tensor) -> tuple[Tensor, Tensor]:
-    rows, cols = x.shape
-    codes, sbytes = [], []
-    for lo in range(0, rows, ROW_CHUNK):
-        c, s = pack_fp8(F.pad(x[lo:lo + ROW_CHUNK].float(), (0, _ceil(cols) * BLOCK - cols)))
-        codes.append(c[:, :cols])
-        sbytes.append(s)
-    return torch.cat(codes), torch.cat(sbytes)
+    """Rows [rows, cols] (at most ROW_CHUNK: `encode` cuts a table into such pieces)."""
+    cols = x.shape[1]
+    codes, sbytes = pack_fp8(F.pad(x.float(), (0, _ceil(cols) * BLOCK - cols)))
+    return codes[:, :cols], sbytes
 
 
 def _fp8_row_values(codes: Tensor, sbytes: Tensor, out: Tensor | None = None) -> Tensor:

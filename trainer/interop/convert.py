@@ -26,7 +26,7 @@ from typing import Any, Optional
 import torch
 
 from conf.model import ModelConfig
-from model.engram import build_compression_map, engram_hash_multipliers
+from model.engram import build_compression_map, compressed_vocab, engram_hash_multipliers
 from trainer.checkpoint import LATEST, ORIGIN, CheckpointError, _write_atomic, tag_for, write_manifest
 from trainer.distributed import barrier
 from trainer.interop.codec import HEADER_BYTES, decode, encode, stored, stored_bytes
@@ -81,11 +81,6 @@ def model_layout(cfg: ModelConfig):
         model = Transformer(cfg)
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     return shapes, build_layout(cfg, model.plan, shapes), model.plan
-
-
-def compressed_vocab(lookup_map: torch.Tensor) -> int:
-    """Classes of a tokenizer compression map (dense ids from 0)."""
-    return int(lookup_map.max()) + 1
 
 
 class PublicReader:
@@ -413,9 +408,7 @@ def _encode_part(part: Part, state: Mapping[str, torch.Tensor], source: Optional
 def _export_config(state, cfg: ModelConfig, plan, tokenizer, source: Optional[PublicReader]) -> dict[str, Any]:
     """config.json: flashtrain's fields over the origin's (which keeps the fields of the modules
     flashtrain does not train, and the drafter's compress ratios past the backbone's)."""
-    engram: dict[str, int] = {}
-    if source is not None:
-        engram.update({k: source.config[k] for k in TOKENIZER_KEYS if k in source.config})
+    engram = _tokenizer_fields(source) if source is not None else {}
     if tokenizer is not None:
         engram["engram_pad_id"] = tokenizer.pad_id
     if "lookup_map" in state:
@@ -484,7 +477,7 @@ def _write_tokenizer(dst: Path, tokenizer, source: Optional[PublicReader]) -> st
     if tokenizer is None:
         return " (no tokenizer files: none given and none at the origin)"
     tokenizer.tokenizer.save(str(dst / "tokenizer.json"))
-    special = {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>"}
+    special = {f"{role}_token": tokenizer.id_to_token(getattr(tokenizer, f"{role}_id")) for role in ("bos", "eos", "pad")}
     _write_atomic(dst / "tokenizer_config.json", json.dumps(
         {"tokenizer_class": "PreTrainedTokenizerFast", **special, "clean_up_tokenization_spaces": False}, indent=2) + "\n")
     return ""

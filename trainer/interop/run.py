@@ -37,9 +37,9 @@ def _origin(setting: Optional[str], ckpt: Path) -> Optional[Path]:
         return None
     origin = origin_of(ckpt) if setting in (None, "auto") else Path(setting).expanduser()
     if origin is not None and not is_public_dir(origin):
-        what = "origin" if setting not in (None, "auto") else f"{ckpt} came from {origin}, which"
-        raise InteropError(f"{what}={origin} is not a public-layout directory (gone or moved?): it holds the "
-                           "tensors flashtrain does not train and the scales of untrained weights; pass "
+        where = f"origin={origin}" if setting not in (None, "auto") else f"{ckpt} came from {origin}, which"
+        raise InteropError(f"{where} is not a public-layout directory (gone or moved?): it holds the tensors "
+                           "flashtrain does not train and the scales of untrained weights; pass "
                            "origin=<its new place>, or origin=none to export without them")
     return origin
 
