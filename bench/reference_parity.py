@@ -1,11 +1,12 @@
-"""Parity of a flashtrain export with the public reference inference code, on a CPU.
+"""Parity of a flashtrain export with the public reference inference code, on a CPU or a GPU.
 
-    python -m bench.reference_parity --reference REF --export DIR [--model tiny] [--tokens 256]
+    python -m bench.reference_parity --reference REF --export DIR [--model tiny] [--tokens 256] [--device cuda]
 
 REF is a directory holding the public DeepSeek-V4.1-Flash inference code as published beside the
 released weights (`model.py`, `engram.py`, `image_processor.py`). It is not part of flashtrain and is
-not shipped with it. Its GPU kernels (tilelang) do not run on a CPU, so this script supplies CPU
-versions of the six it imports, written here from the kernels' documented semantics:
+not shipped with it. Its kernels are tilelang, for the GPU only, so this script supplies plain torch
+versions of the six it imports (used on either device), written here from the kernels' documented
+semantics:
 
   act_quant      FP8 E4M3 per block of the last dim, scale amax/448 (amax >= 1e-4), power of two
                  (rounded up) when a scale format is given; values clamped to +-448
@@ -31,8 +32,8 @@ agreement:
 plus the reference's incremental decoding (prefill, then one token) against flashtrain's logits at
 that position, and, as a diagnostic, `aligned` with flashtrain's top-k made by the reference's own
 torch.topk call: the two differ only where index scores tie at the k-th place (flashtrain breaks
-such ties towards the lowest entry ids, the public code leaves them to torch.topk). Prints one JSON
-object.
+such ties towards the lowest entry ids, the public code leaves them to torch.topk, which on a GPU
+does the same and on a CPU does not). Prints one JSON object.
 """
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-# ------------------------------------------------------------------ CPU kernels for the reference
+# ------------------------------------------------------------------ torch kernels for the reference
 E2M1_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
 
@@ -61,13 +62,14 @@ def _pow2_ceil(v: torch.Tensor) -> torch.Tensor:
 
 def _round_e2m1(v: torch.Tensor) -> torch.Tensor:
     """Nearest E2M1 value of v (already within +-6), ties to the even code."""
+    grid = E2M1_GRID.to(v.device)
     mag = v.abs().unsqueeze(-1)
-    dist = (mag - E2M1_GRID).abs()
+    dist = (mag - grid).abs()
     best = dist.min(-1, keepdim=True).values
     tied = dist == best
-    code = torch.where(tied.sum(-1) > 1, (tied & (torch.arange(8) % 2 == 0)).float().argmax(-1),
+    code = torch.where(tied.sum(-1) > 1, (tied & (torch.arange(8, device=v.device) % 2 == 0)).float().argmax(-1),
                        tied.float().argmax(-1))
-    return torch.copysign(E2M1_GRID[code], v)
+    return torch.copysign(grid[code], v)
 
 
 def act_quant(x, block_size=128, scale_fmt=None, scale_dtype=torch.float32, inplace=False):
@@ -105,7 +107,7 @@ def _dequant_fp8_weight(w, s, block=32):
 def _dequant_fp4_weight(w, s, block=32):
     packed = w.view(torch.uint8)
     nibbles = torch.stack((packed & 0xF, packed >> 4), -1).flatten(-2).long()
-    values = torch.where(nibbles >= 8, -1.0, 1.0) * E2M1_GRID[nibbles & 7]
+    values = torch.where(nibbles >= 8, -1.0, 1.0) * E2M1_GRID.to(w.device)[nibbles & 7]
     return values * s.float().repeat_interleave(block, -1)
 
 
@@ -152,7 +154,7 @@ KERNELS = dict(act_quant=act_quant, fp4_act_quant=fp4_act_quant, fp4_gemm=fp4_ge
 
 # ------------------------------------------------------------------ loading both models
 def reference_package(reference: Path, work: Path):
-    """The public model.py / engram.py / image_processor.py as a package beside the CPU kernels
+    """The public model.py / engram.py / image_processor.py as a package beside the torch kernels
     above (module `kernel_cpu`) and a vision placeholder (the check runs text only)."""
     pkg = work / "public_reference"
     pkg.mkdir()
@@ -257,6 +259,29 @@ def reference_ties():
         indexer.topk_ids = own
 
 
+class _RustTokenizer:
+    """What the public code reads of its tokenizer (the Engram token map): the Rust backend and the
+    vocabulary size with added tokens, as transformers' tokenizer gives them."""
+
+    def __init__(self, path: Path):
+        from tokenizers import Tokenizer
+
+        self.backend_tokenizer = Tokenizer.from_file(str(path))
+
+    def __len__(self) -> int:
+        return self.backend_tokenizer.get_vocab_size(with_added_tokens=True)
+
+
+def reference_tokenizer(export: Path):
+    """transformers' AutoTokenizer of the export, as a user of the public code loads it; where
+    transformers is not installed (the GPU machines), the same Rust tokenizer without it."""
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        return _RustTokenizer(export / "tokenizer.json")
+    return AutoTokenizer.from_pretrained(str(export))
+
+
 def token_ids(tokenizer_path: Path, batch: int, tokens: int) -> torch.Tensor:
     """Text of the standard library's own sources, `batch` windows of `tokens` ids."""
     from tokenizers import Tokenizer
@@ -279,15 +304,19 @@ def main(argv=None) -> dict:
     p.add_argument("--model", default="tiny", choices=("tiny", "small", "flash"))
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="cpu, or cuda: both models on the GPU (the public "
+                   "code's own device, where torch.topk breaks ties as flashtrain does)")
     args = p.parse_args(argv)
-    from transformers import AutoTokenizer
 
     torch.manual_seed(0)
     export = args.export.resolve()
-    hf_tok = AutoTokenizer.from_pretrained(str(export))
-    ids = token_ids(export / "tokenizer.json", args.batch, args.tokens)
-    out = {"export": str(export), "tokens": list(ids.shape), "torch": torch.__version__}
-    with tempfile.TemporaryDirectory() as work, torch.no_grad():
+    hf_tok = reference_tokenizer(export)
+    device = torch.device(args.device)
+    ids = token_ids(export / "tokenizer.json", args.batch, args.tokens).to(device)
+    out = {"export": str(export), "tokens": list(ids.shape), "torch": torch.__version__,
+           "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+           "tokenizer": type(hf_tok).__name__}
+    with tempfile.TemporaryDirectory() as work, torch.no_grad(), device:
         ref = reference_package(args.reference.resolve(), Path(work))
         logits = {}
         for qat in (True, False):

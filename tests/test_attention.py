@@ -449,6 +449,31 @@ def test_topk_ties_go_to_the_lowest_ids_whatever_the_width():
     assert (select_topk(few, 8)[..., 3:] == -1).all() and (select_topk(few, 8)[..., :3] == torch.arange(3)).all()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,S,k,sorted_,distinct", [
+    (2 * 1024, 4096, 512, False, 0.05),  # a training forward's rows
+    (1, 70000, 512, False, 0.002),  # one decoding query at a long context
+    (64, 16384, 512, False, 0.01),
+    (2 * 1024, 128, 8, True, 0.0),  # the candidate pool's block scores (the public code sorts these)
+], ids=["training", "decode-long", "wide", "pool-blocks"])
+def test_gpu_torch_topk_breaks_ties_like_topk_ids(rows, S, k, sorted_, distinct):
+    """On a GPU, the public code's selection (torch.topk, ids re-sorted) takes the lowest ids among
+    scores tied at the k-th place, which is flashtrain's rule: the two select the same entries on
+    the public code's own device. Scores as ReLU makes them: mostly exact zeros, few positives,
+    -inf past a causal edge; the pool case ties positive values too."""
+    from model.indexer import topk_ids
+    g = torch.Generator(device="cuda").manual_seed(0)
+    if distinct:
+        scores = torch.rand(rows, S, device="cuda", generator=g)
+        scores = torch.where(torch.rand(rows, S, device="cuda", generator=g) < distinct, scores, 0.0)
+    else:
+        scores = torch.randint(0, 3, (rows, S), device="cuda", generator=g).float()
+    edge = torch.randint(k // 2, S + 1, (rows, 1), device="cuda", generator=g)
+    scores = scores.masked_fill(torch.arange(S, device="cuda") >= edge, float("-inf"))
+    want = scores.topk(k, dim=-1, sorted=sorted_).indices.sort(dim=-1).values
+    assert torch.equal(topk_ids(scores, k)[0], want)
+
+
 # ---------------------------------------------------------------- grouped output projection
 def _projection_case(device, dtype):
     torch.manual_seed(0)
