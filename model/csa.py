@@ -35,8 +35,12 @@ def _with_halo(win_kv: torch.Tensor, window: int, halo: Optional[torch.Tensor]) 
 
 
 def window_keys(win_kv: torch.Tensor, window: int, halo: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """win_kv [B, T, C] -> [B, T, W, C]: keys t-W+1 .. t for every query t."""
-    return _with_halo(win_kv, window, halo).unfold(1, window, 1).transpose(-1, -2)
+    """win_kv [B, T, C] -> [B, T, W, C]: keys t-W+1 .. t for every query t. Gathered by row index
+    rather than unfolded: under trainer.compile on a CPU (torch 2.13), inductor's gradient of an
+    unfold with overlapping windows is wrong (tests/test_attention.py)."""
+    T = win_kv.shape[1]
+    rows = torch.arange(T, device=win_kv.device).unsqueeze(-1) + torch.arange(window, device=win_kv.device)  # [T, W]
+    return _with_halo(win_kv, window, halo)[:, rows]
 
 
 def window_doc_start(doc_start: torch.Tensor, positions: Optional[torch.Tensor],

@@ -80,6 +80,27 @@ def test_sparse_attention_equals_dense_masked_attention():
         torch.testing.assert_close(gs, gd, rtol=1e-6, atol=1e-6)
 
 
+def test_compiled_sparse_attention_has_eager_gradients():
+    """trainer.compile with model.kernels=false traces sparse_attention. Its window keys overlap
+    (query t reads rows t-W+1 .. t); an unfold's gradient under inductor on a CPU (torch 2.13)
+    came out wrong by more than the gradient's own norm, so the keys are gathered by index."""
+    q, win, glob, idx, doc_start, sink, _ = _random_case(T=64, window=16)
+    q, win, glob = (t.float().requires_grad_(True) for t in (q, win, glob))
+
+    def grads(fn):
+        out, p = fn(q, win, glob, idx, doc_start, sink, 0.25, 16)
+        return (out, p) + torch.autograd.grad(out.square().sum() + p.sum(), (q, win, glob))
+
+    want = grads(sparse_attention)
+    torch._dynamo.reset()
+    try:
+        got = grads(torch.compile(sparse_attention))
+    finally:
+        torch._dynamo.reset()
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
 def test_attention_is_one_softmax_over_window_selection_and_sink():
     """Hand-built check of the formula on one query: window keys, selected keys and the sink
     share the normaliser."""
