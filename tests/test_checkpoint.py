@@ -87,3 +87,58 @@ def test_resolve_explicit_paths(tmp_path):
     (tmp_path / "ck" / tag_for(4) / "trainer_state.pt").write_bytes(b"garbage")
     with pytest.raises(CheckpointError, match="unusable"):
         mgr.resolve(str(tmp_path / "ck" / tag_for(4)))
+
+
+class _RunsCode:
+    """Unpickles as a call of os.system: what a hostile checkpoint would carry."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+        return os.system, (f"touch {self.marker}",)
+
+
+@pytest.mark.parametrize("where", ["trainer_state.pt", "unlisted.pt", "legacy"])
+def test_checkpoint_pickling_code_is_refused_unread(tmp_path, where):
+    """A checkpoint whose pickles name anything but data (here os.system) is refused before any
+    of it is unpickled, wherever the file sits: DeepSpeed finds its files by name, not through
+    our manifest. A legacy (non-zip) torch file, which torch.load would read as a plain pickle,
+    too. resolve names the file; 'auto' falls back to the previous checkpoint."""
+    from trainer.checkpoint import write_manifest
+
+    mgr = CheckpointManager(tmp_path / "ck", keep_last=5, rank=0)
+    save(mgr, 1)
+    save(mgr, 2)
+    ckpt, marker = tmp_path / "ck" / tag_for(2), tmp_path / "ran"
+    payload = {"step": 2, "x": _RunsCode(marker)}
+    if where == "legacy":
+        torch.save(payload, ckpt / "trainer_state.pt", _use_new_zipfile_serialization=False)
+    else:
+        torch.save(payload, ckpt / where)
+    if where != "unlisted.pt":
+        write_manifest(ckpt, 2)  # the manifest agrees: the checksums are not what stops it
+    with pytest.raises(CheckpointError, match="refused|not a torch checkpoint file") as err:
+        mgr.resolve(str(ckpt))
+    assert len(str(err.value).splitlines()) == 1
+    assert ("unlisted.pt" if where == "unlisted.pt" else "trainer_state.pt") in str(err.value)
+    with pytest.warns(UserWarning, match="step_00000002"):
+        assert mgr.find_latest_valid() == tmp_path / "ck" / tag_for(1)
+    assert not marker.exists()
+
+
+def test_saved_states_load_as_data_only(tmp_path):
+    """What the trainer writes (RNG states with numpy arrays included) passes the check and loads
+    with weights_only."""
+    import numpy as np
+
+    from trainer.checkpoint import unsafe_pickle_globals
+    mgr = CheckpointManager(tmp_path, keep_last=2, rank=0)
+    rng = {"numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    mgr.save(FakeEngine(1.0), 1, {"step": 1, "config": {"a": 1}}, {"rng": rng})
+    ckpt = tmp_path / tag_for(1)
+    assert verify(ckpt) is None
+    assert all(unsafe_pickle_globals(p) == [] for p in ckpt.glob("*.pt"))
+    _, rank_state = mgr.load(FakeEngine(), ckpt)
+    assert np.array_equal(rank_state["rng"]["numpy"][1], rng["numpy"][1])

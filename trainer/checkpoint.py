@@ -74,6 +74,40 @@ def write_manifest(ckpt: Path, step: int) -> None:
     _write_atomic(ckpt / MANIFEST, json.dumps({"step": step, "files": files}, indent=1))
 
 
+# What a checkpoint's pickles may name besides tensors and plain containers (torch's weights_only
+# set): numpy arrays and dtypes (the RNG states in rank_*_state.pt) and the bookkeeping objects of
+# DeepSpeed's ZeRO optimiser states. DeepSpeed unpickles its files with weights_only=False, so a
+# pickle naming anything else (os.system, a class with a malicious __setstate__) could run code.
+PICKLE_GLOBALS = frozenset({
+    "numpy.ndarray", "numpy.dtype", "numpy._core.multiarray._reconstruct", "numpy.core.multiarray._reconstruct",
+    "deepspeed.utils.tensor_fragment.fragment_address", "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+})
+
+
+def unsafe_pickle_globals(path: Path) -> list[str]:
+    """The globals a torch file's pickle names that are neither in torch's weights_only set nor in
+    PICKLE_GLOBALS (read from the pickle's opcodes; nothing is unpickled)."""
+    from torch.serialization import get_unsafe_globals_in_checkpoint
+
+    return [g for g in get_unsafe_globals_in_checkpoint(str(path))
+            if g not in PICKLE_GLOBALS and not g.startswith("numpy.dtypes.")]
+
+
+def _pickle_problem(ckpt: Path) -> Optional[str]:
+    """Every .pt under the checkpoint (listed in the manifest or not: DeepSpeed finds its files by
+    name) must unpickle nothing but data."""
+    for path in sorted(ckpt.rglob("*.pt")):
+        try:
+            bad = unsafe_pickle_globals(path)
+        except Exception as e:  # not a torch zip file: torch.load would fall back to plain pickle
+            return f"{path.relative_to(ckpt)} is not a torch checkpoint file ({type(e).__name__})"
+        if bad:
+            return (f"{path.relative_to(ckpt)} pickles {', '.join(bad[:3])}, which flashtrain never writes and "
+                    "which could run code when loaded: refused")
+    return None
+
+
 def verify(ckpt: Path) -> Optional[str]:
     """None when the checkpoint is complete and intact, else what is wrong with it."""
     try:
@@ -92,7 +126,7 @@ def verify(ckpt: Path) -> Optional[str]:
             return f"{rel} fails its checksum"
     if not manifest.get("files"):
         return "empty manifest"
-    return None
+    return _pickle_problem(ckpt)
 
 
 def _quarantine(ckpt: Path) -> None:
@@ -216,16 +250,27 @@ class CheckpointManager:
                                   "with the config it was trained with, or start a new run dir") from None
         if load_path is None:
             raise CheckpointError(f"DeepSpeed could not load {ckpt}")
-        trainer_state = torch.load(ckpt / TRAINER_STATE, map_location="cpu", weights_only=False)
+        trainer_state = torch.load(ckpt / TRAINER_STATE, map_location="cpu", weights_only=True)
         rank_file = ckpt / f"rank_{self.rank:05d}_state.pt"
-        rank_state = torch.load(rank_file, map_location="cpu", weights_only=False) if rank_file.exists() else {}
+        rank_state = load_rank_state(rank_file) if rank_file.exists() else {}
         return trainer_state, rank_state
 
     def all_rank_states(self, ckpt: Path) -> list[dict[str, Any]]:
         """Every rank's rank_state of `ckpt` (sharded optimiser state is merged from these, so
         the world size may change between save and load)."""
-        return [torch.load(f, map_location="cpu", weights_only=False)
-                for f in sorted(ckpt.glob("rank_*_state.pt"))]
+        return [load_rank_state(f) for f in sorted(ckpt.glob("rank_*_state.pt"))]
+
+
+def load_rank_state(path: Path) -> dict[str, Any]:
+    """A rank's state file: tensors, containers and the numpy arrays of its RNG states, nothing
+    else (weights_only, with numpy's array reconstruction allowed)."""
+    import numpy as np
+
+    core = np._core if hasattr(np, "_core") else np.core  # numpy 2 renamed it
+    allowed = [np.ndarray, np.dtype, core.multiarray._reconstruct] + [
+        getattr(np.dtypes, n) for n in dir(np.dtypes) if n.endswith("DType")]
+    with torch.serialization.safe_globals(allowed):
+        return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def model_state(ckpt: Path) -> dict[str, torch.Tensor]:

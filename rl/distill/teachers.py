@@ -128,7 +128,7 @@ def _flashtrain_config(ckpt: Path):
 
     from conf.model import ModelConfig
 
-    state = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=False)
+    state = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=True)
     if "config" not in state:
         raise ValueError("its trainer_state.pt holds no config")
     model = OmegaConf.create(state["config"]).get("model")
