@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 EXIT_USER_ERROR = 2
+EXIT_INTERNAL = 1  # not the input's fault: a rank or a worker failed
 
 USAGE = """usage: flashtrain <stage> [key=value ...] [--cfg]
 
@@ -21,9 +22,9 @@ Overrides are Hydra syntax: model=small trainer.max_steps=100 hydra.run.dir=runs
 --cfg prints the composed config and exits."""
 
 
-def _fail(message: str) -> int:
+def _fail(message: str, code: int = EXIT_USER_ERROR) -> int:
     print(f"flashtrain: error: {message}", file=sys.stderr)
-    return EXIT_USER_ERROR
+    return code
 
 
 def describe_config_error(exc: BaseException) -> str:
@@ -147,6 +148,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         stages[stage_name].run(typed, run_dir, config_yaml)
     except UserError as e:
         return _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    except RuntimeError as e:
+        from trainer.distributed import collective_timeout
+
+        line = collective_timeout(e)
+        if line is None:
+            raise
+        return _fail(line, EXIT_INTERNAL)
     return 0
 
 

@@ -32,6 +32,9 @@ def _show(cmd: list[str] | str, what: str) -> None:
     print(f"flashtrain: {what}: {text}", file=sys.stderr, flush=True)
 
 
+STOP_GRACE_S = 10.0
+
+
 def _wait_all(procs: list[subprocess.Popen]) -> int:
     """First non-zero exit code; a rank that dies would leave the others blocked in a
     collective, so the rest are stopped."""
@@ -44,8 +47,12 @@ def _wait_all(procs: list[subprocess.Popen]) -> int:
     for p in procs:
         if p.poll() is None:
             p.terminate()
-    for p in procs:
-        p.wait()
+    for p in procs:  # a stopped or wedged rank ignores SIGTERM: SIGKILL it after a grace period
+        try:
+            p.wait(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
     return failed[0] if failed else 0
 
 

@@ -55,7 +55,7 @@ class PolicyTrainer:
             torch.set_num_threads(cfg.trainer.torch_threads)
         self.cfg, self.rl = cfg, cfg.rl
         self.config_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
-        self.dist = init_distributed()
+        self.dist = init_distributed(cfg.trainer.collective_timeout_s)
         seed_everything(cfg.trainer.seed)
         self.tokenizer = TextTokenizer.from_file(tokenizer_path)
         self.model = build_model(cfg, self.tokenizer)

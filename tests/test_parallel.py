@@ -1,9 +1,11 @@
 """Expert parallelism, resharding across EP degrees, and the launchers (CPU, gloo)."""
 import json
+import os
 import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -241,3 +243,56 @@ def test_launcher_counts_a_launch_cannot_start_are_refused(fields, needle):
     with pytest.raises(ConfigError, match=re.escape(needle)):
         check_launcher(LauncherConfig(**fields))
     check_launcher(LauncherConfig(name="multinode", nnodes=2, node_rank=1))  # the last node is fine
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def _rank_of(pid: int) -> int | None:
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    return next((int(v[5:]) for v in env if v.startswith(b"RANK=")), None)
+
+
+@pytest.mark.slow
+def test_a_rank_that_stops_responding_fails_the_run_within_the_deadline(tmp_path, data_cache, port_base):
+    """Rank 1 frozen (SIGSTOP) mid-training: rank 0 waits trainer.collective_timeout_s in its
+    collective, then exits 1 with one line naming the setting; the launcher SIGKILLs the frozen
+    rank (SIGTERM waits for a stopped process) and returns. Nothing waits past the deadline."""
+    import signal
+
+    run, timeout_s = tmp_path / "run", 5
+    cmd = [sys.executable, "-m", "launch", "pretrain", *FAST, "trainer.micro_batch_size=2", "trainer.max_steps=500",
+           "trainer.save_every=0", "trainer.save_at_end=false", "launcher.nproc=2",
+           f"launcher.master_port={port_base()}", f"trainer.collective_timeout_s={timeout_s}",
+           f"hydra.run.dir={run}", f"data.cache_dir={data_cache}"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=cli_env(0, single_process=False), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text().count("\n") >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run never started training"
+            time.sleep(0.2)
+        rank1 = next(p for p in _children(proc.pid) if _rank_of(p) == 1)
+        os.kill(rank1, signal.SIGSTOP)
+        stopped = time.monotonic()
+        _, err = proc.communicate(timeout=timeout_s + 60)
+        took = time.monotonic() - stopped
+    finally:
+        if proc.poll() is None:
+            for child in _children(proc.pid):
+                os.kill(child, signal.SIGKILL)
+            proc.kill()
+    assert proc.returncode == 1, err[-3000:]
+    lines = [ln for ln in err.splitlines() if ln.startswith("flashtrain: error:")]
+    assert len(lines) == 1 and lines[0].startswith("flashtrain: error: rank 0:"), err[-3000:]
+    assert "trainer.collective_timeout_s" in lines[0]
+    assert "Traceback" not in err
+    assert took < timeout_s + 30
+    assert not Path(f"/proc/{rank1}").exists() or Path(f"/proc/{rank1}/stat").read_text().split()[2] == "Z"

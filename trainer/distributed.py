@@ -2,6 +2,7 @@
 for one process; a plain `flashtrain pretrain` fills them in for a single local process."""
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 from dataclasses import dataclass
@@ -54,7 +55,9 @@ def skip_shm_comm_build() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
-def init_distributed() -> DistInfo:
+def init_distributed(timeout_s: float | None = None) -> DistInfo:
+    """The process group; `timeout_s` (trainer.collective_timeout_s) bounds every collective, so a
+    rank that stops responding fails the others instead of holding them (see collective_timeout)."""
     single_process_env()
     select_accelerator()
     import deepspeed
@@ -68,9 +71,28 @@ def init_distributed() -> DistInfo:
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
+        timeout = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
         deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo",
-                                   auto_mpi_discovery=False, verbose=False)
+                                   auto_mpi_discovery=False, verbose=False, **timeout)
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+_TIMEOUT_MARKS = ("Timed out waiting", "Application timeout caused pair closure",  # gloo
+                  "Watchdog caught collective operation timeout")  # NCCL
+
+
+def collective_timeout(error: BaseException) -> str | None:
+    """One line for a collective that ran past its deadline (gloo: 'Timed out waiting ...ms for
+    recv', NCCL: 'Watchdog caught collective operation timeout'), naming this rank and the
+    setting; None for any other error."""
+    text = str(error)
+    if not isinstance(error, RuntimeError) or not any(m in text for m in _TIMEOUT_MARKS):
+        return None
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+    detail = next((ln.strip() for ln in text.splitlines() if any(m in ln for m in _TIMEOUT_MARKS)), text)
+    detail = detail.split("] ", 1)[-1]  # drop the C++ source location
+    return (f"rank {rank}: the other ranks did not answer within trainer.collective_timeout_s (a rank "
+            f"stopped responding or died; its own log says which): {detail}")
 
 
 def barrier() -> None:

@@ -92,7 +92,7 @@ class Trainer:
         if tc.compile and tc.activation_checkpointing:  # the recompute saves other tensors than the forward
             raise ConfigError("trainer.compile=true with trainer.activation_checkpointing=true is not supported: "
                               "checkpoint recomputation through the compiled blocks fails; turn one off")
-        self.dist: DistInfo = init_distributed()
+        self.dist: DistInfo = init_distributed(tc.collective_timeout_s)
         if tc.torch_threads:
             torch.set_num_threads(tc.torch_threads)
         if self.dist.is_main:
