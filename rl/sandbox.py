@@ -26,13 +26,17 @@ Layers, each tried at run time; `isolation()` reports which the kernel granted h
   processes   a pids cgroup (root: RLIMIT_NPROC does not bind root) or RLIMIT_NPROC (counted
               per user namespace, so `max_procs` is this run's own budget); threads count too.
   filesystem  Landlock (Linux >= 5.13): writes only beneath the temporary directory (and to
-              /dev/null); also TCP bind/connect (ABI 4) and signals to processes outside the
-              sandbox (ABI 6). Reads are not restricted: the code can read what the caller can.
+              /dev/null); reads only there and in the interpreter's standard library and
+              installation and the system's shared libraries (`_readable_paths`: no /etc, /home,
+              /root, /proc, /tmp, so no credential file and no other process's /proc); also TCP
+              bind/connect (ABI 4) and signals to processes outside the sandbox (ABI 6).
   resources   RLIMIT_CPU (SIGXCPU at cpu_s, SIGKILL a second later), RLIMIT_AS (memory),
               RLIMIT_FSIZE, RLIMIT_NOFILE, RLIMIT_CORE=0; stdout and stderr are read in chunks
               and the run is killed once either passes `max_output_bytes`.
-Not prevented: reading files the caller may read; filling the disk with many files under the
-size limit until the wall-clock limit; without Landlock, writing wherever the caller's user may;
+Not prevented: reading the standard library, the interpreter's base installation and the
+shared libraries; filling the disk with
+many files under the size limit until the wall-clock limit; system calls no layer above covers
+(there is no seccomp filter); without Landlock, reading and writing wherever the caller's user may;
 without a PID namespace, processes that leave the session survive the run. "passed" is checked
 against a per-run nonce so an early `sys.exit(0)` does not pass, but the code runs in the same
 interpreter as the tests and can defeat asserts (an object whose __eq__ is always True); a
@@ -77,6 +81,7 @@ _CAP_VERSION_3 = 0x20080522
 _LL_CREATE, _LL_ADD_RULE, _LL_RESTRICT = 444, 445, 446  # Landlock syscalls: same number on every arch
 _LL_VERSION, _LL_PATH_BENEATH = 1, 1
 _LL_WRITE_FILE, _LL_TRUNCATE, _LL_REFER = 1 << 1, 1 << 14, 1 << 13
+_LL_READ_FILE, _LL_READS = 1 << 2, 1 << 2 | 1 << 3  # READ_FILE, READ_DIR
 _LL_WRITES = 1 << 1 | 1 << 4 | 1 << 5 | 1 << 6 | 1 << 7 | 1 << 8 | 1 << 9 | 1 << 10 | 1 << 11 | 1 << 12  # write, rm, mk*
 
 
@@ -567,8 +572,9 @@ def _set_limits(cfg: dict) -> None:
 
 
 def _landlock(writable: str) -> int:
-    """Allow writes only beneath `writable` and to /dev/null (plus no TCP, no signals out of the
-    sandbox, where the ABI has them) -> the Landlock ABI applied, 0 where there is none."""
+    """Allow writes only beneath `writable` and to /dev/null, reads only beneath `writable` and
+    what the interpreter needs (`_readable_paths`), plus no TCP, no signals out of the sandbox
+    (where the ABI has them) -> the Landlock ABI applied, 0 where there is none."""
     syscall = _libc().syscall
     syscall.restype = ctypes.c_long
     abi = syscall(ctypes.c_long(_LL_CREATE), None, ctypes.c_long(0), ctypes.c_long(_LL_VERSION))
@@ -577,13 +583,15 @@ def _landlock(writable: str) -> int:
     writes = _LL_WRITES | (_LL_REFER if abi >= 2 else 0) | (_LL_TRUNCATE if abi >= 3 else 0)
     net = 0b11 if abi >= 4 else 0  # BIND_TCP | CONNECT_TCP, with no port allowed
     scoped = 0b11 if abi >= 6 else 0  # abstract unix sockets, signals
-    attr = (ctypes.c_uint64 * 3)(writes, net, scoped)
+    attr = (ctypes.c_uint64 * 3)(writes | _LL_READS, net, scoped)
     size = 8 if abi < 4 else 16 if abi < 6 else 24
     ruleset = syscall(ctypes.c_long(_LL_CREATE), ctypes.byref(attr), ctypes.c_long(size), ctypes.c_long(0))
     if ruleset < 0:
         return 0
+    rules = [(writable, writes | _LL_READS), ("/dev/null", _LL_WRITE_FILE | _LL_READ_FILE | (_LL_TRUNCATE if abi >= 3 else 0))]
+    rules += [(path, _LL_READS if os.path.isdir(path) else _LL_READ_FILE) for path in _readable_paths()]
     try:
-        for path, access in ((writable, writes), ("/dev/null", _LL_WRITE_FILE | (_LL_TRUNCATE if abi >= 3 else 0))):
+        for path, access in rules:
             fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
             try:
                 rule = ctypes.create_string_buffer(struct.pack("=Qi", access, fd), 12)
@@ -595,6 +603,17 @@ def _landlock(writable: str) -> int:
         return abi if syscall(ctypes.c_long(_LL_RESTRICT), ctypes.c_long(ruleset), ctypes.c_long(0)) == 0 else 0
     finally:
         os.close(ruleset)
+
+
+def _readable_paths() -> list[str]:
+    """What the code may read besides its own directory: the standard library it can import
+    (`python -I -S` puts nothing else on sys.path), the interpreter's installation (libpython),
+    the system's shared-library directories and the dynamic linker's cache (extension modules
+    load their libraries by name). Not /etc, /home, /root, /proc or /tmp: no credentials, no
+    other process's state, no other run's files."""
+    paths = {*sys.path, sys.base_prefix, sys.base_exec_prefix, os.path.dirname(os.path.realpath(sys.executable)),
+             "/usr/lib", "/usr/lib64", "/lib", "/lib64", "/usr/local/lib", "/etc/ld.so.cache"}
+    return sorted(p for p in paths if p and os.path.isabs(p) and os.path.exists(p))
 
 
 def _drop_capabilities() -> None:

@@ -206,6 +206,66 @@ def test_writes_outside_the_directory_are_denied(tmp_path):
     assert r.stdout == "denied\n" and not target.exists()
 
 
+def _landlock_or_skip():
+    if isolation()["filesystem"] == "none":
+        pytest.skip("no Landlock here: the code may read and write wherever this user may")
+
+
+def _reads(path) -> str:
+    return (f"try:\n    print(open({str(path)!r}).read()[:40])\nexcept OSError as e:\n"
+            "    print('denied', type(e).__name__)")
+
+
+def test_reading_a_credential_file_is_denied(tmp_path, monkeypatch):
+    """A file the caller can read (a ~/.netrc stand-in outside the sandbox's directory), the
+    real /etc/passwd and the caller's home directory listing are all out of reach, while the
+    standard library stays importable."""
+    _landlock_or_skip()
+    secret = tmp_path / ".netrc"
+    secret.write_text("machine api.wandb.ai login user password SECRET123\n")
+    for path in (secret, "/etc/passwd"):
+        r = run_python(_reads(path), "assert True")
+        assert r.stdout == "denied PermissionError\n", r.stdout + r.stderr
+    r = run_python(f"import os\ntry:\n    os.listdir({str(Path.home())!r})\n    print('listed')\n"
+                   "except OSError:\n    print('denied')", "import json, fractions, heapq, re, decimal")
+    assert r.passed and r.stdout == "denied\n", r.stdout + r.stderr
+    assert "SECRET123" not in r.stdout + r.stderr
+
+
+def test_the_trainers_proc_entries_are_out_of_reach():
+    """/proc of the caller (its environment, command line, memory) cannot be read: the sandbox
+    has its own PID namespace and Landlock gives it no /proc."""
+    _landlock_or_skip()
+    me = os.getpid()
+    for name in ("environ", "cmdline", "mem"):
+        r = run_python(_reads(f"/proc/{me}/{name}"), "assert True")
+        assert r.stdout.startswith("denied"), r.stdout + r.stderr
+
+
+def test_ptrace_of_the_caller_fails():
+    """PTRACE_ATTACH and PTRACE_SEIZE on the caller, through libc: refused (another PID
+    namespace, no capabilities)."""
+    code = ("import ctypes, ctypes.util, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]\n"
+            f"for request in (16, 0x4206):\n    rc = libc.ptrace(request, {os.getpid()}, None, None)\n"
+            "    print(rc, ctypes.get_errno() != 0)\n")
+    r = run_python(code, "assert True")
+    assert r.passed and r.stdout == "-1 True\n-1 True\n", r.stdout + r.stderr
+
+
+def test_filling_tmp_stops_at_the_sandbox(tmp_path):
+    """Writes to the shared /tmp are refused; inside its own directory a file stops at the size
+    limit (EFBIG), and the directory is removed afterwards."""
+    _landlock_or_skip()
+    code = ("import os\ntry:\n    open('/tmp/flashtrain-fill-' + str(os.getpid()), 'wb').write(b'x')\n"
+            "    print('tmp written')\nexcept OSError:\n    print('tmp denied')\n"
+            "f = open('big', 'wb')\ntry:\n    while True:\n        f.write(b'x' * (1 << 20))\n"
+            f"except OSError as e:\n    print('stopped', e.errno, os.path.getsize('big') <= {sandbox.FILE_BYTES})\n")
+    r = run_python(code, "assert True")
+    assert r.passed and r.stdout == "tmp denied\nstopped 27 True\n", r.stdout + r.stderr
+    assert not list(Path("/tmp").glob("flashtrain-fill-*"))
+
+
 def test_signals_do_not_reach_the_caller():
     received = []
     previous = signal.signal(signal.SIGURG, lambda *_: received.append(1))  # harmless if it leaked
