@@ -1,0 +1,152 @@
+"""kill -9 of a pretraining run at given moments, then a rerun: does every rerun finish, with the
+weights of an uninterrupted run and every metrics row exactly once?
+
+    python -m bench.chaos_kill [--kill-at 1,3,5,10] [--random 4] [--seed 0] [--steps 20] [--out FILE]
+
+Each trial is a first run on a fresh machine: its own run dir and its own empty data cache, so
+an early kill lands in the setup (tokenizer training, data packing, the engine's build) and a
+later one in training or a checkpoint write (one every 2 steps, so that kills often land in
+one). Only the `flashtrain` process is killed, as a user's
+`kill -9 <pid>` does; whatever it leaves behind (locks, temp dirs, partial checkpoints) stays for
+the rerun to cope with. The rerun is the same command (trainer.resume=auto) and must finish
+within --deadline seconds. Compared with one uninterrupted run of the same command:
+  bit_exact   every tensor of the final checkpoint's model states equal, bit for bit
+  lost / duplicated   training steps missing from, or repeated in, the run's metrics.jsonl
+Besides --kill-at, --random more moments are drawn (seeded) between 0 and the uninterrupted run's
+duration. Prints one JSON object; --out writes it too.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def command(run_dir: Path, cache: Path, steps: int) -> list[str]:
+    return [sys.executable, "-m", "launch", "pretrain", "model=tiny", "data.seq_len=128",
+            "trainer.micro_batch_size=4", f"trainer.max_steps={steps}", "trainer.save_every=2",
+            "trainer.log_every=1", "trainer.eval_every=0", "trainer.progress=false", "logger=none",
+            f"data.cache_dir={cache}", f"hydra.run.dir={run_dir}"]
+
+
+def environment(port: int) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+               WANDB_MODE="offline", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def run_to_end(cmd: list[str], env: dict[str, str], log: Path, deadline: float) -> tuple[int | None, float]:
+    """(exit code, seconds); exit code None when the run was still going at the deadline."""
+    start = time.monotonic()
+    with open(log, "a") as out:
+        p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            return p.wait(timeout=deadline), time.monotonic() - start
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+            return None, time.monotonic() - start
+
+
+def killed_at(cmd: list[str], env: dict[str, str], log: Path, run_dir: Path, seconds: float) -> dict:
+    """Start the run, SIGKILL its main process after `seconds` -> what it had done by then:
+    training rows written, complete checkpoints, a checkpoint half written (its staging dir),
+    and the last line of its output (the setup phase, before training starts)."""
+    with open(log, "a") as out:
+        p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code = p.wait(timeout=seconds)
+            return {"finished_before_the_kill": code}
+        except subprocess.TimeoutExpired:
+            os.kill(p.pid, signal.SIGKILL)
+            p.wait()
+    ckpts = run_dir / "checkpoints"
+    lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    return {"steps_logged": sum(step_counts(run_dir).values()) if (run_dir / "metrics.jsonl").exists() else 0,
+            "checkpoints": len(list(ckpts.glob("step_*/manifest.json"))) if ckpts.is_dir() else 0,
+            "checkpoint_half_written": ckpts.is_dir() and any(ckpts.glob(".tmp_*")),
+            "last_output": lines[-1][:100] if lines else ""}
+
+
+def final_weights(run_dir: Path):
+    import torch
+
+    from trainer.checkpoint import model_state
+
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    return {k: v.clone() for k, v in model_state(run_dir / "checkpoints" / latest).items() if torch.is_tensor(v)}
+
+
+def step_counts(run_dir: Path) -> Counter:
+    rows = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    return Counter(r["step"] for r in rows if "loss" in r)
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--kill-at", default="1,3,5,10", help="seconds after the start, comma-separated")
+    p.add_argument("--random", type=int, default=4, help="more kill moments, drawn between 0 and the run's duration")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--deadline", type=float, default=900.0, help="seconds a rerun may take")
+    p.add_argument("--work", type=Path, default=None, help="where the runs go (default: a temp dir)")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    import torch
+
+    work = args.work or Path(tempfile.mkdtemp(prefix="flashtrain-chaos-"))
+    work.mkdir(parents=True, exist_ok=True)
+    port = 21000 + os.getpid() % 1000
+    ref_dir = work / "reference"
+    code, ref_s = run_to_end(command(ref_dir / "run", ref_dir / "cache", args.steps), environment(port),
+                             work / "reference.log", args.deadline)
+    if code != 0:
+        raise SystemExit(f"the uninterrupted run failed (exit {code}): see {work / 'reference.log'}")
+    want = final_weights(ref_dir / "run")
+    rng = random.Random(args.seed)
+    moments = [float(s) for s in args.kill_at.split(",") if s] + [
+        round(rng.uniform(0.5, ref_s), 1) for _ in range(args.random)]
+    trials = []
+    for i, seconds in enumerate(moments):
+        trial = work / f"trial_{i:02d}"
+        trial.mkdir()
+        cmd, env = command(trial / "run", trial / "cache", args.steps), environment(port + 1 + i)
+        doing = killed_at(cmd, env, trial.with_suffix(".log"), trial / "run", seconds)
+        rerun, rerun_s = run_to_end(cmd, env, trial.with_suffix(".log"), args.deadline)
+        row = {"kill_at_s": seconds, "at_the_kill": doing, "rerun_exit": rerun, "rerun_s": round(rerun_s, 1),
+               "hang": rerun is None}
+        if rerun == 0:
+            got = final_weights(trial / "run")
+            row["bit_exact"] = got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+            counts = step_counts(trial / "run")
+            row["lost"] = [s for s in range(1, args.steps + 1) if counts[s] == 0]
+            row["duplicated"] = sorted(s for s, n in counts.items() if n > 1)
+        trials.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+    out = {"benchmark": "bench/chaos_kill.py", "steps": args.steps, "uninterrupted_s": round(ref_s, 1),
+           "torch": torch.__version__, "trials": trials,
+           "all_resumed": all(t.get("rerun_exit") == 0 for t in trials),
+           "all_bit_exact": all(t.get("bit_exact") for t in trials),
+           "nothing_lost_or_duplicated": all(t.get("rerun_exit") == 0 and not t["lost"] and not t["duplicated"]
+                                             for t in trials)}
+    text = json.dumps(out, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+    return out
+
+
+if __name__ == "__main__":
+    main()
