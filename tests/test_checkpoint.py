@@ -41,6 +41,7 @@ def test_save_is_complete_and_prunes(tmp_path):
     assert engine.value == 3.0 and trainer_state == {"step": 3} and rank_state == {"rng": 3}
 
 
+@pytest.mark.chaos
 def test_interrupted_saves_are_ignored(tmp_path):
     mgr = CheckpointManager(tmp_path, keep_last=5, rank=0)
     save(mgr, 1)
@@ -57,6 +58,7 @@ def test_interrupted_saves_are_ignored(tmp_path):
     assert (tmp_path / "step_00000003.corrupt").is_dir()
 
 
+@pytest.mark.chaos
 def test_corruption_is_detected_and_quarantined(tmp_path):
     mgr = CheckpointManager(tmp_path, keep_last=5, rank=0)
     save(mgr, 1)
@@ -100,6 +102,7 @@ class _RunsCode:
         return os.system, (f"touch {self.marker}",)
 
 
+@pytest.mark.chaos
 @pytest.mark.parametrize("where", ["trainer_state.pt", "unlisted.pt", "legacy"])
 def test_checkpoint_pickling_code_is_refused_unread(tmp_path, where):
     """A checkpoint whose pickles name anything but data (here os.system) is refused before any
@@ -142,3 +145,29 @@ def test_saved_states_load_as_data_only(tmp_path):
     assert all(unsafe_pickle_globals(p) == [] for p in ckpt.glob("*.pt"))
     _, rank_state = mgr.load(FakeEngine(), ckpt)
     assert np.array_equal(rank_state["rng"]["numpy"][1], rng["numpy"][1])
+
+
+@pytest.mark.chaos
+def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path):
+    """The disk fills while the engine writes its files: one line naming the checkpoint that is
+    still good, the half-written one removed (its space given back), `latest` unmoved, and the
+    next resume finds the previous checkpoint intact."""
+    import errno
+
+    class FullDisk(FakeEngine):
+        def save_checkpoint(self, save_dir, tag, save_latest=True):
+            path = Path(save_dir) / tag
+            path.mkdir(parents=True, exist_ok=True)
+            (path / "mp_rank_00_model_states.pt").write_bytes(b"x" * 1000)
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    mgr = CheckpointManager(tmp_path, keep_last=5, rank=0)
+    save(mgr, 1)
+    with pytest.raises(CheckpointError) as err:
+        mgr.save(FullDisk(2.0), 2, {"step": 2}, {"rng": 2})
+    message = str(err.value)
+    assert len(message.splitlines()) == 1
+    assert "No space left on device" in message and f"{tag_for(1)} is intact" in message
+    assert not list(tmp_path.glob(".tmp_*")) and not (tmp_path / tag_for(2)).exists()
+    assert (tmp_path / "latest").read_text() == tag_for(1)
+    assert mgr.find_latest_valid() == tmp_path / tag_for(1)

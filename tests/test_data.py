@@ -440,6 +440,7 @@ def test_corpus_too_short_for_one_sample(tmp_path: Path) -> None:
         build_datasets(abcd_corpus(tmp_path, seq_len=64))
 
 
+@pytest.mark.chaos
 def test_a_cache_lock_wait_has_a_deadline_and_a_killed_holder_frees_it(tmp_path: Path) -> None:
     """A process that holds the lock of a cache entry it builds: a stuck one is waited for up to
     data.lock_timeout_s, then one line names the lock; `kill -9` releases it at once."""

@@ -271,6 +271,7 @@ def _run_in_thread(coord) -> tuple[threading.Thread, dict]:
     return worker, result
 
 
+@pytest.mark.chaos
 @pytest.mark.slow
 def test_routing_teacher_crash_recovery_and_resume(setup):
     """One run on Ray: every trained sample carries its prompt's domain and exactly what that
@@ -373,6 +374,7 @@ def _hangs_once_worker(armed: str, hung: str):
     return HangsOnce
 
 
+@pytest.mark.chaos
 @pytest.mark.slow
 def test_a_hung_teacher_is_restarted_and_its_samples_retried(setup, tmp_path):
     """A teacher call that outlives rl.timeout_s: the worker is killed and restarted by Ray, the

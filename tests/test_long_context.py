@@ -90,6 +90,7 @@ SCHEDULE = ("schedule.stages=[{name:warm,seq_len:128,tokens:2560,micro_batch_siz
             "{name:sparse,seq_len:256,tokens:5120,micro_batch_size:4,lr:0.003}]")
 
 
+@pytest.mark.chaos
 @pytest.mark.slow
 def test_schedule_resumes_across_a_stage_boundary(flashtrain, flashtrain_popen, tmp_path):
     """Straight through vs killed right after the first sub-stage's final checkpoint and run

@@ -260,6 +260,7 @@ def _rank_of(pid: int) -> int | None:
     return next((int(v[5:]) for v in env if v.startswith(b"RANK=")), None)
 
 
+@pytest.mark.chaos
 @pytest.mark.slow
 def test_a_rank_that_stops_responding_fails_the_run_within_the_deadline(tmp_path, data_cache, port_base):
     """Rank 1 frozen (SIGSTOP) mid-training: rank 0 waits trainer.collective_timeout_s in its

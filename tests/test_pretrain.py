@@ -56,6 +56,7 @@ def _kill_after_checkpoint(proc, ckpt_root: Path, tag: str, timeout: float = 300
     pytest.fail("checkpoint never appeared")
 
 
+@pytest.mark.chaos
 @pytest.mark.slow
 @pytest.mark.parametrize("optim", ["adamw", "muon"])
 def test_exact_resume_after_sigkill(flashtrain, flashtrain_popen, tmp_path, optim):
@@ -150,6 +151,7 @@ def test_empty_corpus(flashtrain, tmp_path):
     _one_line_error(p, str(corpus))
 
 
+@pytest.mark.chaos
 @pytest.mark.slow
 def test_corrupt_latest_checkpoint_falls_back(flashtrain, tmp_path):
     run = tmp_path / "run"
@@ -203,6 +205,7 @@ def test_trainer_counts_a_run_cannot_use_are_refused(field, value, needle):
     check_trainer_counts(TrainerConfig(save_every=0, eval_every=0, grad_clip=0.0))  # 0: off / only at the end
 
 
+@pytest.mark.chaos
 def test_a_run_needs_no_compiler_and_no_lock_a_killed_build_left(data_cache, port_base, tmp_path):
     """A fresh process (no zygote), a C++ compiler that does not exist, and the lock file that a
     `kill -9` during DeepSpeed's JIT build of its shared-memory op leaves in the extensions cache:

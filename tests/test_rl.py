@@ -73,6 +73,7 @@ def rl_setup(tmp_path_factory, data_cache):
     return cfg, run
 
 
+@pytest.mark.chaos
 @pytest.mark.slow
 def test_killed_actors_restart_and_no_prompt_is_lost_or_trained_twice(rl_setup):
     import ray

@@ -156,14 +156,21 @@ class CheckpointManager:
                 shutil.rmtree(stale, ignore_errors=True)
             tmp_root.mkdir(parents=True)
         barrier()
-        engine.save_checkpoint(str(tmp_root), tag=tag, save_latest=False)
         staged = tmp_root / tag
-        staged.mkdir(parents=True, exist_ok=True)
-        torch.save(rank_state, staged / f"rank_{self.rank:05d}_state.pt")
-        if self.rank == 0:
-            torch.save(trainer_state, staged / TRAINER_STATE)
-            for name, text in self.attachments.items():
-                (staged / name).write_text(text)
+        try:
+            engine.save_checkpoint(str(tmp_root), tag=tag, save_latest=False)
+            staged.mkdir(parents=True, exist_ok=True)
+            torch.save(rank_state, staged / f"rank_{self.rank:05d}_state.pt")
+            if self.rank == 0:
+                torch.save(trainer_state, staged / TRAINER_STATE)
+                for name, text in self.attachments.items():
+                    (staged / name).write_text(text)
+        except OSError as e:  # a full disk, a quota, a vanished mount: the last complete checkpoint stays
+            shutil.rmtree(tmp_root, ignore_errors=True)  # give the space back
+            previous = self.checkpoints()
+            kept = f"{previous[-1].name} is intact" if previous else "there is no earlier checkpoint"
+            raise CheckpointError(f"could not write checkpoint {tag} to {self.root} ({e.strerror or e}); "
+                                  f"{kept}, resume from it once there is room") from None
         barrier()
         final = self.root / tag
         if self.rank == 0:
