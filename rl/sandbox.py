@@ -34,9 +34,9 @@ Layers, each tried at run time; `isolation()` reports which the kernel granted h
               RLIMIT_FSIZE, RLIMIT_NOFILE, RLIMIT_CORE=0; stdout and stderr are read in chunks
               and the run is killed once either passes `max_output_bytes`.
 Not prevented: reading the standard library, the interpreter's base installation and the
-shared libraries; filling the disk with
-many files under the size limit until the wall-clock limit; system calls no layer above covers
-(there is no seccomp filter); without Landlock, reading and writing wherever the caller's user may;
+shared libraries; filling the disk with many files under the size limit until the wall-clock
+limit; system calls no layer above covers (there is no seccomp filter); without Landlock, reading
+and writing wherever the caller's user may;
 without a PID namespace, processes that leave the session survive the run. "passed" is checked
 against a per-run nonce so an early `sys.exit(0)` does not pass, but the code runs in the same
 interpreter as the tests and can defeat asserts (an object whose __eq__ is always True); a

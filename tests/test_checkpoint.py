@@ -133,7 +133,7 @@ def test_checkpoint_pickling_code_is_refused_unread(tmp_path, where):
 
 def test_saved_states_load_as_data_only(tmp_path):
     """What the trainer writes (RNG states with numpy arrays included) passes the check and loads
-    with weights_only."""
+    back."""
     import numpy as np
 
     from trainer.checkpoint import unsafe_pickle_globals

@@ -259,25 +259,19 @@ class CheckpointManager:
             raise CheckpointError(f"DeepSpeed could not load {ckpt}")
         trainer_state = torch.load(ckpt / TRAINER_STATE, map_location="cpu", weights_only=True)
         rank_file = ckpt / f"rank_{self.rank:05d}_state.pt"
-        rank_state = load_rank_state(rank_file) if rank_file.exists() else {}
+        rank_state = _load_verified(rank_file) if rank_file.exists() else {}
         return trainer_state, rank_state
 
     def all_rank_states(self, ckpt: Path) -> list[dict[str, Any]]:
         """Every rank's rank_state of `ckpt` (sharded optimiser state is merged from these, so
         the world size may change between save and load)."""
-        return [load_rank_state(f) for f in sorted(ckpt.glob("rank_*_state.pt"))]
+        return [_load_verified(f) for f in sorted(ckpt.glob("rank_*_state.pt"))]
 
 
-def load_rank_state(path: Path) -> dict[str, Any]:
-    """A rank's state file: tensors, containers and the numpy arrays of its RNG states, nothing
-    else (weights_only, with numpy's array reconstruction allowed)."""
-    import numpy as np
-
-    core = np._core if hasattr(np, "_core") else np.core  # numpy 2 renamed it
-    allowed = [np.ndarray, np.dtype, core.multiarray._reconstruct] + [
-        getattr(np.dtypes, n) for n in dir(np.dtypes) if n.endswith("DType")]
-    with torch.serialization.safe_globals(allowed):
-        return torch.load(path, map_location="cpu", weights_only=True)
+def _load_verified(path: Path) -> Any:
+    """A file of a checkpoint that verify() passed: its pickle names only PICKLE_GLOBALS besides
+    torch's weights_only set (numpy's RNG arrays here), so it loads as DeepSpeed's files do."""
+    return torch.load(path, map_location="cpu", weights_only=False)
 
 
 def model_state(ckpt: Path) -> dict[str, torch.Tensor]:
