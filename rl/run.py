@@ -119,6 +119,8 @@ def run_rl(cfg, run_dir: Path, config_yaml: str, make_coordinator=None, console=
     latest = run_dir / "checkpoints" / "latest"
     metrics = MetricsLog(run_dir / "metrics.jsonl", resume_step=_checkpoint_step(latest.read_text()) if resuming else None,
                          enabled=True)
+    if resuming:  # what a killed run logged but W&B never received
+        tracker.restore(metrics.rows())
 
     def log(row: dict[str, Any]) -> None:
         metrics.write(row)

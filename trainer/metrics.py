@@ -53,6 +53,12 @@ class MetricsLog:
                     if line.strip() and json.loads(line).get("step", 0) <= resume_step]
             self.path.write_text("".join(line + "\n" for line in kept))
 
+    def rows(self) -> list[dict[str, Any]]:
+        """The rows on file, in the order they were written."""
+        if not (self.enabled and self.path.exists()):
+            return []
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+
     def write(self, row: dict[str, Any]) -> None:
         if self.enabled:
             with open(self.path, "a") as f:

@@ -139,6 +139,8 @@ class Trainer:
         self.tracker = build_tracker(cfg.logger, self.run_dir, container, run_id, d.rank)
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl",
                                   self.step if self.resumed_from is not None else None, d.is_main)
+        if self.resumed_from is not None:  # what a killed run logged but W&B never received
+            self.tracker.restore(self.metrics.rows())
         self.tokens_per_step = tc.micro_batch_size * cfg.data.seq_len * tc.grad_accum_steps * self.layout.dp
         self.peak_flops, self.peak_source = device_peak_flops(d.device, tc.peak_flops)
         if d.is_main:

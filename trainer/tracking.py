@@ -23,6 +23,9 @@ class NullTracker:
     def log(self, row: dict[str, Any], step: int) -> None:
         pass
 
+    def restore(self, rows: list[dict[str, Any]]) -> int:
+        return 0
+
     def finish(self) -> None:
         pass
 
@@ -56,9 +59,26 @@ class WandbTracker:
                               dir=str(run_dir), config=config, mode=resolve_mode(cfg),
                               id=run_id, resume="allow" if run_id else None)
         self.run_id = self.run.id
+        # the step W&B accepts next: a resumed run's history already ends below it, and W&B drops
+        # (with a warning per row) any row logged at an earlier step
+        self.next_step = int(self.run.step or 0)
 
     def log(self, row: dict[str, Any], step: int) -> None:
+        if step < self.next_step:  # W&B has this step from the segment before a resume: same values
+            return
         self.run.log(row, step=step)
+        self.next_step = step
+
+    def restore(self, rows: list[dict[str, Any]]) -> int:
+        """Log the rows of metrics.jsonl (those the resumed checkpoint covers) that W&B never
+        received: a killed process loses what its W&B client had queued but not yet handed to
+        W&B's own service, while metrics.jsonl was written row by row. Returns how many."""
+        restored = 0
+        for row in rows:
+            if "step" in row and row["step"] >= self.next_step:
+                self.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
+                restored += 1
+        return restored
 
     def finish(self) -> None:
         self.run.finish()
