@@ -8,3 +8,8 @@ class UserError(Exception):
 
 class ConfigError(UserError, ValueError):
     """A config value that cannot work (checked beyond what the dataclass types enforce)."""
+
+
+class RunFailure(Exception):
+    """The run cannot go on, through no fault of its input (it diverged, say): the CLI prints one
+    line and exits 1, with the run's checkpoints as they were."""

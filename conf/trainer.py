@@ -17,6 +17,7 @@ class TrainerConfig:
     save_at_end: bool = True  # a final checkpoint (benchmarks turn it off)
     seed: int = 1234
     resume: str = "auto"  # auto | none | <checkpoint dir>
+    max_nonfinite_steps: int = 10  # a NaN/Inf loss or gradient skips the step's update; this many in a row stop the run (0: never)
     collective_timeout_s: float = 1800.0  # a rank waiting longer on the others in a collective fails with one line
     zero_stage: int = 1  # ZeRO stage: DeepSpeed's for optim=adamw; 0/1 for Muon or expert parallelism
     activation_checkpointing: bool = False  # recompute each block's activations in the backward

@@ -111,7 +111,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     overrides = [o for o in overrides if o != "--cfg"]
 
     import conf
-    from conf.errors import UserError
+    from conf.errors import RunFailure, UserError
     from launch.launchers import check_launcher, launch, launched_world_size, needs_launch
 
     conf.register({name: s.config for name, s in stages.items()})
@@ -148,6 +148,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         stages[stage_name].run(typed, run_dir, config_yaml)
     except UserError as e:
         return _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    except RunFailure as e:
+        return _fail(str(e), EXIT_INTERNAL)
     except RuntimeError as e:
         from trainer.distributed import collective_timeout
 

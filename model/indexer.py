@@ -102,6 +102,9 @@ def topk_ids(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     take = above | (tied & (tied.cumsum(-1) <= k - above.sum(-1, keepdim=True)))  # exactly k per row
     cols = torch.arange(S, device=scores.device)
     ids = S - torch.topk(torch.where(take, S - cols, 0), k, dim=-1).values  # distinct keys: ascending ids
+    # a row with a NaN score takes too few (NaN compares false): its spare ids (S) move onto the last
+    # column, so a diverged model's forward reaches its NaN loss instead of an out-of-range gather
+    ids = ids.clamp_(max=S - 1)
     return ids, scores.gather(-1, ids)
 
 

@@ -169,6 +169,27 @@ def test_corrupt_latest_checkpoint_falls_back(flashtrain, tmp_path):
     assert (run / "checkpoints" / "latest").read_text() == "step_00000006"
 
 
+@pytest.mark.chaos
+def test_a_diverged_run_skips_nonfinite_steps_then_stops_with_one_line(flashtrain, tmp_path):
+    """optim.lr=1e4 wrecks the weights in the first update, and every loss after it is NaN. Each
+    such step keeps its batch but not its update, says so and writes no checkpoint; the third in a
+    row stops the run with one line and exit 1, and `latest` stays at the last step that updated."""
+    run = tmp_path / "run"
+    p = flashtrain("pretrain", *FAST, f"hydra.run.dir={run}", "trainer.max_steps=12", "optim.lr=1e4",
+                   "trainer.save_every=1", "trainer.max_nonfinite_steps=3")
+    assert p.returncode == 1, (p.returncode, p.stderr[-3000:])
+    errors = [ln for ln in p.stderr.splitlines() if ln.startswith("flashtrain: error:")]
+    assert len(errors) == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert errors[0].startswith("flashtrain: error: step 4: loss nan") and "max_nonfinite_steps=3" in errors[0]
+    assert [ln.split(":")[2].strip() for ln in p.stderr.splitlines() if "its update was skipped" in ln] == [
+        "step 2", "step 3"]
+    logged = [r for r in rows(run) if "loss" in r]
+    assert [(r["step"], r["skipped_steps"]) for r in logged] == [(1, 0), (2, 1), (3, 2)]
+    assert logged[0]["loss"] == logged[0]["loss"] and logged[1]["loss"] != logged[1]["loss"]  # finite, then NaN
+    assert (run / "checkpoints" / "latest").read_text() == "step_00000001"
+    assert sorted(d.name for d in (run / "checkpoints").glob("step_*")) == ["step_00000001"]
+
+
 @pytest.mark.slow
 def test_two_process_data_parallel_matches_one_process(flashtrain, tmp_path):
     """launcher.nproc=2 with half the micro-batch each == one process with the whole batch:
@@ -192,7 +213,7 @@ def test_two_process_data_parallel_matches_one_process(flashtrain, tmp_path):
 @pytest.mark.parametrize("field, value, needle", [
     ("micro_batch_size", 0, "at least 1"), ("grad_accum_steps", 0, "at least 1"), ("log_every", 0, "at least 1"),
     ("keep_last", 0, "at least 1"), ("save_every", -1, ">= 0"), ("eval_every", -1, ">= 0"),
-    ("grad_clip", -0.5, ">= 0"),
+    ("grad_clip", -0.5, ">= 0"), ("max_nonfinite_steps", -1, ">= 0"),
 ])
 def test_trainer_counts_a_run_cannot_use_are_refused(field, value, needle):
     """keep_last=0 was read as 1 and a negative save / eval interval as 0; the others crashed."""

@@ -27,7 +27,7 @@ def check_trainer_counts(cfg: TrainerConfig) -> None:
     for name in ("micro_batch_size", "grad_accum_steps", "log_every", "keep_last"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"trainer.{name}={getattr(cfg, name)}: must be at least 1")
-    for name in ("save_every", "eval_every", "grad_clip"):
+    for name in ("save_every", "eval_every", "grad_clip", "max_nonfinite_steps"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"trainer.{name}={getattr(cfg, name)}: must be >= 0 (0: off / only at the end)")
 

@@ -1,6 +1,7 @@
 """The pretraining loop: data -> model -> DeepSpeed engine -> steps, evals, checkpoints, metrics."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import random
@@ -13,7 +14,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from conf.errors import ConfigError
+from conf.errors import ConfigError, RunFailure
 from conf.pretrain import PretrainConfig
 from data import DistributedBatchLoader, build_datasets
 from model.accounting import train_flops_per_token
@@ -25,6 +26,7 @@ from trainer.context_parallel import slice_batch
 from trainer.distributed import DistInfo, all_reduce_sum_, init_distributed
 from trainer.engine import build_engine, check_trainer_counts
 from trainer.metrics import MetricsLog, device_peak_flops, moe_balance
+from trainer.nonfinite import NonFiniteSteps, update_skipped
 from trainer.parallelize import (
     CommTimer,
     build_layout,
@@ -126,6 +128,7 @@ class Trainer:
                                                  shuffle=False)
         self.ckpts = CheckpointManager(self.run_dir / "checkpoints", tc.keep_last, d.rank)
         self.step, self.tokens_seen = 0, 0
+        self.nonfinite = NonFiniteSteps(tc.max_nonfinite_steps, d.is_main)
         self.resumed_from = self.ckpts.resolve(tc.resume)
         run_id = self._resume(self.resumed_from) if self.resumed_from is not None else None
         if init_from is None:
@@ -221,29 +224,45 @@ class Trainer:
         tc, engine = self.cfg.trainer, self.engine
         sums = torch.zeros(3, dtype=torch.float64)  # lm, balance, indexer losses
         grad_norm: Optional[float] = None
+        skipped_before = engine.skipped_steps
+        nonfinite = False
         for _ in range(tc.grad_accum_steps):
             batch = self._batch(self.loader.next_batch())
             out = engine(**batch)
             lm = out.lm_loss * self._token_share(batch["labels"])
             engine.backward(lm + out.balance_loss + out.indexer_loss)
-            if engine.is_gradient_accumulation_boundary():
-                if self.own_optimizer_state:
-                    reduce_gradients(engine.module, self.layout, self.expert_params)
-                    grad_norm = clip_grad_norm(engine.module, self.layout, self.expert_params, tc.grad_clip)
-                elif engine.zero_optimization_stage() == 0:
-                    grad_norm = self._grad_norm()  # DeepSpeed's ZeRO-0 clips without reporting the norm
-            engine.step()
             sums += torch.stack([lm.detach(), out.balance_loss.detach(), out.indexer_loss.detach()]).double().cpu()
+            if not engine.is_gradient_accumulation_boundary():
+                engine.step()
+                continue
+            if self.own_optimizer_state:
+                reduce_gradients(engine.module, self.layout, self.expert_params)
+                grad_norm = clip_grad_norm(engine.module, self.layout, self.expert_params, tc.grad_clip)
+            elif engine.zero_optimization_stage() == 0:
+                grad_norm = self._grad_norm()  # DeepSpeed's ZeRO-0 clips without reporting the norm
+            # every rank must skip or none: one rank's NaN reaches the others only through the reduction
+            local = not (torch.isfinite(sums).all() and (grad_norm is None or math.isfinite(grad_norm)))
+            nonfinite = all_reduce_sum_(torch.tensor([float(local)], dtype=torch.float64)).item() > 0
+            # DeepSpeed's ZeRO and bf16 optimizers skip a non-finite step themselves
+            driven_as_is = engine.optimizer is self.optimizer
+            with update_skipped(self.optimizer) if nonfinite and driven_as_is else contextlib.nullcontext():
+                engine.step()
+        skipped = engine.skipped_steps > skipped_before
         if grad_norm is None:
             norm = engine.get_global_grad_norm()
             grad_norm = float(norm) if norm is not None else float("nan")
         all_reduce_sum_(sums)
         sums /= tc.grad_accum_steps * self.dist.world_size
-        balance = self._update_router_biases()
+        if nonfinite and not skipped:
+            raise RunFailure(f"step {self.step + 1}: the loss or gradient is not finite and the optimizer "
+                             f"({type(engine.optimizer).__name__}) applied the update anyway; the run stops: its "
+                             "checkpoints hold the weights from before it")
+        self.nonfinite.record(self.step + 1, skipped, f"loss {sums[0].item():g}, grad norm {grad_norm:g}")
+        balance = self._update_router_biases(apply=not skipped)
         self.step += 1
         self.tokens_seen += self.tokens_per_step
         return {"loss": sums[0].item(), "balance_loss": sums[1].item(), "indexer_loss": sums[2].item(),
-                "grad_norm": grad_norm, **balance}
+                "grad_norm": grad_norm, "skipped_steps": self.nonfinite.total, **balance}
 
     def _token_share(self, labels: torch.Tensor) -> torch.Tensor:
         """world * (this rank's labelled tokens) / (all ranks' labelled tokens): averaging the
@@ -268,9 +287,14 @@ class Trainer:
         return out
 
     @torch.no_grad()
-    def _update_router_biases(self) -> dict[str, float]:
-        """Aux-loss-free balancing from the step's global expert load."""
+    def _update_router_biases(self, apply: bool = True) -> dict[str, float]:
+        """Aux-loss-free balancing from the step's global expert load (not applied: the load is
+        dropped, as for a skipped step, whose routing saw non-finite scores)."""
         routers = self.engine.module.routers()
+        if not apply:
+            for r in routers:
+                r.load.zero_()
+            return {}
         for r in routers:
             all_reduce_sum_(r.load)
         balance = moe_balance([r.load for r in routers])
@@ -343,12 +367,13 @@ class Trainer:
                 progress.note(f"step {self.step}: val_loss {val['val_loss']:.4f}")
                 last.update(val)
                 evaluated_at = self.step
-            if (tc.save_every and self.step % tc.save_every == 0) or (self.step == tc.max_steps and tc.save_at_end):
+            due = (tc.save_every and self.step % tc.save_every == 0) or (self.step == tc.max_steps and tc.save_at_end)
+            if due and self.nonfinite.in_a_row == 0:  # `latest` stays at the last step that updated
                 self.save()
                 saved_at = self.step
         if evaluated_at != self.step:  # resumed at or past max_steps: still report
             last.update(self.evaluate())
-        if saved_at != self.step and tc.save_at_end:
+        if saved_at != self.step and tc.save_at_end and self.nonfinite.in_a_row == 0:
             self.save()
         progress.close()
         return last
