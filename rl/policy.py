@@ -71,6 +71,8 @@ class PolicyTrainer:
         self.ckpts = CheckpointManager(Path(run_dir) / "checkpoints", cfg.trainer.keep_last, self.dist.rank)
         self.ckpts.attachments = checkpoint_attachments(self.tokenizer, weights_from)
         self.version = 0  # optimizer steps taken: the version of the current weights
+        from trainer.nonfinite import NonFiniteSteps
+        self.nonfinite = NonFiniteSteps(cfg.trainer.max_nonfinite_steps, self.dist.is_main)
         self.distill = getattr(cfg, "distill", None)  # `flashtrain distill`: the reverse KL to teachers
         self.teacher_heads: dict[str, torch.Tensor] = {}  # teacher key -> LM head, sent once per teacher
 
@@ -133,7 +135,7 @@ class PolicyTrainer:
         self.engine.backward(loss)
         if self.own_optimizer_state:
             self._reduce_and_clip()
-        self.engine.step()
+        self._step(loss)
         with torch.no_grad():
             kl = ((behaviour - logp.detach()) * mask).sum() / mask.sum().clamp(min=1)
         return float(loss.detach()), stats, float(kl)
@@ -148,12 +150,29 @@ class PolicyTrainer:
         self.engine.backward(loss)
         if self.own_optimizer_state:
             self._reduce_and_clip()
-        self.engine.step()
+        self._step(loss)
         self.version += 1
         stale = [len(s["response"]) for s, ok in zip(mine, fresh.tolist()) if not ok]
         return {"loss": float(loss.detach()), **stats, "version": self.version, "train_s": time.perf_counter() - start,
                 "stale_samples": len(stale), "stale_tokens": sum(stale), "stale_lengths": stale,
                 "trained_tokens": sum(len(s["response"]) for s, ok in zip(mine, fresh.tolist()) if ok)}
+
+    def _step(self, loss: torch.Tensor) -> None:
+        """engine.step(), without its update when the loss is not finite on some rank (the
+        pretraining trainer's rule, trainer/nonfinite.py): the version still advances."""
+        import contextlib
+
+        from trainer.distributed import all_reduce_sum_
+        from trainer.nonfinite import update_skipped
+
+        local = float(not torch.isfinite(loss.detach()).all())
+        nonfinite = all_reduce_sum_(torch.tensor([local], dtype=torch.float64)).item() > 0
+        skipped_before = self.engine.skipped_steps
+        with update_skipped(self.optimizer) if nonfinite and self.engine.optimizer is self.optimizer \
+                else contextlib.nullcontext():
+            self.engine.step()
+        self.nonfinite.record(self.version + 1, self.engine.skipped_steps > skipped_before,
+                              f"policy loss {float(loss.detach()):g}")
 
     @torch.no_grad()
     def kl_eval(self, samples: list[dict], heads: Optional[dict[str, torch.Tensor]] = None) -> dict[str, list[float]]:
