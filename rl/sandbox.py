@@ -15,7 +15,8 @@ The child runs this file as its `-c` program, as three processes:
               the kernel kills every process left in the namespace, so fork-bomb children die
               even if they left the session with setsid().
   runner      sets rlimits, enters a user namespace (if the warden did not), sets
-              no_new_privs and Landlock, drops all capabilities, then runs the code.
+              no_new_privs and Landlock, drops all capabilities, loads the seccomp filter,
+              then runs the code.
 The caller kills the whole process group (os.killpg) afterwards in any case. Calls from several
 threads at once are fine: each run has its own directory, pipes and cgroup.
 
@@ -30,13 +31,18 @@ Layers, each tried at run time; `isolation()` reports which the kernel granted h
               installation and the system's shared libraries (`_readable_paths`: no /etc, /home,
               /root, /proc, /tmp, so no credential file and no other process's /proc); also TCP
               bind/connect (ABI 4) and signals to processes outside the sandbox (ABI 6).
+  syscalls    a seccomp filter (libseccomp, where the library is installed): EPERM for
+              `SECCOMP_DENIED` (ptrace and other processes' memory, bpf, perf, io_uring,
+              userfaultfd, keyrings, unshare/setns, mounts, modules, clock and admin calls) and
+              for clone() with a namespace flag; ENOSYS for clone3(); another ABI's calls kill.
   resources   RLIMIT_CPU (SIGXCPU at cpu_s, SIGKILL a second later), RLIMIT_AS (memory),
               RLIMIT_FSIZE, RLIMIT_NOFILE, RLIMIT_CORE=0; stdout and stderr are read in chunks
               and the run is killed once either passes `max_output_bytes`.
 Not prevented: reading the standard library, the interpreter's base installation and the
 shared libraries; filling the disk with many files under the size limit until the wall-clock
-limit; system calls no layer above covers (there is no seccomp filter); without Landlock, reading
-and writing wherever the caller's user may;
+limit; the system calls the filter allows (a denylist: whatever a Python program may need stays,
+so a kernel bug reachable through them is not covered), and every call without libseccomp;
+without Landlock, reading and writing wherever the caller's user may;
 without a PID namespace, processes that leave the session survive the run. "passed" is checked
 against a per-run nonce so an early `sys.exit(0)` does not pass, but the code runs in the same
 interpreter as the tests and can defeat asserts (an object whose __eq__ is always True); a
@@ -83,6 +89,23 @@ _LL_VERSION, _LL_PATH_BENEATH = 1, 1
 _LL_WRITE_FILE, _LL_TRUNCATE, _LL_REFER = 1 << 1, 1 << 14, 1 << 13
 _LL_READ_FILE, _LL_READS = 1 << 2, 1 << 2 | 1 << 3  # READ_FILE, READ_DIR
 _LL_WRITES = 1 << 1 | 1 << 4 | 1 << 5 | 1 << 6 | 1 << 7 | 1 << 8 | 1 << 9 | 1 << 10 | 1 << 11 | 1 << 12  # write, rm, mk*
+# System calls no other layer covers and no checked program needs, refused with EPERM by a seccomp
+# filter (libseccomp): another process's memory, kernel attack surface that unprivileged code can
+# reach (BPF, perf, io_uring, userfaultfd, keyrings), new namespaces, and administration calls
+# (refused anyway without capabilities, so their only use here would be a kernel bug).
+SECCOMP_DENIED = (
+    "ptrace", "process_vm_readv", "process_vm_writev", "kcmp", "pidfd_getfd",
+    "bpf", "perf_event_open", "userfaultfd", "io_uring_setup", "io_uring_enter", "io_uring_register",
+    "keyctl", "add_key", "request_key",
+    "unshare", "setns", "mount", "umount2", "pivot_root", "chroot", "open_by_handle_at", "name_to_handle_at",
+    "fsopen", "fsmount", "fsconfig", "move_mount", "open_tree", "mount_setattr",
+    "init_module", "finit_module", "delete_module", "kexec_load", "kexec_file_load", "reboot",
+    "swapon", "swapoff", "syslog", "acct", "quotactl", "settimeofday", "clock_settime", "clock_adjtime",
+    "adjtimex", "personality", "iopl", "ioperm", "uselib", "lookup_dcookie", "vhangup", "fanotify_init",
+)
+_SCMP_ACT_ALLOW, _SCMP_ACT_ERRNO = 0x7FFF0000, 0x00050000
+_SCMP_CMP_MASKED_EQ = 7
+_NAMESPACE_FLAGS = 0x7E020000  # CLONE_NEWNS|NEWCGROUP|NEWUTS|NEWIPC|NEWUSER|NEWPID|NEWNET
 
 
 @dataclass
@@ -135,7 +158,8 @@ _ISOLATION: dict[str, Any] = {}
 def isolation() -> dict[str, Any]:
     """The layers the kernel grants here (probed by running empty code, until a probe answers):
     {"network": "netns" | "python", "pid_namespace": bool, "user_namespace": bool,
-     "process_limit": "cgroup" | "rlimit" | "none", "filesystem": "landlock-vN" | "none"}."""
+     "process_limit": "cgroup" | "rlimit" | "none", "filesystem": "landlock-vN" | "none",
+     "syscalls": "seccomp" | "none"}."""
     if not _ISOLATION:
         _ISOLATION.update(run_python("", "", wall_s=30.0).isolation)
     return dict(_ISOLATION)
@@ -517,6 +541,7 @@ def _run(cfg: dict, info: dict) -> NoReturn:
     _drop_capabilities()
     if info["network"] != "netns":
         _block_network()
+    info["syscalls"] = "seccomp" if _seccomp() else "none"
     _send(ctl, {"isolation": info})
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past RLIMIT_FSIZE a write fails (EFBIG), not the process
     end, exit_code = "exception", 1
@@ -614,6 +639,52 @@ def _readable_paths() -> list[str]:
     paths = {*sys.path, sys.base_prefix, sys.base_exec_prefix, os.path.dirname(os.path.realpath(sys.executable)),
              "/usr/lib", "/usr/lib64", "/lib", "/lib64", "/usr/local/lib", "/etc/ld.so.cache"}
     return sorted(p for p in paths if p and os.path.isabs(p) and os.path.exists(p))
+
+
+class _ArgCmp(ctypes.Structure):  # libseccomp's struct scmp_arg_cmp
+    _fields_ = [("arg", ctypes.c_uint), ("op", ctypes.c_int), ("datum_a", ctypes.c_uint64),
+                ("datum_b", ctypes.c_uint64)]
+
+
+def _seccomp() -> bool:
+    """A filter through libseccomp that fails `SECCOMP_DENIED` and clone() with a namespace flag
+    with EPERM, and clone3() with ENOSYS (its flags sit in memory, where a filter cannot look;
+    libc then falls back to clone). System calls of another ABI than the interpreter's (32-bit
+    ones on x86-64) kill the process: libseccomp's default. -> whether the filter is in place
+    (False without libseccomp; every other layer stays)."""
+    import ctypes.util
+
+    name = ctypes.util.find_library("seccomp") or "libseccomp.so.2"
+    try:
+        lib = ctypes.CDLL(name, use_errno=True)
+    except OSError:
+        return False
+    lib.seccomp_init.restype = ctypes.c_void_p
+    lib.seccomp_init.argtypes = [ctypes.c_uint32]
+    lib.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
+    lib.seccomp_rule_add_array.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_uint,
+                                           ctypes.POINTER(_ArgCmp)]
+    lib.seccomp_load.argtypes = lib.seccomp_release.argtypes = [ctypes.c_void_p]
+    ctx = lib.seccomp_init(_SCMP_ACT_ALLOW)
+    if not ctx:
+        return False
+    try:
+        def deny(call: str, errno: int, *conditions: _ArgCmp) -> bool:
+            nr = lib.seccomp_syscall_resolve_name(call.encode())
+            if nr < 0:  # not a system call on this architecture
+                return True
+            args = (_ArgCmp * len(conditions))(*conditions) if conditions else None
+            return lib.seccomp_rule_add_array(ctx, _SCMP_ACT_ERRNO | errno, nr, len(conditions), args) == 0
+
+        ok = all(deny(call, 1) for call in SECCOMP_DENIED)  # EPERM
+        # clone's flags are its first argument on x86-64 and arm64; MASKED_EQ(mask, value) tests
+        # (flags & mask) == value, so "any namespace flag set" takes one rule per flag
+        namespace_bits = [1 << i for i in range(32) if _NAMESPACE_FLAGS >> i & 1]
+        ok = ok and all(deny("clone", 1, _ArgCmp(0, _SCMP_CMP_MASKED_EQ, bit, bit)) for bit in namespace_bits)
+        ok = ok and deny("clone3", 38)  # ENOSYS
+        return ok and lib.seccomp_load(ctx) == 0
+    finally:
+        lib.seccomp_release(ctx)
 
 
 def _drop_capabilities() -> None:

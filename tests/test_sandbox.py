@@ -138,7 +138,8 @@ def test_network_is_unreachable():
 
 def test_network_isolation_mode_is_reported():
     assert network_isolation() in ("netns", "python")
-    assert set(isolation()) == {"network", "pid_namespace", "user_namespace", "process_limit", "filesystem"}
+    assert set(isolation()) == {"network", "pid_namespace", "user_namespace", "process_limit", "filesystem",
+                                "syscalls"}
 
 
 def test_python_level_network_block():
@@ -251,6 +252,44 @@ def test_ptrace_of_the_caller_fails():
             "    print(rc, ctypes.get_errno() != 0)\n")
     r = run_python(code, "assert True")
     assert r.passed and r.stdout == "-1 True\n-1 True\n", r.stdout + r.stderr
+
+
+SYSCALLS = ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\nlibc.syscall.restype = ctypes.c_long\n"
+            "def call(name, *args):\n    rc = getattr(libc, name)(*args)\n"
+            "    print(name, rc, os.strerror(ctypes.get_errno()) if rc < 0 else '')\n")
+
+
+def test_kernel_attack_surface_is_refused_by_seccomp():
+    """System calls no other layer stops: PTRACE_TRACEME (which needs no target and no
+    capability), io_uring_setup, a new user namespace (unshare) and bpf fail with EPERM."""
+    import ctypes.util
+    if ctypes.util.find_library("seccomp") is None:
+        pytest.skip("no libseccomp here")
+    assert isolation()["syscalls"] == "seccomp"
+    import platform
+    numbers = {"x86_64": (425, 321), "aarch64": (425, 280)}.get(platform.machine())
+    if numbers is None:
+        pytest.skip("system call numbers of this architecture not listed")
+    io_uring, bpf = numbers
+    params = "(ctypes.c_char * 120)()"
+    code = SYSCALLS + ("call('ptrace', 0, 0, None, None)\n"
+                       f"call('syscall', {io_uring}, 8, {params})\n"
+                       "call('unshare', 0x10000000)\n"
+                       f"call('syscall', {bpf}, 0, {params}, 120)\n")
+    r = run_python(code, "assert True")
+    assert r.passed, r.stdout + r.stderr
+    assert r.stdout.splitlines() == [f"{name} -1 Operation not permitted" for name in
+                                     ("ptrace", "syscall", "unshare", "syscall")], r.stdout
+
+
+def test_the_seccomp_filter_leaves_processes_and_threads_working():
+    """fork, threads and subprocess (whose clone3 gets ENOSYS and falls back to clone) still run."""
+    code = ("import os, subprocess, sys, threading\npid = os.fork()\nif pid == 0:\n    os._exit(7)\n"
+            "print(os.waitpid(pid, 0)[1] >> 8)\nt = threading.Thread(target=print, args=('thread',))\nt.start(); t.join()\n"
+            "print(subprocess.run([sys.executable, '-I', '-S', '-c', 'print(6 * 7)'], capture_output=True,"
+            " text=True).stdout.strip())\n")
+    r = run_python(code, "assert True", wall_s=20.0)
+    assert r.passed and r.stdout.splitlines() == ["7", "thread", "42"], r.stdout + r.stderr
 
 
 def test_filling_tmp_stops_at_the_sandbox(tmp_path):
