@@ -1,6 +1,6 @@
 """Distillation acceptance on CPU: make 41 teachers, run `flashtrain distill`, report per domain.
 
-1. A base `tiny` model is trained briefly on all 42 built-in domains (rl/distill/domains.py):
+1. A base `tiny` model is trained briefly on all 42 built-in domains (tasks/distill_domains.py):
    it is the student's starting point.
 2. 40 flashtrain teachers: the base fine-tuned on its domain(s) (rot1 and rot2 share one
    teacher, so two domains exercise deduplication); plus a transformers Llama (a different
@@ -58,7 +58,6 @@ def main() -> None:
     from data.chat import ChatFormat
     from launch.cli import compose
     from launch.stages import all_stages
-    from rl.distill.domains import BUILTIN_DOMAINS, DomainMixture
     from rl.distill.make_teachers import (
         domain_rows,
         domain_scores,
@@ -68,6 +67,7 @@ def main() -> None:
         train_rows,
     )
     from rl.distill.prompts import DomainPromptSource
+    from tasks.distill_domains import BUILTIN_DOMAINS, DomainMixture
 
     torch.set_num_threads(args.threads)
     work = Path(args.work).resolve()

@@ -24,12 +24,12 @@ import torch
 
 from bench import provenance
 from conf.model import SmallModelConfig, TinyModelConfig
+from inference.cache import DecodeCache
+from inference.generate import generate, prefill_ced
+from inference.prefix import PrefixCache
+from inference.slots import SlotCache
 from model.runtime import AttentionRuntime
 from model.transformer import Transformer
-from rl.engine.cache import DecodeCache
-from rl.engine.generate import generate, prefill_ced
-from rl.engine.prefix import PrefixCache
-from rl.engine.slots import SlotCache
 
 
 def _seconds(fn, device) -> float:

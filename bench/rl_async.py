@@ -24,11 +24,13 @@ def _run(overrides: list[str], run_dir: Path) -> dict:
     from omegaconf import OmegaConf
 
     from launch.cli import compose
+    from launch.stages.rl import builtin_sft_config
     from rl.run import run_rl
 
     cfg, _ = compose("rl", overrides + [f"hydra.run.dir={run_dir}"])
     yaml = OmegaConf.to_yaml(cfg)
-    run_rl(OmegaConf.to_object(cfg), run_dir, yaml)
+    typed = OmegaConf.to_object(cfg)
+    run_rl(typed, run_dir, yaml, builtin_sft_config(typed))
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r for r in rows if "loss" in r]
     last = steps[-1]

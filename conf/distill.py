@@ -20,14 +20,23 @@ class TeacherConfig:
     checkpoint: str = MISSING  # flashtrain: a checkpoint or a run's checkpoints/ dir; hf: a save_pretrained dir
     arch: str = "flashtrain"  # flashtrain (any model config; read from the checkpoint or `model`) | hf (transformers causal LM)
     replicas: int = 1  # teacher workers that can serve it
-    task: Optional[str] = None  # the domain's prompts: None = the built-in domain of this name (rl/distill/domains.py)
+    task: Optional[str] = None  # the domain's prompts: None = the built-in domain of this name (tasks/distill_domains.py)
     # flashtrain teachers whose checkpoint records no model config (a public-layout directory, or a
     # checkpoint made by `flashtrain convert import`): the model preset that describes it, tiny |
     # small | flash. Not used where the checkpoint records its own (trainer_state.pt).
     model: Optional[str] = None
 
 
-# The built-in synthetic domains (rl/distill/domains.py) and their teachers as
+# The built-in synthetic domains, named here so that the default registry is a declaration; each is
+# a string or integer transform in tasks/distill_domains.py (a test keeps the two in step).
+BUILTIN_DOMAINS = (
+    "reverse", "upper", "capital", "upper_reverse", "first", "last", "first2", "last2", "double", "repeat",
+    "mirror", "sort", "sort_desc", "length", "count_a", "rot1", "rot2", "unrot1", "no_vowels", "rotl", "rotr",
+    "swap_ends", "odd",
+    "add1", "add2", "add3", "add5", "add7", "add10", "add20", "sub1", "sub2", "sub5", "sub10",
+    "mul2", "mul3", "mul4", "mul5", "mul10", "mod2", "mod3", "mod5",
+)
+# The built-in domains and their teachers as
 # bench/distill_teachers.py makes them under distill.teacher_root: one flashtrain teacher per
 # domain, except rot1 and rot2 (one teacher trained on both) and length (a transformers Llama).
 SHARED_TEACHERS = {"rot1": "rot", "rot2": "rot"}
@@ -36,8 +45,6 @@ HF_TEACHERS = {"length": "hf_length"}
 
 
 def default_domains() -> dict[str, TeacherConfig]:
-    from rl.distill.domains import BUILTIN_DOMAINS  # plain data: no heavy imports
-
     out = {}
     for name in BUILTIN_DOMAINS:
         if name in HF_TEACHERS:

@@ -21,7 +21,7 @@ class RLLoopConfig:
     # right (0.85) but sampled ones are not yet (0.4), which leaves RL a reward to raise; after
     # 200 steps the policy has memorised the task and its sampled reward is flat at ~0.8.
     sft_overrides: list[str] = field(default_factory=lambda: ["trainer.max_steps=140"])
-    task: str = "arithmetic"  # built-in name or a dotted path to a Task class (rl/tasks)
+    task: str = "arithmetic"  # built-in name or a dotted path to a Task class (tasks)
     task_kwargs: dict[str, Any] = field(default_factory=dict)
     steps: int = 60  # trainer updates (policy versions)
     prompts_per_step: int = 8  # prompt groups per update

@@ -4,7 +4,7 @@ tokens only, the reasoning effort in the system prompt ("Reasoning Effort: {effo
 `data` is the *pretraining* corpus config: the SFT run builds its tokenizer exactly as the
 pretraining run did (same corpus, same cache), so token ids match the checkpoint in `init_from`.
 `sft` says where the chat data comes from:
-  source=builtin            problems of an RL task (rl/tasks) with worked reasoning whose length
+  source=builtin            problems of an RL task (tasks) with worked reasoning whose length
                             grows with the effort, generated offline and deterministically
   source=PATH|GLOB          .jsonl / .json / .parquet files, read with `datasets`
   source=NAME               anything else: a `datasets.load_dataset` name (hub or local script)
@@ -45,7 +45,7 @@ class SFTDataConfig:
     effort_field: Optional[str] = "effort"  # optional column: 1-100 or a tier name (null: drawn from tiers)
     max_samples: Optional[int] = None  # cap on conversations read (None = all)
     builtin_samples: int = 4000  # conversations of the built-in set
-    builtin_task: str = "arithmetic"  # the rl/tasks task it is generated from (a name or package.module:Class)
+    builtin_task: str = "arithmetic"  # the tasks task it is generated from (a name or package.module:Class)
     builtin_task_kwargs: dict[str, Any] = field(default_factory=dict)
     builtin_seed: int = 0
     tiers: list[str] = field(default_factory=lambda: ["low", "high", "max"])  # efforts drawn from these

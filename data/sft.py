@@ -9,7 +9,7 @@ own document in `doc_ids`, so attention never crosses conversations; the rest of
 padding (pad id, label -100, a document of its own). A conversation longer than a row is cut
 to `seq_len` positions (counted, and warned about).
 
-Sources: the built-in set (problems of an `rl.tasks` task with worked reasoning whose length
+Sources: the built-in set (problems of an `tasks` task with worked reasoning whose length
 grows with the effort; offline and deterministic) or files / a hub dataset read through
 `datasets.load_dataset`. Every malformed row raises `DataError` naming its file and row.
 """
@@ -258,11 +258,11 @@ def file_conversations(cfg: SFTDataConfig, tiers: EffortTiers, cache_dir: Option
 
 
 def load_sft_task(name: str, kwargs: Optional[dict[str, Any]] = None):
-    """The rl.tasks task `name` (a built-in name or a dotted path), as a DataError if it cannot be had."""
+    """The tasks task `name` (a built-in name or a dotted path), as a DataError if it cannot be had."""
     try:
-        from rl.tasks import load_task
+        from tasks import load_task
     except ImportError as e:
-        raise DataError(f"the built-in SFT set needs rl.tasks, which cannot be imported ({e})") from None
+        raise DataError(f"the built-in SFT set needs tasks, which cannot be imported ({e})") from None
     try:
         return load_task(name, **dict(kwargs or {}))
     except (KeyError, ValueError) as e:

@@ -27,7 +27,7 @@ def document_starts(doc_ids: torch.Tensor) -> torch.Tensor:
 class SequenceShard:
     """Where this forward's tokens sit in the whole sequence. The default is all of it, on this
     device. Context parallelism (trainer/context_parallel.py) gives each rank a slice, and the
-    generation engine (rl/engine/) feeds new tokens after a cached prefix; both override the
+    generation engine (inference/) feeds new tokens after a cached prefix; both override the
     hooks below (`layer` says which attention layer calls), model code only calls them.
 
     offset, total_len   the slice is tokens [offset, offset + T) of total_len

@@ -245,7 +245,7 @@ class Transformer(nn.Module):
         output, for all N tokens, through the first decoder layer's KV writer. The decoder layers
         run over the last R tokens only: their window sees replayed tokens only, and those
         tokens' deeper-layer state never saw older tokens' decoder state (the approximation the
-        boundary makes; exact when N <= replay). `shard`: the decode cache (rl/engine)."""
+        boundary makes; exact when N <= replay). `shard`: the decode cache (inference)."""
         B, N = input_ids.shape
         R = min(replay, N)
         n_enc = self.plan.n_encoder_layers

@@ -4,7 +4,7 @@ of stale tokens. Pure functions on tensors; the loop lives in rl/coordinator.py.
 
 Notation per response token t: logp = log pi_theta(token) under the weights being trained,
 behaviour = the log-prob the rollout engine sampled it with (its weights, temperature and top-p),
-version = the policy version that produced it (rl/engine stamps every Generation).
+version = the policy version that produced it (inference stamps every Generation).
 """
 from __future__ import annotations
 

@@ -47,8 +47,8 @@ class Coordinator:
         from data.tokenizer import TextTokenizer
         from rl.policy import PolicyTrainer
         from rl.prompts import PromptSource
-        from rl.tasks import load_task
         from rl.workers import RewardWorker, RolloutWorker
+        from tasks import load_task
         from trainer.distributed import free_port
 
         self.ray, self.cfg, self.rl, self.log = ray, cfg, cfg.rl, log

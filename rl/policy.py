@@ -46,9 +46,10 @@ class PolicyTrainer:
         os.environ.update(env)  # this rank's RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT
         from data.tokenizer import TextTokenizer
         from optim import CompositeOptimizer, build_optimizer, lr_multiplier
-        from trainer.checkpoint import CheckpointManager, checkpoint_attachments, load_init_weights
+        from trainer.checkpoint import CheckpointManager
         from trainer.distributed import init_distributed
         from trainer.engine import build_engine
+        from trainer.init_weights import checkpoint_attachments, load_init_weights
         from trainer.pretrain import build_model, seed_everything
 
         if cfg.trainer.torch_threads:
@@ -221,7 +222,7 @@ class PolicyTrainer:
         ckpt = self.ckpts.resolve(resume)
         if ckpt is None:
             return None
-        from trainer.checkpoint import checkpoint_attachments
+        from trainer.init_weights import checkpoint_attachments
 
         self.ckpts.attachments = checkpoint_attachments(self.tokenizer, ckpt)
         trainer_state, rank_state = self.ckpts.load(self.engine, ckpt, load_optimizer_states=not self.own_optimizer_state)

@@ -17,16 +17,16 @@ from omegaconf import OmegaConf
 from conf.errors import ConfigError
 
 
-def builtin_sft_policy(cfg, run_dir: Path) -> Path:
-    """Run (or resume) the built-in SFT for this model and tokenizer; its newest checkpoint."""
-    from launch.cli import compose
+def builtin_sft_policy(cfg, run_dir: Path, sft_cfg) -> Path:
+    """Run (or resume) the built-in SFT (`sft_cfg`, the sft stage's config with rl.sft_overrides)
+    for this model and tokenizer; its newest checkpoint."""
     from trainer.checkpoint import CheckpointManager
     from trainer.sft import run_sft
 
+    if sft_cfg is None:
+        raise ConfigError("rl: no rl.policy or model.init_from, and no built-in SFT config to make one")
     sft_dir = run_dir / "sft"
-    sft_cfg, _ = compose("sft", list(cfg.rl.sft_overrides))
-    typed = OmegaConf.to_object(sft_cfg)
-    typed = dataclasses.replace(typed, model=cfg.model, data=cfg.data, logger=cfg.logger)
+    typed = dataclasses.replace(sft_cfg, model=cfg.model, data=cfg.data, logger=cfg.logger)
     ckpts = CheckpointManager(sft_dir / "checkpoints", 1, 0)
     done = ckpts.find_latest_valid()
     if done is None or _checkpoint_step(done.name) < typed.trainer.max_steps:
@@ -39,7 +39,7 @@ def builtin_sft_policy(cfg, run_dir: Path) -> Path:
 def initial_policy(cfg) -> str | None:
     """rl.policy or model.init_from (one of them): a checkpoint (resolved to the newest complete
     one) or a public-layout directory (the trainers import it); None: run the built-in SFT."""
-    from trainer.checkpoint import resolve_init_source
+    from trainer.init_weights import resolve_init_source
 
     if cfg.rl.policy is not None and cfg.model.init_from is not None:
         raise ConfigError(f"rl.policy={cfg.rl.policy} and model.init_from={cfg.model.init_from}: give one")
@@ -68,11 +68,13 @@ def resource_shortfall(have: dict[str, float], need: dict[str, float], rl, extra
     return f"rl: {who} need {' and '.join(short)} (rl.ray_num_cpus, the rl.*_workers counts, rl.*_gpus)"
 
 
-def run_rl(cfg, run_dir: Path, config_yaml: str, make_coordinator=None, console=None,
+def run_rl(cfg, run_dir: Path, config_yaml: str, builtin_sft=None, make_coordinator=None, console=None,
            extra_actors: int = 0) -> dict[str, Any]:
-    """make_coordinator(cfg, run_dir, tokenizer_path, policy, log) (default rl.coordinator's),
-    console(row) -> the line printed for a metrics row, extra_actors: Ray actors beyond the RL
-    roles (flashtrain distill's teacher workers)."""
+    """builtin_sft: the SFT config that makes the starting policy when neither rl.policy nor
+    model.init_from gives one (`launch.stages.rl.builtin_sft_config`); make_coordinator(cfg,
+    run_dir, tokenizer_path, policy, log) (default rl.coordinator's), console(row) -> the line
+    printed for a metrics row, extra_actors: Ray actors beyond the RL roles (flashtrain
+    distill's teacher workers)."""
     import ray
 
     from data import build_datasets
@@ -97,7 +99,7 @@ def run_rl(cfg, run_dir: Path, config_yaml: str, make_coordinator=None, console=
     tokenizer.save(tokenizer_path)
     policy = initial_policy(cfg)
     if policy is None:
-        policy = str(builtin_sft_policy(cfg, run_dir))
+        policy = str(builtin_sft_policy(cfg, run_dir, builtin_sft))
 
     needed = int(need["CPU"])
     started_ray = not ray.is_initialized()

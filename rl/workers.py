@@ -2,7 +2,7 @@
 
 A request is a list of prompts: {"id": prompt id, "effort": 1-100, "ids": prompt token ids}.
 The rollout worker answers each with `group_size` samples from the generation engine
-(rl/engine), every one stamped with the policy version of the weights that produced it; the
+(inference), every one stamped with the policy version of the weights that produced it; the
 reward worker parses and verifies them.
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ class RolloutWorker:
 
     def generate(self, prompts: list[dict], greedy: bool = False) -> dict[str, Any]:
         """prompts -> {"samples": group_size samples per prompt (1 when greedy), "gen_s": seconds}."""
-        from rl.engine.generate import generate
+        from inference.generate import generate
 
         if self.version is None:  # a restarted actor: the coordinator re-queues and sends weights
             return {"no_weights": True, "samples": [], "gen_s": 0.0}
@@ -58,7 +58,7 @@ class RewardWorker:
     def __init__(self, cfg, tokenizer_path: str):
         from data.chat import ChatFormat
         from data.tokenizer import TextTokenizer
-        from rl.tasks import load_task
+        from tasks import load_task
 
         self.rl = cfg.rl
         self.chat = ChatFormat(TextTokenizer.from_file(tokenizer_path))

@@ -188,9 +188,19 @@ def test_cli_reports_a_missing_teacher_by_name(flashtrain, tmp_path):
     assert len(p.stderr.splitlines()) == 1
 
 
+def test_the_declared_builtin_domains_are_the_implemented_ones():
+    """conf declares the built-in domain names (the default teacher registry); tasks implements them."""
+    from conf.distill import BUILTIN_DOMAINS
+    from tasks.distill_domains import ARITHMETIC, TEXT, TransformDomain
+
+    assert list(BUILTIN_DOMAINS) == [*TEXT, *ARITHMETIC]
+    for name in BUILTIN_DOMAINS:
+        TransformDomain(name)  # raises for a name it does not implement
+
+
 def test_prompts_carry_their_domain_in_blocks():
-    from rl.distill.domains import DomainMixture
     from rl.distill.prompts import DomainPromptSource
+    from tasks.distill_domains import DomainMixture
 
     class Chat:  # the chat format's prompt(), without a tokenizer
         def prompt(self, text, effort):

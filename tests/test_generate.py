@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from conf.model import TinyModelConfig
+from inference.cache import DecodeCache
+from inference.generate import forward_new, generate, prefill_ced
 from model.transformer import Transformer
-from rl.engine.cache import DecodeCache
-from rl.engine.generate import forward_new, generate, prefill_ced
 
 # small window and top-k so the cache's window rows and the selection both matter at T=48
 CFG = dataclasses.replace(TinyModelConfig(vocab_size=97), engram_min_rows=50, window=8, index_topk=4,
@@ -138,7 +138,7 @@ def test_prefix_cache_hit_skips_the_prefix_and_matches(model):
     """Agent loop: a request continues a finished one (its prompt + generation + new tool output).
     The hit restores the global KV, replays the prefix's last tokens to rebuild window rows, and
     runs only the new tokens; within the replay span it gives the uncached greedy result."""
-    from rl.engine.prefix import PrefixCache
+    from inference.prefix import PrefixCache
     prefix_cache = PrefixCache(max_bytes=10**9)
     first_prompt = _ids(21, seed=3)[0].tolist()
     (first,) = generate(model, [first_prompt], max_new_tokens=6, temperature=0, packed=model.packed_cache,
@@ -187,7 +187,7 @@ def test_slot_decoding_at_different_lengths_equals_the_whole_sequence(model):
     m-blocks and global entry counts all differ) decode together one token each per forward;
     every row's logits are those of one forward over its whole sequence. Then a slot is freed and
     refilled by a new sequence mid-run, with a page size small enough that pages are reused."""
-    from rl.engine.slots import SlotCache
+    from inference.slots import SlotCache
     ids = _ids(48, seed=7)
     seqs = [ids[0, :40], ids[1, :33], ids[0, 5:46], ids[1, 2:29]]
     with torch.no_grad():

@@ -1,4 +1,4 @@
-"""The sandbox of model-generated code (rl/sandbox.py): right code passes, wrong or broken code
+"""The sandbox of model-generated code (tasks/sandbox.py): right code passes, wrong or broken code
 fails cleanly, and an infinite loop, a fork bomb, a memory hog, huge output, network access and
 writes outside its directory are each stopped, with this process (standing in for the trainer)
 unaffected. Hostile processes are tagged by name (prctl PR_SET_NAME) so that survivors can be
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from rl import sandbox
-from rl.sandbox import isolation, network_isolation, run_python
+from tasks import sandbox
+from tasks.sandbox import isolation, network_isolation, run_python
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -146,7 +146,7 @@ def test_python_level_network_block():
     """The fallback where the kernel refuses a network namespace, run in a plain subprocess."""
     code = (
         "import socket\n"
-        "from rl.sandbox import _block_network\n"
+        "from tasks.sandbox import _block_network\n"
         "_block_network()\n"
         "a, b = socket.socketpair()\n"  # wrapping existing descriptors still works
         "a.sendall(b'ok')\n"
@@ -324,7 +324,7 @@ def test_killed_caller_leaves_nothing_behind(tmp_path):
     cgroup removed."""
     name = unique("ftorphan")
     code = tag(name) + "import os, time\nos.fork()\ntime.sleep(600)"
-    driver = ("import sys\nfrom rl.sandbox import run_python\n"
+    driver = ("import sys\nfrom tasks.sandbox import run_python\n"
               f"run_python({code!r}, '', wall_s=600)\n")
     tmp = tmp_path / "tmp"
     tmp.mkdir()

@@ -40,7 +40,7 @@ def tok() -> TextTokenizer:
     return TextTokenizer(_train(datasets.Dataset.from_dict({"text": texts}), 400))
 
 
-# ------------------------------------------------------------------ a stand-in for rl.tasks
+# ------------------------------------------------------------------ a stand-in for tasks
 @dataclass
 class Problem:
     id: str
@@ -51,7 +51,7 @@ class Problem:
 
 
 class AdditionTask:
-    """The rl.tasks Task interface on two-digit sums; reasoning grows with the effort."""
+    """The tasks Task interface on two-digit sums; reasoning grows with the effort."""
     name = "addition"
 
     def sample(self, rng):
@@ -77,10 +77,10 @@ class AdditionTask:
 def real_task_or_stand_in(monkeypatch):
     try:
         return load_sft_task("arithmetic")
-    except DataError:  # rl.tasks not importable here
-        module = types.ModuleType("rl.tasks")
+    except DataError:  # tasks not importable here
+        module = types.ModuleType("tasks")
         module.load_task = lambda name, **kw: AdditionTask()
-        monkeypatch.setitem(sys.modules, "rl.tasks", module)
+        monkeypatch.setitem(sys.modules, "tasks", module)
         return load_sft_task("arithmetic")
 
 

@@ -1,4 +1,4 @@
-"""Built-in RL tasks (rl/tasks): problems are deterministic in the generator, verification is
+"""Built-in RL tasks (tasks): problems are deterministic in the generator, verification is
 exact and never raises on malformed answers, reasoning grows with effort, reference solutions
 of the code task pass in the sandbox, and load_task resolves built-in names and dotted paths."""
 import json
@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from rl.tasks import BUILTIN_TASKS, Problem, Task, first_integer, load_task
-from rl.tasks.arithmetic import Algebra, Arithmetic
-from rl.tasks.python_code import FUNCTIONS, PythonFunctions, extract_code
+from tasks import BUILTIN_TASKS, Problem, Task, first_integer, load_task
+from tasks.arithmetic import Algebra, Arithmetic
+from tasks.python_code import FUNCTIONS, PythonFunctions, extract_code
 
 MALFORMED = ["", "   ", "abc", "twelve", "x" * 1_000_000, "9" * 100_000, "\u0661\u0662", "١٢", "🙂" * 1000,
              "\x00\x01", "\ud800", "-", "+", "=", "x =", None, 12, b"12", ["12"]]
@@ -163,8 +163,8 @@ def test_load_user_task_from_factory():
     ("no_such_package.tasks:Task", "not found"),
     (f"{__name__}:Missing", "has no attribute 'Missing'"),
     (f"{__name__}:MALFORMED", "not a Task class or factory"),
-    (f"{__name__}:not_a_task_factory", "not a rl.tasks.Task"),
-    ("random:Random", "not a subclass of rl.tasks.Task"),
+    (f"{__name__}:not_a_task_factory", "not a tasks.Task"),
+    ("random:Random", "not a subclass of tasks.Task"),
 ])
 def test_bad_specs_raise_one_line_value_errors(spec, message):
     with pytest.raises(ValueError, match=message) as info:

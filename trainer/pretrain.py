@@ -21,10 +21,11 @@ from model.accounting import train_flops_per_token
 from model.engram import build_compression_map
 from model.transformer import Transformer
 from optim import CompositeOptimizer, Replicas, build_optimizer, lr_multiplier
-from trainer.checkpoint import CheckpointManager, checkpoint_attachments, load_init_weights
+from trainer.checkpoint import CheckpointManager
 from trainer.context_parallel import slice_batch
 from trainer.distributed import DistInfo, all_reduce_sum_, init_distributed
 from trainer.engine import build_engine, check_trainer_counts
+from trainer.init_weights import checkpoint_attachments, load_init_weights
 from trainer.metrics import MetricsLog, device_peak_flops, moe_balance
 from trainer.nonfinite import NonFiniteSteps, update_skipped
 from trainer.parallelize import (

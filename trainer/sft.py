@@ -91,7 +91,7 @@ class SFTTrainer(Trainer):
     def evaluate_generation(self) -> dict[str, float]:
         """Greedy answers to held-out problems at each effort tier (on rank 0; every rank joins
         the expert gather). -> {"eval/effort_<E>/accuracy", ".../mean_len", ".../stopped"}."""
-        from rl.engine.generate import generate
+        from inference.generate import generate
 
         cfg = self.sft_cfg
         if not self.heldout:

@@ -8,6 +8,6 @@ from launch.stages import register_stage
 
 @register_stage("generate", GenerateConfig, help="sample a continuation of a prompt from a checkpoint")
 def generate(cfg: GenerateConfig, run_dir: Path, config_yaml: str):
-    from rl.engine.cli import run_generate
+    from trainer.generate import run_generate
 
     return run_generate(cfg, run_dir)

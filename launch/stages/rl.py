@@ -5,8 +5,18 @@ from conf.rl import RLConfig
 from launch.stages import register_stage
 
 
+def builtin_sft_config(cfg):
+    """The sft stage's config with rl.sft_overrides: what RL and distillation train their starting
+    policy with when neither rl.policy nor model.init_from names one."""
+    from omegaconf import OmegaConf
+
+    from launch.cli import compose
+
+    return OmegaConf.to_object(compose("sft", list(cfg.rl.sft_overrides))[0])
+
+
 @register_stage("rl", RLConfig, help="RL post-training (rollout, reward and trainer actors on Ray)")
 def rl(cfg: RLConfig, run_dir: Path, config_yaml: str):
     from rl.run import run_rl  # heavy imports only when the stage runs
 
-    return run_rl(cfg, run_dir, config_yaml)
+    return run_rl(cfg, run_dir, config_yaml, builtin_sft_config(cfg))

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from data.chat import ChatFormat, Message
-from rl.distill.domains import DomainMixture
+from tasks.distill_domains import DomainMixture
 
 
 def domain_rows(chat: ChatFormat, task: DomainMixture, domains: list[str], count: int, seed: int,
@@ -114,7 +114,7 @@ def hf_llama(vocab: int, seed: int, dim: int = 64, layers: int = 2):
 def greedy_answers(model, prompts: list[list[int]], max_new: int, stop: set[int], hf: bool = False) -> list[list[int]]:
     """Greedy responses: the generation engine for flashtrain models, full recompute for HF."""
     if not hf:
-        from rl.engine.generate import generate
+        from inference.generate import generate
 
         return [g.tokens for g in generate(model, prompts, max_new, temperature=0.0, stop=stop)]
     out = []

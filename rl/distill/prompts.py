@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import random
 
-from rl.distill.domains import DomainMixture
 from rl.prompts import PromptSource
-from rl.tasks.base import Problem
+from tasks.base import Problem
+from tasks.distill_domains import DomainMixture
 
 
 class DomainPromptSource(PromptSource):

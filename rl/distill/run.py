@@ -11,7 +11,7 @@ def distill_rl_config(cfg, routes: dict[str, str]):
     """cfg with rl.task set to the mixture of the registry's domains (what the reward worker
     verifies and the prompt source draws from)."""
     tasks = {domain: cfg.distill.domains[domain].task for domain in routes}
-    rl = dataclasses.replace(cfg.rl, task="rl.distill.domains:DomainMixture", task_kwargs={"domains": tasks})
+    rl = dataclasses.replace(cfg.rl, task="tasks.distill_domains:DomainMixture", task_kwargs={"domains": tasks})
     return dataclasses.replace(cfg, rl=rl)
 
 
@@ -24,7 +24,7 @@ def console_line(row: dict[str, Any]) -> str:
     return f"distill eval at {row['step']}: {means}"
 
 
-def run_distill(cfg, run_dir: Path, config_yaml: str) -> dict[str, Any]:
+def run_distill(cfg, run_dir: Path, config_yaml: str, builtin_sft=None) -> dict[str, Any]:
     from conf.distill import KL_MEANS
     from conf.errors import ConfigError
     from data.tokenizer import TextTokenizer
@@ -41,5 +41,5 @@ def run_distill(cfg, run_dir: Path, config_yaml: str) -> dict[str, Any]:
         vocab = cfg_.model.vocab_size or TextTokenizer.from_file(tokenizer_path).vocab_size
         return DistillCoordinator(cfg_, run_dir_, tokenizer_path, policy, log, vocab, teachers)
 
-    return run_rl(cfg, run_dir, config_yaml, make_coordinator=make, console=console_line,
+    return run_rl(cfg, run_dir, config_yaml, builtin_sft, make_coordinator=make, console=console_line,
                   extra_actors=cfg.distill.teacher_workers)

@@ -4,5 +4,5 @@
   layout.py   flashtrain state-dict names <-> public tensor names, shapes, encodings; config.json
   convert.py  import (public -> flashtrain weights) and export (flashtrain -> public), part by part
 
-`trainer.checkpoint.load_init_weights` is the one entry point the training stages call.
+`trainer.init_weights.load_init_weights` is the one entry point the training stages call.
 """

@@ -14,7 +14,7 @@ import random
 import re
 from typing import Any
 
-from rl.tasks.base import Problem, Task, first_integer
+from tasks.base import Problem, Task, first_integer
 
 OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 SHORT, LONG = 50, 75  # effort above SHORT: one line of reasoning; above LONG: the worked chain

@@ -1,7 +1,7 @@
 """Slot cache: the decode state of up to `slots` sequences of different lengths, decoded together.
 
-Continuous batching (rl/engine/generate.py) prefills each prompt on its own into a DecodeCache
-(rl/engine/cache.py), moves that state into a free slot here, and then runs one forward per step
+Continuous batching (inference/generate.py) prefills each prompt on its own into a DecodeCache
+(inference/cache.py), moves that state into a free slot here, and then runs one forward per step
 over the new token of every busy slot. Rows of a step sit at different positions, so everything
 that DecodeCache keeps per batch is kept per slot:
 
@@ -23,8 +23,8 @@ from typing import Optional
 
 import torch
 
+from inference.cache import DecodeCache, _Store, pack, unpack
 from model.runtime import HISTORY_TOKENS, SequenceShard
-from rl.engine.cache import DecodeCache, _Store, pack, unpack
 
 
 class PagedStore:

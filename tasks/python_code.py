@@ -1,5 +1,5 @@
 """Function-writing tasks: "Write a Python function add(a, b) that ..."; the answer text is the
-function's source (a ```python fence around it is fine), run in the sandbox (rl/sandbox.py).
+function's source (a ```python fence around it is fine), run in the sandbox (tasks/sandbox.py).
 
 The check does not trust asserts inside the sandbox: the code shares the interpreter with them
 and can defeat them (a result whose __eq__ is always True). The harness instead prints the
@@ -15,9 +15,9 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from rl.sandbox import run_python
-from rl.tasks.arithmetic import LONG, SHORT
-from rl.tasks.base import Problem, Task
+from tasks.arithmetic import LONG, SHORT
+from tasks.base import Problem, Task
+from tasks.sandbox import run_python
 
 RESULTS_MARK = "@@flashtrain-results@@"  # starts the harness's output line
 _FENCE = re.compile(r"```[^\n`]*\n(.*?)(?:```|\Z)", re.S)

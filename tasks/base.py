@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 BUILTIN_TASKS = {
-    "arithmetic": "rl.tasks.arithmetic:Arithmetic",
-    "algebra": "rl.tasks.arithmetic:Algebra",
-    "python": "rl.tasks.python_code:PythonFunctions",
+    "arithmetic": "tasks.arithmetic:Arithmetic",
+    "algebra": "tasks.arithmetic:Algebra",
+    "python": "tasks.python_code:PythonFunctions",
 }
 
 
@@ -88,7 +88,7 @@ def load_task(spec: str, **kwargs: Any) -> Task:
     if obj is None:
         raise ValueError(f"task {spec!r}: module {module_name!r} has no attribute {attr!r}")
     if isinstance(obj, type) and not issubclass(obj, Task):
-        raise ValueError(f"task {spec!r}: {attr} is not a subclass of rl.tasks.Task")
+        raise ValueError(f"task {spec!r}: {attr} is not a subclass of tasks.Task")
     if not callable(obj):
         raise ValueError(f"task {spec!r}: {attr} is a {type(obj).__name__}, not a Task class or factory")
     try:
@@ -99,7 +99,7 @@ def load_task(spec: str, **kwargs: Any) -> Task:
         pass
     task = obj(**kwargs)
     if not isinstance(task, Task):
-        raise ValueError(f"task {spec!r}: {attr}() returned a {type(task).__name__}, not a rl.tasks.Task")
+        raise ValueError(f"task {spec!r}: {attr}() returned a {type(task).__name__}, not a tasks.Task")
     return task
 
 

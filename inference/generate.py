@@ -12,10 +12,10 @@ from typing import Optional
 
 import torch
 
+from inference.cache import DecodeCache
+from inference.prefix import PrefixCache
+from inference.slots import SlotCache
 from model.transformer import Transformer
-from rl.engine.cache import DecodeCache
-from rl.engine.prefix import PrefixCache
-from rl.engine.slots import SlotCache
 
 
 @dataclass
@@ -93,11 +93,11 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
              policy_version: int = 0, packed: bool = True, replay: Optional[int] = 128,
              prefix_cache: Optional[PrefixCache] = None, max_batch: int = 64) -> list[Generation]:
     """Continuous batching: up to `max_batch` sequences decode together, one token each per
-    forward (rl/engine/slots.py); a finished sequence frees its slot for the next waiting prompt,
+    forward (inference/slots.py); a finished sequence frees its slot for the next waiting prompt,
     which is prefilled on its own first. Prompt i samples from its own generator (seeded by
     `seed` and i), so its tokens do not depend on max_batch or on the other prompts.
 
-    `packed`: the cache stores FP4 / MXFP4 / FP8 (rl/engine/cache.py). `replay`: CED prefill with
+    `packed`: the cache stores FP4 / MXFP4 / FP8 (inference/cache.py). `replay`: CED prefill with
     bounded replay of that many tokens (None: every layer over the whole prompt). `prefix_cache`:
     prompts that extend a finished sequence reuse its global KV (agent loops: the same
     conversation plus new tool output), and every finished sequence is offered to it."""

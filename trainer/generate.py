@@ -10,7 +10,7 @@ import torch
 from conf.errors import ConfigError
 from conf.generate import GenerateConfig
 from data import build_datasets
-from rl.engine.generate import generate
+from inference.generate import generate
 from trainer.checkpoint import load_model_weights, resolve_checkpoint
 from trainer.pretrain import build_model
 

@@ -5,7 +5,7 @@ A domain is a deterministic transform of a short input: text transforms of a low
 and answers are written one character per token (letters and digits space-separated): the BPE
 tokenizer merges letter runs ("fdcab" is " fd", "c", "ab"), which turns a one-step transform
 into a spelling problem a `tiny` model does not solve in a few hundred steps. Each is a Task
-(rl/tasks), so the reward worker verifies answers as in RL; the reward is graded, 1.0 for an
+(tasks), so the reward worker verifies answers as in RL; the reward is graded, 1.0 for an
 exact answer and otherwise the character similarity to it (difflib ratio) times 0.5, so a tiny
 model's near misses still rank.
 
@@ -19,7 +19,8 @@ import random
 from collections.abc import Callable
 from typing import Any, Optional
 
-from rl.tasks.base import Problem, Task, load_task
+from conf.distill import BUILTIN_DOMAINS
+from tasks.base import Problem, Task, load_task
 
 LETTERS = "abcdefgh"
 VOWELS = set("ae")
@@ -60,7 +61,6 @@ ARITHMETIC: dict[str, Callable[[int], int]] = {
     **{f"mul{k}": lambda n, k=k: n * k for k in (2, 3, 4, 5, 10)},
     **{f"mod{k}": lambda n, k=k: n % k for k in (2, 3, 5)},
 }
-BUILTIN_DOMAINS = (*TEXT, *ARITHMETIC)  # 42 domains
 
 
 def spell(text: str) -> str:
@@ -94,7 +94,7 @@ class TransformDomain(Task):
 
 class DomainMixture(Task):
     """Many domains behind one Task. domains: name -> task spec (None: the built-in domain of
-    that name; else a built-in task name or dotted path, rl/tasks/base.py load_task)."""
+    that name; else a built-in task name or dotted path, tasks/base.py load_task)."""
     name = "domains"
 
     def __init__(self, domains: dict[str, Optional[str]]):

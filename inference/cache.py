@@ -9,7 +9,7 @@ positions [length, length + T) then computes exactly what the training forward c
 those positions of the whole sequence (tests/test_generate.py).
 
 Rows of one batch share a length (prefill, and the equal-length decoding of tests and benchmarks);
-continuous batching of sequences at different lengths decodes from rl/engine/slots.py.
+continuous batching of sequences at different lengths decodes from inference/slots.py.
 
 Packed (the default), the cache stores what inference stores (SPEC §4): the main latent in
 FP4 (E2M1, E4M3 scale per 16), index keys in MXFP4, window rows in FP8; reads dequantise
@@ -93,7 +93,7 @@ class DecodeCache(SequenceShard):
         """A bounded replay of tokens [start, total_len): the layers that run see those tokens only
         (window rows start with the first replayed token) and read the cached global entries of
         `entries` without adding to them. CED prefill replays the decoder layers of a prompt
-        (model.transformer.forward_ced); a prefix-cache hit replays every layer (rl/engine/prefix.py)."""
+        (model.transformer.forward_ced); a prefix-cache hit replays every layer (inference/prefix.py)."""
         if self.length and self.length != total_len:
             raise ValueError("a replay starts a sequence or rebuilds a restored prefix: the cache must be empty")
         self.offset, self.total_len = start, total_len

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from inference.cache import DecodeCache
 from model.runtime import HISTORY_TOKENS
-from rl.engine.cache import DecodeCache
 
 
 @dataclass

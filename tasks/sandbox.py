@@ -46,7 +46,7 @@ without Landlock, reading and writing wherever the caller's user may;
 without a PID namespace, processes that leave the session survive the run. "passed" is checked
 against a per-run nonce so an early `sys.exit(0)` does not pass, but the code runs in the same
 interpreter as the tests and can defeat asserts (an object whose __eq__ is always True); a
-verifier that must resist that compares outputs outside the sandbox (rl/tasks/python_code.py).
+verifier that must resist that compares outputs outside the sandbox (tasks/python_code.py).
 """
 from __future__ import annotations
 
