@@ -1,7 +1,8 @@
-"""kill -9 of a pretraining run at given moments, then a rerun: does every rerun finish, with the
-weights of an uninterrupted run and every metrics row exactly once?
+"""kill -9 of a pretraining or SFT run at given moments, then a rerun: does every rerun finish, with
+the weights of an uninterrupted run and every metrics row exactly once?
 
-    python -m bench.chaos_kill [--kill-at 1,3,5,10] [--random 4] [--seed 0] [--steps 20] [--out FILE]
+    python -m bench.chaos_kill [--stage pretrain|default|sft] [--kill-at 1,3,5,10] [--random 4] [--seed 0]
+                               [--steps 20] [--out FILE]
 
 Each trial is a first run on a fresh machine: its own run dir and its own empty data cache, so
 an early kill lands in the setup (tokenizer training, data packing, the engine's build) and a
@@ -13,7 +14,9 @@ within --deadline seconds. Compared with one uninterrupted run of the same comma
   bit_exact   every tensor of the final checkpoint's model states equal, bit for bit
   lost / duplicated   training steps missing from, or repeated in, the run's metrics.jsonl
 Besides --kill-at, --random more moments are drawn (seeded) between 0 and the uninterrupted run's
-duration. Prints one JSON object; --out writes it too.
+duration. --stage sft kills fine-tuning runs that start from one pretraining checkpoint (made
+first), so a step lost or repeated would be a batch of prompts lost or trained twice; --stage
+default kills the Quickstart's own `flashtrain pretrain`. Prints one JSON object; --out writes it too.
 """
 from __future__ import annotations
 
@@ -32,11 +35,22 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def command(run_dir: Path, cache: Path, steps: int) -> list[str]:
-    return [sys.executable, "-m", "launch", "pretrain", "model=tiny", "data.seq_len=128",
-            "trainer.micro_batch_size=4", f"trainer.max_steps={steps}", "trainer.save_every=2",
-            "trainer.log_every=1", "trainer.eval_every=0", "trainer.progress=false", "logger=none",
-            f"data.cache_dir={cache}", f"hydra.run.dir={run_dir}"]
+DEFAULT_STEPS = 150  # `flashtrain pretrain` as the README's Quickstart runs it (conf/trainer.py)
+
+
+def command(stage: str, run_dir: Path, cache: Path, steps: int, init: Path | None = None) -> list[str]:
+    """The run a trial kills. stage: pretrain (short, a checkpoint every 2 steps), default (the
+    Quickstart's `flashtrain pretrain`, every setting at its default) or sft (from `init`'s
+    checkpoints, on the built-in problems, a checkpoint every 2 steps)."""
+    where = [f"data.cache_dir={cache}", f"hydra.run.dir={run_dir}"]
+    if stage == "default":
+        return [sys.executable, "-m", "launch", "pretrain", *where]
+    common = ["model=tiny", "trainer.micro_batch_size=4", f"trainer.max_steps={steps}", "trainer.save_every=2",
+              "trainer.log_every=1", "trainer.eval_every=0", "trainer.progress=false", "logger=none", *where]
+    if stage == "sft":
+        return [sys.executable, "-m", "launch", "sft", f"init_from={init}", "sft.builtin_samples=200",
+                "sft.seq_len=128", "eval.problems=0", *common]
+    return [sys.executable, "-m", "launch", "pretrain", "data.seq_len=128", *common]
 
 
 def environment(port: int) -> dict[str, str]:
@@ -99,6 +113,8 @@ def main(argv=None) -> dict:
     p.add_argument("--kill-at", default="1,3,5,10", help="seconds after the start, comma-separated")
     p.add_argument("--random", type=int, default=4, help="more kill moments, drawn between 0 and the run's duration")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stage", choices=("pretrain", "default", "sft"), default="pretrain",
+                   help="default: the Quickstart's `flashtrain pretrain` as is (150 steps; --steps is ignored)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--deadline", type=float, default=900.0, help="seconds a rerun may take")
     p.add_argument("--work", type=Path, default=None, help="where the runs go (default: a temp dir)")
@@ -109,9 +125,21 @@ def main(argv=None) -> dict:
     work = args.work or Path(tempfile.mkdtemp(prefix="flashtrain-chaos-"))
     work.mkdir(parents=True, exist_ok=True)
     port = 21000 + os.getpid() % 1000
+    steps = DEFAULT_STEPS if args.stage == "default" else args.steps
+    init = None
+    if args.stage == "sft":  # the pretrained weights every SFT run starts from, made once
+        code, _ = run_to_end(command("pretrain", work / "init", work / "init_cache", 2), environment(port),
+                             work / "init.log", args.deadline)
+        if code != 0:
+            raise SystemExit(f"the pretraining run SFT starts from failed (exit {code}): see {work / 'init.log'}")
+        init = work / "init" / "checkpoints"
+        port += 1
+
+    def cmd_for(root: Path) -> list[str]:
+        return command(args.stage, root / "run", root / "cache", steps, init)
+
     ref_dir = work / "reference"
-    code, ref_s = run_to_end(command(ref_dir / "run", ref_dir / "cache", args.steps), environment(port),
-                             work / "reference.log", args.deadline)
+    code, ref_s = run_to_end(cmd_for(ref_dir), environment(port), work / "reference.log", args.deadline)
     if code != 0:
         raise SystemExit(f"the uninterrupted run failed (exit {code}): see {work / 'reference.log'}")
     want = final_weights(ref_dir / "run")
@@ -122,7 +150,7 @@ def main(argv=None) -> dict:
     for i, seconds in enumerate(moments):
         trial = work / f"trial_{i:02d}"
         trial.mkdir()
-        cmd, env = command(trial / "run", trial / "cache", args.steps), environment(port + 1 + i)
+        cmd, env = cmd_for(trial), environment(port + 1 + i)
         doing = killed_at(cmd, env, trial.with_suffix(".log"), trial / "run", seconds)
         rerun, rerun_s = run_to_end(cmd, env, trial.with_suffix(".log"), args.deadline)
         row = {"kill_at_s": seconds, "at_the_kill": doing, "rerun_exit": rerun, "rerun_s": round(rerun_s, 1),
@@ -131,11 +159,12 @@ def main(argv=None) -> dict:
             got = final_weights(trial / "run")
             row["bit_exact"] = got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
             counts = step_counts(trial / "run")
-            row["lost"] = [s for s in range(1, args.steps + 1) if counts[s] == 0]
+            row["lost"] = [s for s in range(1, steps + 1) if counts[s] == 0]
             row["duplicated"] = sorted(s for s, n in counts.items() if n > 1)
         trials.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
-    out = {"benchmark": "bench/chaos_kill.py", "steps": args.steps, "uninterrupted_s": round(ref_s, 1),
+    out = {"benchmark": "bench/chaos_kill.py", "stage": args.stage, "command": cmd_for(work / "TRIAL")[2:],
+           "steps": steps, "uninterrupted_s": round(ref_s, 1),
            "torch": torch.__version__, "trials": trials,
            "all_resumed": all(t.get("rerun_exit") == 0 for t in trials),
            "all_bit_exact": all(t.get("bit_exact") for t in trials),
