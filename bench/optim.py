@@ -1,6 +1,6 @@
 """Optimiser benchmarks, measured side by side in one run; prints one JSON object.
 
-1. One optimiser step for the `small` model: the Muon + Sinkhorn + AdamW composite (SPEC §7)
+1. One optimiser step for the `small` model: the Muon + Sinkhorn + AdamW composite (docs/ARCHITECTURE.md §7)
    vs AdamW on every parameter. Gradients are random; the model is never run.
 2. The Sinkhorn optimiser on one Engram-sized table (16M x 256): a sparse-row step (the rows a
    batch touches) vs the dense step over the whole table.

@@ -1,4 +1,4 @@
-"""The `long_context` stage: sub-stages of increasing sequence length (SPEC §3, §7).
+"""The `long_context` stage: sub-stages of increasing sequence length (docs/ARCHITECTURE.md §3, §7).
 
 Each sub-stage has its own sequence length, token budget, lr, micro-batch, YaRN settings
 for the compressed layers and indexer regime:
@@ -55,7 +55,7 @@ def _small() -> list[ContextStage]:
 
 
 def _flash() -> list[ContextStage]:
-    # SPEC §3 and §7: the DeepSeek-V3.2 warm-up (lr 1e-3, 1000 steps), sparse from 64K, 1M at 34T
+    # ARCHITECTURE.md §3 and §7: the DeepSeek-V3.2 warm-up (lr 1e-3, 1000 steps), sparse from 64K, 1M at 34T
     return [ContextStage("indexer_warmup", 65536, 1000 * 16 * 65536, lr=1e-3, micro_batch_size=1,
                          indexer="dense_warmup"),
             ContextStage("sparse_64k", 65536, 34 * 10**12, lr=2.2e-4, micro_batch_size=1),

@@ -1,4 +1,4 @@
-"""Model configs: the DeepSeek-V4.1-Flash architecture (SPEC.md §1-6, §11) at three sizes.
+"""Model configs: the DeepSeek-V4.1-Flash architecture (docs/ARCHITECTURE.md §1-6, §11) at three sizes.
 
 `flash` is the published model; `small` is ~1-2B parameters for single-GPU benchmarks;
 `tiny` trains on a CPU in minutes. All three build the same module graph.
@@ -162,7 +162,7 @@ class SmallModelConfig(ModelConfig):
 
 @dataclass
 class FlashModelConfig(ModelConfig):
-    """The published DeepSeek-V4.1-Flash (SPEC.md §11)."""
+    """The published DeepSeek-V4.1-Flash (docs/ARCHITECTURE.md §11)."""
 
     name: str = "flash"
     norm_eps: float = 1e-20  # what the public reference gives the released model

@@ -1,6 +1,6 @@
 """Optimiser and learning-rate schedule configs.
 
-`name=adamw` trains everything with AdamW. `name=muon` routes parameters by rule (SPEC §7):
+`name=adamw` trains everything with AdamW. `name=muon` routes parameters by rule (docs/ARCHITECTURE.md §7):
 matrices to head-wise Muon, embedding / LM-head / Engram tables to the Sinkhorn optimiser,
 the rest (norms, sinks, mHC gains) to AdamW. `rules` replaces the default routing.
 """

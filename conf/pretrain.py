@@ -15,7 +15,7 @@ PRETRAIN_DEFAULTS = [
     "_self_",
     {"model": "tiny"},
     {"data": "stdlib"},
-    {"optim": "muon"},  # SPEC §7: Muon + Sinkhorn + AdamW
+    {"optim": "muon"},  # ARCHITECTURE.md §7: Muon + Sinkhorn + AdamW
     {"trainer": "default"},
     {"logger": "wandb"},
     {"launcher": "local"},

@@ -11,7 +11,7 @@ those positions of the whole sequence (tests/test_generate.py).
 Rows of one batch share a length (prefill, and the equal-length decoding of tests and benchmarks);
 continuous batching of sequences at different lengths decodes from inference/slots.py.
 
-Packed (the default), the cache stores what inference stores (SPEC §4): the main latent in
+Packed (the default), the cache stores what inference stores (docs/ARCHITECTURE.md §4): the main latent in
 FP4 (E2M1, E4M3 scale per 16), index keys in MXFP4, window rows in FP8; reads dequantise
 (model/quant.py on CPU, its bit-exact Triton kernels on CUDA).
 A model trained with KV QAT (model.kv_quant=qat) computed exactly these values, so a packed

@@ -40,7 +40,7 @@ def forward_new(model: Transformer, cache: DecodeCache, input_ids: torch.Tensor)
 @torch.no_grad()
 def prefill_ced(model: Transformer, cache: DecodeCache, input_ids: torch.Tensor, replay: int = 128) -> torch.Tensor:
     """CED prefill of input_ids [B, N] into an empty cache: encoder over all N tokens, decoder over
-    the last min(replay, N) (SPEC §2) -> logits [B, R, V] of those positions. Counts token-layer
+    the last min(replay, N) (docs/ARCHITECTURE.md §2) -> logits [B, R, V] of those positions. Counts token-layer
     passes in cache.token_layer_passes."""
     N = input_ids.shape[1]
     n_enc = model.plan.n_encoder_layers

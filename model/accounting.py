@@ -2,7 +2,7 @@
 
 Parameters fall into four kinds:
   embedding  the token embedding: a lookup, no FLOPs
-  engram     Engram tables: lookups, counted apart from the backbone (SPEC §1)
+  engram     Engram tables: lookups, counted apart from the backbone (docs/ARCHITECTURE.md §1)
   routed     routed experts: a token touches n_activated / n_routed of them
   dense      everything else, touched by every token
 """
@@ -102,7 +102,7 @@ def train_flops_per_token(model: nn.Module, seq_len: int) -> float:
 def ced_kv_writer_params(model: nn.Module) -> int:
     """Parameters the CED prefill runs in the first decoder layer to write the decoder's
     global KV from the encoder output: its attention mHC coefficients, attention norm,
-    compressor and index keys (SPEC §2)."""
+    compressor and index keys (docs/ARCHITECTURE.md §2)."""
     first = model.cfg.n_encoder_layers
     if first >= model.cfg.n_layers:
         return 0
@@ -112,7 +112,7 @@ def ced_kv_writer_params(model: nn.Module) -> int:
 
 
 def model_summary(model: nn.Module) -> dict[str, float]:
-    """The numbers SPEC §1/§4 state for the model: parameters by kind, active parameters of
+    """The numbers ARCHITECTURE.md §1/§4 state for the model: parameters by kind, active parameters of
     the CED prefill (encoder layers + the decoder KV writer) and of decode (every layer and
     the head), and global-KV bytes per token from the cache layout."""
     from model.kv_layout import GlobalKVLayout, window_kv_bytes
@@ -125,7 +125,7 @@ def model_summary(model: nn.Module) -> dict[str, float]:
     engram = totals.get("engram", 0)
     backbone = sum(totals.values()) - engram
     return {
-        "total_params": backbone,  # the backbone: Engram tables are counted apart (SPEC §1)
+        "total_params": backbone,  # the backbone: Engram tables are counted apart (docs/ARCHITECTURE.md §1)
         "engram_params": engram,
         "all_params": backbone + engram,
         "embedding_params": totals.get("embedding", 0),

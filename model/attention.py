@@ -1,4 +1,4 @@
-"""CSA2 attention layer (SPEC §3, §4, §11).
+"""CSA2 attention layer (docs/ARCHITECTURE.md §3, §4, §11).
 
 Per layer: low-rank queries over one shared 512-d latent (MQA, K = V, RoPE on the last
 64 dims), a 128-token sliding window with its own KV, and - except on SWA-only layers -

@@ -1,4 +1,4 @@
-"""Engram: hashed n-gram memory applied before layers 1 and 14 (SPEC §5, §11).
+"""Engram: hashed n-gram memory applied before layers 1 and 14 (docs/ARCHITECTURE.md §5, §11).
 
 For each position t and each order n in `engram_orders`, the n lookup ids ending at t are hashed and
 the hash is reduced modulo the prime of each of `engram_heads` heads, each head owning a prime-sized
@@ -6,9 +6,9 @@ range of the layer's table; every head reads one `engram_dim` row. The concatena
 ONE linear to a key per residual stream and a shared value; a per-stream gate decides how much of the
 value each stream takes.
 
-Where SPEC leaves the details open, this module computes the same function as the public
-DeepSeek-V4.1-Flash inference code, so that released Engram tables are read at the rows they were
-trained with:
+Where the published description leaves details open (docs/ARCHITECTURE.md §5), this module
+computes the same function as the public DeepSeek-V4.1-Flash inference code, so that released
+Engram tables are read at the rows they were trained with:
 * Lookup ids (`build_compression_map`): every token id of the tokenizer, added and special tokens
   included and treated like any other, is decoded alone and keyed by its text after the `tokenizers`
   normalizer chain NFKC -> NFD -> strip accents -> lowercase -> runs of space/tab/CR/LF to one space

@@ -1,4 +1,4 @@
-"""Lightning indexer, top-k selection and the hierarchical candidate pool (SPEC §3, §11).
+"""Lightning indexer, top-k selection and the hierarchical candidate pool (docs/ARCHITECTURE.md §3, §11).
 
 score(t, s) = sum_h w_h(t) * relu(q_h(t) . k(s))
 Index keys are projected from the layer's compressed KV latent (before its RoPE and FP4

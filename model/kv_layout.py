@@ -1,4 +1,4 @@
-"""The global KV cache layout (SPEC §4): which layers store entries, in which packed formats.
+"""The global KV cache layout (docs/ARCHITECTURE.md §4): which layers store entries, in which packed formats.
 
 Only KV-owner (Full) layers store global KV; Reindex and Reuse layers read theirs. An owner
 with compress ratio m stores one entry per m tokens: the main latent as FP4 (E2M1 + E4M3

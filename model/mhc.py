@@ -1,4 +1,4 @@
-"""Manifold-constrained hyper-connections with the single-pass schedule (SPEC §6, §11).
+"""Manifold-constrained hyper-connections with the single-pass schedule (docs/ARCHITECTURE.md §6, §11).
 
 The residual is n parallel streams h [B, T, n, D]. Around every sub-layer (attention or
 MoE) three coefficient sets act:
@@ -106,7 +106,7 @@ class HyperConnection(nn.Module):
         RMS-normalised streams (the part a fused kernel computes while it writes h)."""
         flat = wide(h.flatten(-2))  # [B, T, n*D]
         flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.norm_eps)
-        # autocast would run this linear in bf16 (F.linear is on its list): SPEC §6 says fp32
+        # autocast would run this linear in bf16 (F.linear is on its list): ARCHITECTURE.md §6 says fp32
         with torch.autocast(h.device.type, enabled=False):
             return F.linear(flat, wide(self.fn))
 

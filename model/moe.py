@@ -1,4 +1,4 @@
-"""Mixture of experts: 1 shared + N routed SwiGLU experts, dropless (SPEC §1, §11).
+"""Mixture of experts: 1 shared + N routed SwiGLU experts, dropless (docs/ARCHITECTURE.md §1, §11).
 
 Routing follows DeepSeek-V3 practice with V4's score function:
   score = sqrt(softplus(W x))                         affinities [N, E]

@@ -1,4 +1,4 @@
-"""The CSA2 layer plan (SPEC §3): which layer computes, re-scores or reuses the global KV.
+"""The CSA2 layer plan (docs/ARCHITECTURE.md §3): which layer computes, re-scores or reuses the global KV.
 
 Modes:
   swa      window attention only, no global KV

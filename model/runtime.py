@@ -1,4 +1,4 @@
-"""Per-forward state that CSA2 layers share: the Full/Reindex/Reuse plumbing (SPEC §3).
+"""Per-forward state that CSA2 layers share: the Full/Reindex/Reuse plumbing (docs/ARCHITECTURE.md §3).
 
 A Full layer writes its compressed KV latent, index keys and top-k here; Reindex layers
 read the KV and index keys and the Full layer's candidate pool and write their own top-k;

@@ -1,5 +1,5 @@
 """The DeepSeek-V4.1-Flash language model: CED layer stack with CSA2 attention, MoE, mHC
-residual streams and Engram memories (SPEC §1-6).
+residual streams and Engram memories (docs/ARCHITECTURE.md §1-6).
 
 Layers [0, n_encoder_layers) are the causal encoder, the rest the decoder. The decoder's
 single global KV is written by its first layer (a Full layer) from that layer's input,
@@ -238,7 +238,7 @@ class Transformer(nn.Module):
         return settle(h, pending, self.cfg.kernels), pre
 
     def forward_ced(self, input_ids: torch.Tensor, replay: int, shard: Optional[SequenceShard] = None) -> torch.Tensor:
-        """CED prefill with bounded replay (SPEC §2) -> logits [B, R, V] of the last R = min(replay, N)
+        """CED prefill with bounded replay (docs/ARCHITECTURE.md §2) -> logits [B, R, V] of the last R = min(replay, N)
         positions of input_ids [B, N] (one document).
 
         The encoder layers run over all N tokens. The decoder's global KV comes from the encoder

@@ -12,7 +12,7 @@ from conf.optim import OptimConfig, RouteRule
 
 OPTIMIZERS = ("muon", "sinkhorn", "adamw")
 
-# SPEC §7: tables (embedding, LM head, Engram) -> Sinkhorn; every other matrix or expert stack
+# ARCHITECTURE.md §7: tables (embedding, LM head, Engram) -> Sinkhorn; every other matrix or expert stack
 # -> Muon; vectors and scalars (norms, sinks, mHC gains and biases) -> AdamW without decay, and so
 # do the Engram gate's per-stream norm weights ([streams, dim], `*_norm_weight`, under either
 # optimiser): elementwise scales like any norm weight, not a linear map for Muon to orthogonalise.

@@ -1,4 +1,4 @@
-"""The `flash` config is the published model: SPEC §1 and §4 numbers from a meta-device build."""
+"""The `flash` config is the published model: ARCHITECTURE.md §1 and §4 numbers from a meta-device build."""
 import json
 
 import torch

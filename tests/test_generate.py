@@ -47,7 +47,7 @@ def test_cached_forward_equals_the_whole_sequence(model, chunks):
 
 def test_packed_cache_bytes_per_token_match_the_layout(model):
     """Global-KV bytes per token, measured on the engine's own buffers after 48 tokens (a multiple
-    of every compress ratio), against the layout accounting (SPEC §4: 890 for `flash`)."""
+    of every compress ratio), against the layout accounting (docs/ARCHITECTURE.md §4: 890 for `flash`)."""
     from model.kv_layout import GlobalKVLayout
     cache = DecodeCache(2, packed=True)
     forward_new(model, cache, _ids(48))

@@ -281,7 +281,7 @@ def test_hyper_connection_coefficients_and_update():
 
 
 def test_hyper_connection_logits_stay_fp32_under_autocast():
-    """SPEC §6: the coefficients come from one fp32 linear. Under bf16 autocast F.linear would
+    """ARCHITECTURE.md §6: the coefficients come from one fp32 linear. Under bf16 autocast F.linear would
     round its inputs to bf16 (logit errors ~1e-3 here); the projection must give the fp32 values."""
     torch.manual_seed(5)
     hc = HyperConnection(dim=64, n_streams=4, sinkhorn_iters=20, eps=1e-6, norm_eps=1e-6)

@@ -1,4 +1,4 @@
-"""Long-context retrieval: one decisive line deep in a long context (SPEC §10's warned-about
+"""Long-context retrieval: one decisive line deep in a long context (docs/ARCHITECTURE.md §10's warned-about
 failure mode), built from the validation corpus.
 
   needle  "# the secret number of <key> is <value>" hidden at a depth, asked for at the end

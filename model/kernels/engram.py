@@ -1,4 +1,4 @@
-"""Triton kernels for the Engram n-gram hash and table gather (SPEC §5).
+"""Triton kernels for the Engram n-gram hash and table gather (docs/ARCHITECTURE.md §5).
 
 References (plain PyTorch, model/engram.py): `Engram._context` (the n ids ending at t, pad_id
 before the sequence or inside an earlier document, context-parallel history), `Engram.addresses`

@@ -1,4 +1,4 @@
-"""Triton kernels for lightning-indexer scoring (SPEC §3).
+"""Triton kernels for lightning-indexer scoring (docs/ARCHITECTURE.md §3).
 
 References (plain PyTorch, model/indexer.py): `index_scores` (every entry) and `index_scores_at`
 (only at candidate ids, the Reindex path and the indexer KL loss); the visibility mask fused into

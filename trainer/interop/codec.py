@@ -3,9 +3,9 @@
   bf16        one bfloat16 tensor
   fp32        one float32 tensor
   fp8_block   `weight` float8_e4m3fn [out, in] + `scale` float8_e8m0fnu [ceil(out/32), ceil(in/32)]:
-              one power-of-two scale per 32x32 block (SPEC §11 "FP8 weights")
+              one power-of-two scale per 32x32 block (docs/ARCHITECTURE.md §11 "FP8 weights")
   fp4_expert  `weight` float4_e2m1fn_x2 [out, in/2] (safetensors F4, header shape [out, in]) +
-              `scale` e8m0 [out, in/32]: MXFP4 along the input dim (SPEC §11 "FP4 routed experts")
+              `scale` e8m0 [out, in/32]: MXFP4 along the input dim (docs/ARCHITECTURE.md §11 "FP4 routed experts")
   fp8_row     `weight` e4m3 [rows, dim] + `scale` e8m0 [rows, ceil(dim/32)]: Engram table rows
 
 Rounding is the public quantisers' (model/quant.py applies the same rules to activations): FP8
