@@ -12,7 +12,8 @@ one). Only the `flashtrain` process is killed, as a user's
 the rerun to cope with. The rerun is the same command (trainer.resume=auto) and must finish
 within --deadline seconds. Compared with one uninterrupted run of the same command:
   bit_exact   every tensor of the final checkpoint's model states equal, bit for bit
-  lost / duplicated   training steps missing from, or repeated in, the run's metrics.jsonl
+  lost / duplicated   training rows of the uninterrupted run's metrics.jsonl missing from, or
+                      repeated in, the rerun's (every step, or every trainer.log_every-th)
 Besides --kill-at, --random more moments are drawn (seeded) between 0 and the uninterrupted run's
 duration. --stage sft kills fine-tuning runs that start from one pretraining checkpoint (made
 first), so a step lost or repeated would be a batch of prompts lost or trained twice; --stage
@@ -143,6 +144,7 @@ def main(argv=None) -> dict:
     if code != 0:
         raise SystemExit(f"the uninterrupted run failed (exit {code}): see {work / 'reference.log'}")
     want = final_weights(ref_dir / "run")
+    logged = step_counts(ref_dir / "run")  # the steps a metrics row is written for (trainer.log_every)
     rng = random.Random(args.seed)
     moments = [float(s) for s in args.kill_at.split(",") if s] + [
         round(rng.uniform(0.5, ref_s), 1) for _ in range(args.random)]
@@ -159,7 +161,7 @@ def main(argv=None) -> dict:
             got = final_weights(trial / "run")
             row["bit_exact"] = got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
             counts = step_counts(trial / "run")
-            row["lost"] = [s for s in range(1, steps + 1) if counts[s] == 0]
+            row["lost"] = [s for s in sorted(logged) if counts[s] == 0]
             row["duplicated"] = sorted(s for s, n in counts.items() if n > 1)
         trials.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
