@@ -78,7 +78,7 @@ class ModelConfig:
     hc_eps: float = 1e-6
     # Dtype of the residual streams under mixed precision: True keeps them fp32 (the embedding's dtype),
     # False holds them in the autocast dtype, as Megatron-LM does unless --fp32-residual-connection.
-    # Without autocast the streams are in the parameters' dtype either way (docs/DESIGN.md, Kernels).
+    # Without autocast the streams are in the parameters' dtype either way (bench/reports/2026-12-06-design-history.md).
     fp32_residual: bool = False
 
     # --- Engram (§5)

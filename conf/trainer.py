@@ -5,7 +5,7 @@ from typing import Optional
 
 @dataclass
 class TrainerConfig:
-    max_steps: int = 150  # optimizer steps (150: the default `tiny` run, docs/DESIGN.md "Tests and CI time")
+    max_steps: int = 150  # optimizer steps (150: the default `tiny` run, bench/reports/2026-12-06-design-history.md)
     micro_batch_size: int = 8  # sequences per process per forward
     grad_accum_steps: int = 1
     grad_clip: float = 1.0  # max global grad norm (0 = off)

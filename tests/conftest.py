@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 # Under pytest-xdist (pyproject's addopts) each worker, and every CLI process it starts, gets one
 # intra-op thread: two workers on two cores with torch's default of one thread per core ran the
-# suite only ~10% faster than one process, with one thread each about 2x (docs/DESIGN.md). Set
+# suite only ~10% faster than one process, with one thread each about 2x (bench/reports/2026-12-06-design-history.md). Set
 # before torch is imported, as torch reads it when its thread pool starts.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -428,7 +428,7 @@ def _cfg(cv, w, st, n=64, split=None, maxnreg=None):
 # either cap (13.1 -> 23.8 / 28.4 ms).
 # Pipelining the selected-row gather two key blocks ahead (5 stages on that loop alone) lost in every
 # config tried, at equal occupancy too: forward 6.56 against 5.83 ms, backward 16.9 against 13.0
-# (adb4270, `attention_configs`; docs/DESIGN.md). ncu puts the forward's limit in the SM's L1 /
+# (adb4270, `attention_configs`; bench/reports/2026-12-06-design-history.md). ncu puts the forward's limit in the SM's L1 /
 # shared-memory pipe (74.6% busy at this pick, spills included), which deeper buffering only loads more.
 # 2 warps (512 / 32 / 2 stages) halve q's shared-memory re-reads (every warp reads all of q [16, C]
 # each key block), but lost to the capped pick: 5.75 against 5.39 ms, and 6.69 against 5.68 with q's
