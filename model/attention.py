@@ -115,8 +115,8 @@ class CSA2Attention(nn.Module):
         # while it runs.
         chunk = self.attn_chunk if 0 < self.attn_chunk < T else T
         # kernels, one chunk: the attention call rotates q in place and rotates out back on their
-        # 64 RoPE dims, where two rotaries would copy all of q and out each way (~1 ms a layer at
-        # `small`'s micro-batch 8). A checkpointed chunk would rotate its q again on recompute.
+        # 64 RoPE dims, where two rotaries would copy all of q and out each way. A checkpointed
+        # chunk would rotate its q again on recompute.
         fold_rope = self.kernels and chunk == T
         if not fold_rope:
             q = self.rotary(q, angles.unsqueeze(-2))

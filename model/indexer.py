@@ -88,7 +88,7 @@ def index_scores_at(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, cand: tor
 # Eager under trainer.compile: torch 2.11's inductor fuses the tie cumsum and the `where` below
 # into one kernel that stores the cumsum, then reads it back in a second loop with no barrier
 # between them; on the H200 some rows read stale values and lose takes (ids = S, out of range).
-# A tl.debug_barrier() between the loops makes the same generated kernel exact (bench/reports/2026-12-06-design-history.md).
+# A tl.debug_barrier() between the loops makes the same generated kernel exact.
 @torch.compiler.disable
 def topk_ids(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest of scores [..., S] (k <= S) -> (column ids [..., k] ascending, their scores).

@@ -36,8 +36,7 @@ def sinkhorn_balance(U: torch.Tensor, iters: int = 11, tau: float = 1e-3, eps: f
     update the vectors r [rows] and c [cols] from matrix-vector products with the squares Q = U * U
     (a row's norm is r_i sqrt((Q c^2)_i), a column's c_j sqrt((r^2 Q)_j)), and U is scaled once at
     the end. Same arithmetic as normalising the matrix pass by pass (up to fp32 rounding), but each
-    pass reads Q once instead of reading and writing the whole matrix twice: on an H200 the
-    [129280, 1024] fp32 embedding update took 2.7 ms against 7.1 (11 passes).
+    pass reads Q once instead of reading and writing the whole matrix twice.
     """
     if U.dim() != 2:
         raise ValueError(f"sinkhorn_balance needs [rows, cols], got shape {tuple(U.shape)}")

@@ -253,10 +253,8 @@ def _at_blocks(H: int, Di: int, backward: bool = False) -> dict:
     # [BH, BP] logits in fp32 plus a [BP, BD] key tile: 64 candidates per tile at H=64, Di=128
     block_p = 64 if block_h * block_d <= 64 * 128 else 32
     if backward and block_h * block_d <= 16 * 128:
-        # `small` (16 heads x 128): 128 candidates, 4 warps, 2 stages took 3.10 ms at 8 x 4096 queries x 512
-        # candidates, against 5.65 for the configuration below (H200, a sweep of 18: 3.10-5.65 ms).
-        # Prefetching the candidate rows two tiles ahead (64 candidates, 5 stages) lost: 3.60 against
-        # 2.87 ms side by side (adb4270, bench/reports/2026-12-06-design-history.md)
+        # `small` (16 heads x 128): 128 candidates, 4 warps, 2 stages, the fastest of a sweep; prefetching
+        # the candidate rows further ahead was slower
         return {"BLOCK_H": block_h, "BLOCK_D": block_d, "BLOCK_P": 128, "num_warps": 4, "num_stages": 2}
     # the backward also holds dq [BH, BD] and a dk tile [BP, BD] in fp32: twice the warps
     return {"BLOCK_H": block_h, "BLOCK_D": block_d, "BLOCK_P": block_p, "num_warps": 8 if backward else 4}

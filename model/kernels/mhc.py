@@ -74,11 +74,8 @@ class MHCKernelConfig:
     """Tiles and work split. block_t >= 16 (tl.dot). None picks the per-dtype default: D blocks
     of 64 for bf16 streams, 32 otherwise (the fp32 operands of the 3-pass tf32 dot need more
     registers), chosen offline with ptxas for no register spills. Both stream dtypes training
-    runs have timed defaults (bf16: the default under autocast, see `resolved`; fp32: with
-    model.fp32_residual=true). For fp32 an H200 sweep at 32768 tokens, D = 1024 (token tiles
-    16-128, D blocks 32-128, 4 / 8 warps, 1-3 stages) put the forward at 4 warps (1.10 -> 0.68 ms)
-    and the backward at token tiles of 16 with D blocks of 64 (2.21 -> 1.93 ms, host-side sums
-    included)."""
+    runs have defaults chosen by a sweep of tiles, warps and stages on an H200 (bf16: the default
+    under autocast, see `resolved`; fp32: with model.fp32_residual=true)."""
     block_t: int = 32  # tokens per tile: the forward's, and the backward's unless bwd_block_t
     fwd_block_d: Optional[int] = None  # model-dim columns per forward tile
     bwd_block_d: Optional[int] = None  # ... per backward tile
@@ -90,16 +87,13 @@ class MHCKernelConfig:
     fwd_num_warps: Optional[int] = None  # None: 4 for fp32 streams, else num_warps
     bwd_num_warps: Optional[int] = None  # None: 4 for bf16 streams, else num_warps
     num_stages: int = 1  # backward: short load-bound loops, software pipelining only costs smem and registers
-    # forward: 3 stages prefetch the next D block's streams while this one mixes. H200, 32768 tokens,
-    # D = 1024, bf16 streams: forward 0.89 -> 0.49 ms (the backward at 3 stages went 2.27 -> 2.54 ms);
-    # fp32 streams (training with fp32 master weights, `small` micro-batch 8 profile): mHC and
-    # Sinkhorn 95 -> 71 ms a forward+backward
+    # forward: 3 stages prefetch the next D block's streams while this one mixes (the backward,
+    # load-bound, only loses by it)
     fwd_num_stages: int = 3
     fwd_splits: Optional[int] = None  # forward: D ranges per token tile (None: fill the GPU)
     # bf16 streams: the fn gradient as a bf16 GEMM with fp32 output on the host over the saved h'
     # (False; CPU: an fp32 matmul), or as a tensor-core dot inside the backward kernel (True), whose
-    # four [64, BD] fp32 accumulators made the kernel slower than its fp32-stream build (H200, 32768
-    # tokens, D = 1024: 2.44 ms forward+backward in kernel, 2.31 on the host at the same tiles)
+    # four [64, BD] fp32 accumulators make the kernel slower than the host GEMM
     bwd_fn_in_kernel: bool = False
     bwd_groups: Optional[int] = None  # backward: token groups per D block (None: fill the GPU)
 
@@ -108,11 +102,8 @@ class MHCKernelConfig:
         bf16 = dtype == torch.bfloat16
         block_d = 64 if bf16 else 32  # 64 bf16 = a 128-byte line per stream row
         fp32 = dtype == torch.float32
-        # bf16 streams (model.fp32_residual=false), H200 sweep at 32768 tokens, D = 1024, fn gradient on
-        # the host: forward 64-token tiles 0.324 -> 0.288 ms; backward D blocks of 128 (32 tokens, 8 warps)
-        # 2.31 -> 1.76 ms forward+backward (18 tile / warp choices: 1.76-10.9 ms). With the g_dot . fn
-        # loop unrolled by 8, the backward kernel alone (one process, 5 tile / warp choices): 32 x 64 at
-        # 4 warps 0.917 ms, 32 x 128 at 8 warps 0.974 (1.098 with the loop as it was)
+        # bf16 streams (model.fp32_residual=false): 64-token forward tiles and 32 x 64 backward tiles
+        # at 4 warps were the fastest of the sweep
         return replace(self, fwd_block_d=self.fwd_block_d or block_d,
                        fwd_block_t=self.fwd_block_t or (64 if bf16 else 16 if fp32 and narrow_io else self.block_t),
                        bwd_block_d=self.bwd_block_d or (64 if fp32 or bf16 else block_d),
@@ -335,7 +326,7 @@ def _mhc_bwd_kernel(h_ptr, y_ptr, post_ptr, comb_ptr, pre_ptr, fn_ptr,
                 # a runtime loop over groups of J_UNROLL rows: fully unrolled, all 24 fn rows and g_dot
                 # columns would be hoisted into registers (2x slower); one row an iteration leaves
                 # each FMA waiting on its two L1 loads. Unrolled by 8 the loads of a group are in
-                # flight together: the kernel 1.10 -> 0.92 ms (H200, 32768 tokens, D = 1024, bf16)
+                # flight together
                 for j0 in range(0, M - M % J_UNROLL, J_UNROLL):
                     for jj in tl.static_range(J_UNROLL):
                         g += _rank1(gdot_ptr, fn_ptr, t64, t_ok, k, k_ok, j0 + jj, d, D, K, M)

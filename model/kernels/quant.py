@@ -51,11 +51,10 @@ this one spends 10-22 (sm_90 SASS, bf16, 512-wide rows), converts no layouts and
   the pair tiles [block / 8, BLOCK_R, BLOCK_B, 4] in memory so that a block's groups sit in one thread's
   registers: no shuffles for the amax and each block's scale computed once instead of in 2-4 threads
   (10-14% fewer instructions), but each warp-wide access then touches every 2nd or 4th 16 bytes of a span
-  that L1 (loads) or L2 (stores) must merge. Chosen by a sweep of both tunables (H200, bf16 [65536 and
-  262144, 512], CUDA-graph timing, fraction of copy bandwidth): whole blocks lift unpack from 0.46-0.55 to
-  0.85-0.93 and quant_dequant from 0.64-0.71 to 0.89-0.98 but cost pack 0.05-0.09; small programs of 2
-  warps beat 4 or 8 warps at the same values per thread everywhere (pack kv_fp4 0.67 -> 0.75); 1 warp
-  caps an SM at 32 warps (the 32-programs-per-SM limit) and loses.
+  that L1 (loads) or L2 (stores) must merge. Chosen by a sweep of both tunables against copy
+  bandwidth: whole blocks help unpack and quant_dequant much more than they cost pack; programs of 2
+  warps beat 4 or 8 at the same values per thread; 1 warp caps an SM at 32 warps (the
+  32-programs-per-SM limit) and loses.
 
 Exactness, and why the arithmetic looks the way it does:
 

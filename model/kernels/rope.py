@@ -4,9 +4,8 @@ Reference: `model.rope.Rotary.forward` (same arguments, same math).
 The reference widens the rotated slice to fp32, splits even and odd lanes with strided views,
 stacks the rotated pairs and concatenates them back behind the untouched leading dims. Under
 autograd each of those is a kernel and a tensor, and the backward adds the slice and cat
-gradients into zero-filled buffers: on `small` at 8 x 4096 tokens the eager rotary of q, the
-window KV and the attention output cost ~100 ms of a 1.55 s forward+backward (H200 profile),
-and inductor's fused version still ~85 ms (a gather-like interleave it does not vectorise).
+gradients into zero-filled buffers, a visible share of a `small` training step; inductor's
+fused version is not much faster (a gather-like interleave it does not vectorise).
 Here one program copies BLOCK_R whole rows: the leading C-R dims pass through as a plain copy,
 the trailing R dims are loaded as pairs and rotated in fp32, rounded once to the output dtype, as
 the reference does. The backward is the same kernel with the rotation inverted (the rotation is
@@ -27,13 +26,10 @@ import triton
 import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# Values a program (whole rows) and warps. H200, q [8, 4096, 16, 512] bf16, GPU time: 2048-8192
-# values at 4 or 8 warps 0.267-0.275 ms (96% of copy), 16384 0.38; the pairs-only layout before
-# took 0.385 ms.
+# Values a program (whole rows) and warps: 2048-8192 values at 4 or 8 warps run near copy bandwidth
 _VALUES, _WARPS = 4096, 4
-# In place (only the rotated dims, `rotate_trailing_`): q's 64 of 512 a row, same tensor, same GPU:
-# programs of 8 rows at 1 warp 0.055 ms, 16 rows 0.09-0.12, 32-256 rows 0.25-1.0 (as slow as
-# copying the whole row, 0.26).
+# In place (only the rotated dims, `rotate_trailing_`): small programs (8 rows, 1 warp); larger ones
+# were as slow as copying the whole row
 _VALUES_IN_PLACE, _WARPS_IN_PLACE = 512, 1
 
 

@@ -36,11 +36,8 @@ and 20 rounds * 16 values for n = 4 is more than a thread's 255 registers), and 
 its output and normalisers in the reverse sweep (X = Y * s: no scratch, but rounding error
 accumulates over the rounds: not the exact gradient of what the forward computed).
 
-Measured on one H200 (torch 2.11, Triton 3.6; bench/kernels_mhc.py, fp32, n = 4, 20 rounds):
-[2, 4096, 4, 4] forward 0.10 ms vs 0.88 eager, forward + backward 0.33 vs 4.2 ms; a decode
-call [1, 1, 4, 4] the same 0.09 / 0.37 ms vs 0.95 / 4.4: launch-bound at both sizes (bare kernel
-launches, no autograd: ~0.03 / 0.04 ms at 8K tokens; at 1M tokens 0.20 / 0.78 ms, the
-backward's scratch traffic showing).
+One launch each way replaces the eager composition's ~80; at training and decoding sizes the
+kernel is launch-bound (`bench/kernels_mhc.py` measures it).
 
 Contract (`sinkhorn_comb_triton`, the signature and semantics of `sinkhorn_comb`):
     logits [..., n, n] any float dtype -> comb [..., n, n] in logits' dtype

@@ -26,36 +26,25 @@ dK = dV are atomically added into an fp32 buffer. The window rows (halo included
 from a second kernel, `_window_dkv_kernel`: the per-query kernel stores the window's p and
 ds * scale ([B, T, H, W] plus alignment padding, in q's dtype: the roundings the dots took), and
 each program of the second one owns a block of rows and sums over the band of queries that see
-them, a GEMM with K = (query, head) pairs. That replaced W atomic adds of C fp32 values a row:
-H200, micro-batch 8 x 4096, H = 16, one process, forward+backward of a layer 22.1 -> 20.9 ms
-(selections, m = 1), 21.1 -> 19.9 (m = 2), 5.09 -> 3.96 (window only).
+them, a GEMM with K = (query, head) pairs, rather than W atomic adds of C fp32 values a row.
 p_sum, only when asked for: the final normaliser is unknown while the forward streams, so the
 forward writes each selected logit ([B, T, H, k] fp32 scratch), and `_psum_kernel`, launched after
 it, sums exp2(logit - LSE) over heads (one program a query, every slot written: no fill, no
-atomics). This replaced a second, QK-only pass over the selected rows (7 calls, 15.1 ms of the
-`small` step's forward+backward). The sum had first been the forward's epilogue, reading the
-logits back in the program that wrote them: at micro-batch 8 x 4096, H = 16, k = 512 (H200) the
-forward took 6.56 ms with it and 5.72 ms storing the logits only, the separate pass 0.46 ms (6.19
-in all; 6.31 -> 6.01 at m = 2); without p_sum, 5.43.
+atomics), rather than a second QK pass over the selected rows or an epilogue that reads the
+logits back in the program that wrote them.
 
 A backward program may take SPLIT = 2 consecutive value chunks (two dq accumulators, two dK = dV
-adds a key block) from one recomputation of the logits: at H = 16, C = 512 (`small`) the chunk of
-256 with SPLIT = 2 covers C in one program, 22.2 ms against 27.1 for the best one-chunk config
-(H200, micro-batch 8 x 4096 queries, k = 512).
+adds a key block) from one recomputation of the logits, so at C = 512 one program covers C.
 
-ONE_PASS (set when a program's chunk(s) cover C, as `small`'s configs do): a key block's rows are
-loaded once and feed every dot, against q and dout held in registers; otherwise the logits stream
-C in BLOCK_C pieces and the value chunk is loaded again. At micro-batch 8's shape it took a layer
-with selected entries from 31.3 to 23.4 ms forward+backward (H200). What the backward then spends
-(timing-only variants, 15.2 ms): without the dK = dV dots and adds 6.2 ms; with the adds on 64 of
-the 512 columns 12.6 ms, so the dots (and their layout changes) cost about 6 ms and the adds about 3.
-Computing dK = dV transposed ([BLOCK_CV, BLOCK_N] = dout^T . p + q^T . ds) was slower (23.3 -> 24.8 ms).
+ONE_PASS (set when a program's chunk(s) cover C): a key block's rows are loaded once and feed every
+dot, against q and dout held in registers; otherwise the logits stream C in BLOCK_C pieces and the
+value chunk is loaded again.
 
 Known costs: without ONE_PASS, logits are recomputed C/(BLOCK_CV*SPLIT) times (forward: SPLIT = 1);
-every selected row receives one atomic add per query selecting it. The adds are
-relaxed reductions: with Triton's default acq_rel atomics the backward took 1.55-1.6x as long (H200,
-T=4096, k=512, 8K-64K context; H = 64, before ONE_PASS, when removing the adds outright made it only
-0-10% faster); no fp64.
+every selected row receives one atomic add per query selecting it. The adds are relaxed
+reductions (Triton's default acq_rel atomics are much slower here); no fp64. The measurements
+behind these choices: bench/reports/2026-12-06-design-history.md and the appendix of
+bench/reports/2026-12-06-code-comment-history.md.
 """
 from __future__ import annotations
 
@@ -400,15 +389,9 @@ def _window_dkv_kernel(PW, DSW, Q, DO, DKV, T, H, C, W, WP, BLOCK_R: tl.constexp
 # that fp32 launches take one config (`_fp32_one_config`). BLOCK_H
 # covers all heads up to 64 (one key load for every head); BLOCK_CV trades logit recompute
 # (C / BLOCK_CV times) against accumulator registers. The first four configs of each list are for
-# H=64, C=512 (compiled offline for sm_90, bf16: wgmma, no spills; the backward at BLOCK_CV=256
-# spills there). The rest are for 16 heads (`small`), where the [16, BLOCK_CV] accumulator is small
-# enough to take C in one or two chunks; an H200 sweep at H=16, C=512, T=4096 x 2, k=512, W=128
-# (the autotuned set was the first four): forward 4.1-7.3 ms -> 2.0 ms (BLOCK_CV=512, 4 warps,
-# 3 stages), backward 14.5-28 ms -> 7.2 ms (BLOCK_CV=256, 4 warps, BLOCK_N 32 / 64). The backward's
-# SPLIT=2 configs (module docstring) were swept at micro-batch 8 (8 x 4096 queries): 256 / 32 / 4
-# warps / 2 stages 22.2 ms, the SPLIT=1 best 27.1 ms. The ONE_PASS configs with key blocks of 16 / 32
-# rows came with 914eabf: at that shape the forward picks 512 / 32 / 4 warps / 2 stages, the backward
-# still 256 / 32 / 4 / 2 / SPLIT = 2.
+# H=64, C=512 (bf16 on sm_90: wgmma, no spills). The rest are for 16 heads (`small`), where the
+# [16, BLOCK_CV] accumulator is small enough to take C in one or two chunks (SPLIT = 2 in the
+# backward), and key blocks of 16 / 32 rows suit the one-pass programs.
 # The backward's atomics need DG zeroed between tuning runs (the window kernel writes every row).
 _FIXED = dict(BLOCK_N=16, BLOCK_C=16, BLOCK_CV=16, SPLIT=1)
 # ONE_PASS: the program's value chunk(s) cover C, so each key block's rows are loaded once for the
@@ -421,18 +404,10 @@ def _cfg(cv, w, st, n=64, split=None, maxnreg=None):
     return triton.Config(meta, num_warps=w, num_stages=st, maxnreg=maxnreg)
 
 
-# maxnreg=168: the one-pass forward at 512 / 32 / 4 warps / 2 stages takes 246 registers a thread
-# uncapped, so 2 programs an SM (8 warps; ncu: 12.5% occupancy, latency-bound, L2 at 37% of its
-# throughput); capped at 168 (38 spilled) 3 fit: 6.94 -> 6.45 ms at micro-batch 8 x 4096, H = 16,
-# k = 512 (H200). 128 registers (4 programs) spilled more and took 7.22 ms; the backward lost at
-# either cap (13.1 -> 23.8 / 28.4 ms).
-# Pipelining the selected-row gather two key blocks ahead (5 stages on that loop alone) lost in every
-# config tried, at equal occupancy too: forward 6.56 against 5.83 ms, backward 16.9 against 13.0
-# (adb4270, `attention_configs`; bench/reports/2026-12-06-design-history.md). ncu puts the forward's limit in the SM's L1 /
-# shared-memory pipe (74.6% busy at this pick, spills included), which deeper buffering only loads more.
-# 2 warps (512 / 32 / 2 stages) halve q's shared-memory re-reads (every warp reads all of q [16, C]
-# each key block), but lost to the capped pick: 5.75 against 5.39 ms, and 6.69 against 5.68 with q's
-# RoPE in the call (H100, `attention_configs` at 67fe4f1, bench/results/kernels-h100.json); removed.
+# maxnreg=168: uncapped, the one-pass forward at 512 / 32 / 4 warps / 2 stages needs ~246 registers a
+# thread, so only 2 programs fit an SM and it is latency-bound; capped, 3 fit and it is faster despite
+# a few spills (the backward loses at any cap, so it has none). Deeper pipelining of the row gather
+# and 2-warp programs were slower: the forward's limit is the SM's L1 / shared-memory pipe.
 _FWD_CONFIGS = [_cfg(128, 4, 2), _cfg(128, 8, 2), _cfg(256, 8, 2), _cfg(64, 4, 3),
                 _cfg(512, 4, 3), _cfg(512, 4, 2), _cfg(256, 4, 3),
                 _cfg(512, 4, 3, 32), _cfg(512, 4, 2, 32), _cfg(512, 8, 2, 32), _cfg(512, 4, 3, 16),
@@ -448,8 +423,7 @@ def _wcfg(r, cv, w, st):
     return triton.Config(dict(BLOCK_R=r, BLOCK_CV=cv), num_warps=w, num_stages=st)
 
 
-# window dK = dV: H200 sweep at micro-batch 8 x 4096, H = 16, C = 512, W = 128 (18 configs, one process):
-# rows 128 / chunk 128 / 8 warps / 3 stages 0.74 ms, rows 64 / 128 / 4 warps 1.03-1.16 ms, the rest 1.1-2.8 ms
+# window dK = dV: the fastest of an 18-config sweep at `small`'s shape first, then its neighbours
 _WIN_CONFIGS = [_wcfg(128, 128, 8, 3), _wcfg(128, 128, 8, 2), _wcfg(128, 64, 4, 3), _wcfg(128, 64, 8, 3),
                 _wcfg(64, 128, 4, 2), _wcfg(64, 128, 4, 3)]
 
@@ -457,9 +431,8 @@ _WIN_CONFIGS = [_wcfg(128, 128, 8, 3), _wcfg(128, 128, 8, 2), _wcfg(128, 64, 4, 
 def _fp32_one_config(configs, named_args, **kwargs):
     """The autotuner's prune: fp32 inputs (tests and numerics checks; training runs bf16) get one
     config, the one with the smallest tiles, where tuning would compile the whole list first. The
-    fp32 one-pass builds spill heavily and take 5-25 s each (offline sm_90 build, one CPU core), so
-    a first fp32 forward+backward spent minutes compiling (`test_compiled_kernel_model_matches_eager_on_gpu`
-    ran past 570 s)."""
+    fp32 one-pass builds spill heavily and take seconds each to compile, so tuning them all would
+    spend minutes before a first fp32 forward+backward."""
     if kwargs.get("PREC") != "ieee":
         return configs
     return [min(configs, key=lambda c: (c.kwargs.get("BLOCK_CV", 0) * c.kwargs.get("SPLIT", 1),
