@@ -43,7 +43,7 @@ value chunk is loaded again.
 Known costs: without ONE_PASS, logits are recomputed C/(BLOCK_CV*SPLIT) times (forward: SPLIT = 1);
 every selected row receives one atomic add per query selecting it. The adds are relaxed
 reductions (Triton's default acq_rel atomics are much slower here); no fp64. The measurements
-behind these choices: bench/reports/2026-12-06-design-history.md and the appendix of
+behind these choices: bench/reports/2026-12-06-design-history.md and
 bench/reports/2026-12-06-code-comment-history.md.
 """
 from __future__ import annotations
