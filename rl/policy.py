@@ -161,19 +161,11 @@ class PolicyTrainer:
     def _step(self, loss: torch.Tensor) -> None:
         """engine.step(), without its update when the loss is not finite on some rank (the
         pretraining trainer's rule, trainer/nonfinite.py): the version still advances."""
-        import contextlib
+        from trainer.nonfinite import boundary_step
 
-        from trainer.distributed import all_reduce_sum_
-        from trainer.nonfinite import update_skipped
-
-        local = float(not torch.isfinite(loss.detach()).all())
-        nonfinite = all_reduce_sum_(torch.tensor([local], dtype=torch.float64)).item() > 0
-        skipped_before = self.engine.skipped_steps
-        with update_skipped(self.optimizer) if nonfinite and self.engine.optimizer is self.optimizer \
-                else contextlib.nullcontext():
-            self.engine.step()
-        self.nonfinite.record(self.version + 1, self.engine.skipped_steps > skipped_before,
-                              f"policy loss {float(loss.detach()):g}")
+        skipped = boundary_step(self.engine, self.optimizer, not torch.isfinite(loss.detach()).all().item(),
+                                self.version + 1)
+        self.nonfinite.record(self.version + 1, skipped, f"policy loss {float(loss.detach()):g}")
 
     @torch.no_grad()
     def kl_eval(self, samples: list[dict], heads: Optional[dict[str, torch.Tensor]] = None) -> dict[str, list[float]]:

@@ -13,8 +13,8 @@ from trainer.nonfinite import NonFiniteSteps
 # it is (ZeRO-0: Muon/Sinkhorn and expert parallelism take this path) and DeepSpeed's ZeRO-1
 # optimizer, which must skip the step itself. Step 2's loss is NaN.
 ENGINE_STEPS = r"""
-import contextlib, sys, torch, deepspeed
-from trainer.nonfinite import update_skipped
+import sys, torch, deepspeed
+from trainer.nonfinite import boundary_step
 stage = int(sys.argv[1])
 torch.manual_seed(0)
 model = torch.nn.Linear(8, 4)
@@ -28,10 +28,7 @@ for step in (1, 2, 3):
     before = [p.detach().clone() for p in engine.module.parameters()]
     loss = engine(x).square().mean() * (float("nan") if step == 2 else 1.0)
     engine.backward(loss)
-    bad = not torch.isfinite(loss).item()
-    skipping = bad and engine.optimizer is opt
-    with update_skipped(opt) if skipping else contextlib.nullcontext():
-        engine.step()
+    boundary_step(engine, opt, not torch.isfinite(loss).item(), step)
     moved = any(not torch.equal(a, p.detach()) for a, p in zip(before, engine.module.parameters()))
     finite = all(torch.isfinite(p).all().item() for p in engine.module.parameters())
     print(step, int(engine.optimizer is opt), engine.skipped_steps, int(moved), int(finite), sched.last_epoch)

@@ -13,6 +13,7 @@ import sys
 import torch
 
 from conf.errors import RunFailure
+from trainer.distributed import all_reduce_sum_
 
 
 @contextlib.contextmanager
@@ -29,6 +30,26 @@ def update_skipped(optimizer: torch.optim.Optimizer):
     finally:
         del optimizer.step
         optimizer.overflow = False
+
+
+def boundary_step(engine, optimizer: torch.optim.Optimizer, not_finite_here: bool, step: int) -> bool:
+    """engine.step() at an accumulation boundary, without the update when the step's loss or
+    gradient is not finite on some rank (`not_finite_here`: on this one; every rank must skip or
+    none, and one rank's NaN reaches the others only through the gradient reduction). DeepSpeed's
+    ZeRO and bf16 optimizers skip such a step themselves; an optimizer the engine drives as it is
+    (`optimizer`) skips through `update_skipped`. Returns whether the update was skipped (also when
+    DeepSpeed skipped it on its own); a non-finite step whose update was applied anyway stops the
+    run."""
+    nonfinite = all_reduce_sum_(torch.tensor([float(not_finite_here)], dtype=torch.float64)).item() > 0
+    skipped_before = engine.skipped_steps
+    with update_skipped(optimizer) if nonfinite and engine.optimizer is optimizer else contextlib.nullcontext():
+        engine.step()
+    skipped = engine.skipped_steps > skipped_before
+    if nonfinite and not skipped:
+        raise RunFailure(f"step {step}: the loss or gradient is not finite and the optimizer "
+                         f"({type(engine.optimizer).__name__}) applied the update anyway; the run stops: its "
+                         "checkpoints hold the weights from before it")
+    return skipped
 
 
 class NonFiniteSteps:

@@ -1,7 +1,6 @@
 """The pretraining loop: data -> model -> DeepSpeed engine -> steps, evals, checkpoints, metrics."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import random
@@ -14,7 +13,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from conf.errors import ConfigError, RunFailure
+from conf.errors import ConfigError
 from conf.pretrain import PretrainConfig
 from data import DistributedBatchLoader, build_datasets
 from model.accounting import train_flops_per_token
@@ -27,7 +26,7 @@ from trainer.distributed import DistInfo, all_reduce_sum_, init_distributed
 from trainer.engine import build_engine, check_trainer_counts
 from trainer.init_weights import checkpoint_attachments, load_init_weights
 from trainer.metrics import MetricsLog, device_peak_flops, moe_balance
-from trainer.nonfinite import NonFiniteSteps, update_skipped
+from trainer.nonfinite import NonFiniteSteps, boundary_step
 from trainer.parallelize import (
     CommTimer,
     build_layout,
@@ -225,8 +224,7 @@ class Trainer:
         tc, engine = self.cfg.trainer, self.engine
         sums = torch.zeros(3, dtype=torch.float64)  # lm, balance, indexer losses
         grad_norm: Optional[float] = None
-        skipped_before = engine.skipped_steps
-        nonfinite = False
+        skipped = False
         for _ in range(tc.grad_accum_steps):
             batch = self._batch(self.loader.next_batch())
             out = engine(**batch)
@@ -241,23 +239,13 @@ class Trainer:
                 grad_norm = clip_grad_norm(engine.module, self.layout, self.expert_params, tc.grad_clip)
             elif engine.zero_optimization_stage() == 0:
                 grad_norm = self._grad_norm()  # DeepSpeed's ZeRO-0 clips without reporting the norm
-            # every rank must skip or none: one rank's NaN reaches the others only through the reduction
-            local = not (torch.isfinite(sums).all() and (grad_norm is None or math.isfinite(grad_norm)))
-            nonfinite = all_reduce_sum_(torch.tensor([float(local)], dtype=torch.float64)).item() > 0
-            # DeepSpeed's ZeRO and bf16 optimizers skip a non-finite step themselves
-            driven_as_is = engine.optimizer is self.optimizer
-            with update_skipped(self.optimizer) if nonfinite and driven_as_is else contextlib.nullcontext():
-                engine.step()
-        skipped = engine.skipped_steps > skipped_before
+            not_finite = not (torch.isfinite(sums).all() and (grad_norm is None or math.isfinite(grad_norm)))
+            skipped = boundary_step(engine, self.optimizer, not_finite, self.step + 1)
         if grad_norm is None:
             norm = engine.get_global_grad_norm()
             grad_norm = float(norm) if norm is not None else float("nan")
         all_reduce_sum_(sums)
         sums /= tc.grad_accum_steps * self.dist.world_size
-        if nonfinite and not skipped:
-            raise RunFailure(f"step {self.step + 1}: the loss or gradient is not finite and the optimizer "
-                             f"({type(engine.optimizer).__name__}) applied the update anyway; the run stops: its "
-                             "checkpoints hold the weights from before it")
         self.nonfinite.record(self.step + 1, skipped, f"loss {sums[0].item():g}, grad norm {grad_norm:g}")
         balance = self._update_router_biases(apply=not skipped)
         self.step += 1
