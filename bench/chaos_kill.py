@@ -33,6 +33,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from bench import provenance
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -166,8 +168,9 @@ def main(argv=None) -> dict:
         trials.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
     out = {"benchmark": "bench/chaos_kill.py", "stage": args.stage, "command": cmd_for(work / "TRIAL")[2:],
-           "steps": steps, "uninterrupted_s": round(ref_s, 1),
-           "torch": torch.__version__, "trials": trials,
+           "commit": provenance.commit(), "date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU",
+           "versions": {"python": sys.version.split()[0], "torch": torch.__version__},
+           "steps": steps, "uninterrupted_s": round(ref_s, 1), "trials": trials,
            "all_resumed": all(t.get("rerun_exit") == 0 for t in trials),
            "all_bit_exact": all(t.get("bit_exact") for t in trials),
            "nothing_lost_or_duplicated": all(t.get("rerun_exit") == 0 and not t["lost"] and not t["duplicated"]
