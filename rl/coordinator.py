@@ -239,6 +239,9 @@ class Coordinator:
     def _row(self, samples: list[dict], stats: list[dict]) -> dict:
         wall = time.perf_counter() - self.wall_start
         row: dict[str, Any] = {"step": self.version, "loss": sum(s["loss"] for s in stats) / len(stats),
+                               # which prompts this version trained: with the checkpoint's cursor and
+                               # requeue, metrics.jsonl shows each prompt trained once across resumes
+                               "prompt_ids": sorted({s["id"] for s in samples}),
                                **{k: stats[0][k] for k in ("clip_frac", "truncated_frac", "behaviour_kl")
                                   if k in stats[0]},  # policy-loss stats (distillation may have none)
                                "reward": sum(s["reward"] for s in samples) / len(samples),

@@ -198,6 +198,22 @@ def test_the_declared_builtin_domains_are_the_implemented_ones():
         TransformDomain(name)  # raises for a name it does not implement
 
 
+@pytest.mark.parametrize("kl_weight, warn_steps", [(1.0, 0), (0.0, 5)])
+def test_equal_rewards_warn_only_when_nothing_else_trains(kl_weight, warn_steps):
+    """RL warns after rl.flat_reward_warn_steps (5) steps of equal rewards in every group: its
+    policy loss is then 0. A distillation student still learns from the KL to its teachers, so
+    the warning is off unless distill.kl_weight is 0."""
+    from conf.distill import DistillConfig
+    from rl.distill.run import distill_rl_config
+
+    cfg = DistillConfig()
+    cfg = dataclasses.replace(cfg, distill=dataclasses.replace(cfg.distill, kl_weight=kl_weight))
+    assert cfg.rl.flat_reward_warn_steps == 5
+    out = distill_rl_config(cfg, {"reverse": "teacher", "add7": "teacher"})
+    assert out.rl.flat_reward_warn_steps == warn_steps
+    assert set(out.rl.task_kwargs["domains"]) == {"reverse", "add7"}
+
+
 def test_prompts_carry_their_domain_in_blocks():
     from rl.distill.prompts import DomainPromptSource
     from tasks.distill_domains import DomainMixture

@@ -47,6 +47,8 @@ def test_rl_runs_logs_per_effort_and_resumes_in_sync_mode(flashtrain, tmp_path):
     assert steps[-1]["version_lag_mean"] == 0 and steps[-1]["stale_samples"] == 0
     # samples count the whole run; the rate only what this process trained (one version of 4 x 2)
     assert steps[-1]["samples"] == 3 * 4 * 2
+    trained = [pid for r in steps for pid in r["prompt_ids"]]
+    assert len(trained) == len(set(trained)) == 3 * 4  # no prompt trained twice, across the resume
     assert steps[-1]["samples_per_s"] * steps[-1]["elapsed_s"] == pytest.approx(4 * 2)
     assert abs(steps[-1]["behaviour_kl"]) < 0.1  # engine vs trainer log-probs of the same weights
 

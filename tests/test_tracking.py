@@ -89,3 +89,9 @@ def test_rows_wandb_already_holds_are_not_sent_again(tmp_path, wandb_history):
     for step in (5, 6, 7):
         again.log({"loss": 1.0}, step=step)
     assert [s for s, _ in wandb_history.rows] == [1, 2, 3, 4, 5, 6, 7]
+
+
+def test_lists_stay_out_of_wandb(tmp_path, wandb_history):
+    """An RL row's prompt ids are for metrics.jsonl (an audit of what trained); W&B gets numbers."""
+    _tracker(tmp_path).log({"loss": 1.0, "prompt_ids": [3, 1]}, step=1)
+    assert wandb_history.rows == [(1, {"loss": 1.0})]

@@ -66,7 +66,8 @@ class WandbTracker:
     def log(self, row: dict[str, Any], step: int) -> None:
         if step < self.next_step:  # W&B has this step from the segment before a resume: same values
             return
-        self.run.log(row, step=step)
+        # W&B charts numbers; a list (an RL step's prompt ids) stays in metrics.jsonl only
+        self.run.log({k: v for k, v in row.items() if not isinstance(v, (list, tuple, dict))}, step=step)
         self.next_step = step
 
     def restore(self, rows: list[dict[str, Any]]) -> int:

@@ -9,9 +9,12 @@ from typing import Any
 
 def distill_rl_config(cfg, routes: dict[str, str]):
     """cfg with rl.task set to the mixture of the registry's domains (what the reward worker
-    verifies and the prompt source draws from)."""
+    verifies and the prompt source draws from). With a KL term the student learns from its
+    teachers even when every group's rewards are equal, so RL's "nothing is learned" warning
+    (rl.flat_reward_warn_steps) is off."""
     tasks = {domain: cfg.distill.domains[domain].task for domain in routes}
-    rl = dataclasses.replace(cfg.rl, task="tasks.distill_domains:DomainMixture", task_kwargs={"domains": tasks})
+    rl = dataclasses.replace(cfg.rl, task="tasks.distill_domains:DomainMixture", task_kwargs={"domains": tasks},
+                             flat_reward_warn_steps=0 if cfg.distill.kl_weight > 0 else cfg.rl.flat_reward_warn_steps)
     return dataclasses.replace(cfg, rl=rl)
 
 
