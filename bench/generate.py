@@ -28,6 +28,7 @@ from inference.cache import DecodeCache
 from inference.generate import generate, prefill_ced
 from inference.prefix import PrefixCache
 from inference.slots import SlotCache
+from model.ops import KernelPolicy
 from model.runtime import AttentionRuntime
 from model.transformer import Transformer
 
@@ -139,7 +140,7 @@ def main() -> None:
                               kernels=args.kernels)
     torch.manual_seed(0)
     with device:
-        model = Transformer(cfg)
+        model = KernelPolicy.from_config(cfg).apply(Transformer(cfg))
     model.eval()
     if device.type == "cuda":
         model.to(torch.bfloat16)  # inference weights

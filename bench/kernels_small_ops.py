@@ -37,6 +37,7 @@ from model.kernels.engram_gate import engram_gate_triton
 from model.kernels.rms_norm import _rms_norm_kernel
 from model.kernels.stream_mix import mix_streams_triton, update_streams_triton
 from model.mhc import mix_streams, update_streams
+from model.ops import KernelPolicy
 from model.rope import Rotary
 
 B, T, H, C, R, N, D = 8, 4096, 16, 512, 64, 4, 1024
@@ -76,7 +77,7 @@ def bench(device) -> dict:
               "copy_gbs": copy_gbs}
 
     ref_rot = Rotary(R, 160_000.0).cuda()
-    ker_rot = Rotary(R, 160_000.0, kernels=True).cuda()
+    ker_rot = KernelPolicy(["rotary"]).apply(Rotary(R, 160_000.0)).cuda()
     q = torch.randn(B, T, H, C, device="cuda", generator=g).to(torch.bfloat16)
     angles = ref_rot.angles(torch.arange(T, device="cuda").expand(B, T)).unsqueeze(-2)
     rot = _pair(ref_rot, ker_rot, [q, angles], 1)

@@ -8,8 +8,6 @@ grouped low-rank projection.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,12 +29,12 @@ class Compressor(nn.Module):
     """Global KV of an owner layer: m tokens -> one normalised latent entry.
     m = 1: norm(wkv(x)); m > 1: per block, sum_i wkv(x_i) * softmax_i(wgate(x_i)), then norm."""
 
-    def __init__(self, dim: int, kv_dim: int, ratio: int, eps: float, kernels: bool = False):
+    def __init__(self, dim: int, kv_dim: int, ratio: int, eps: float):
         super().__init__()
         self.ratio = ratio
         self.wkv = nn.Linear(dim, kv_dim, bias=False)
         self.wgate = nn.Linear(dim, kv_dim, bias=False) if ratio > 1 else None
-        self.norm = RMSNorm(kv_dim, eps=eps, kernels=kernels)
+        self.norm = RMSNorm(kv_dim, eps=eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [B, T, D] -> [B, T // m, C]; a trailing partial block is not an entry yet
@@ -55,6 +53,16 @@ class Compressor(nn.Module):
 
 
 class CSA2Attention(nn.Module):
+    # the ops besides `attend` (the attention implementation, picked by model.attn_impl); model.ops.
+    # KernelPolicy may swap in the Triton kernels: index scores at candidates, index scores over
+    # every entry with the visibility mask applied as it scores (None: score, then mask), top-k
+    scores_at = staticmethod(index_scores_at)
+    scores_masked = None
+    select = staticmethod(select_topk)
+    # True when `attend` takes q unrotated with its angles and returns out rotated back (the
+    # kernel folds RoPE into the attention call)
+    attend_rotates = False
+
     def __init__(self, cfg: ModelConfig, spec: LayerSpec):
         super().__init__()
         self.spec = spec
@@ -65,30 +73,21 @@ class CSA2Attention(nn.Module):
         if 0 < cfg.attn_chunk_tokens < cfg.window:
             raise ValueError(f"attn_chunk_tokens={cfg.attn_chunk_tokens} must be 0 or at least window={cfg.window}")
         self.qat = cfg.kv_quant == "qat"
-        self.kernels = cfg.kernels
-        if cfg.kernels:  # imported on demand: Triton is only needed when the kernels are on
-            from model.kernels.indexer import index_scores_at_triton, index_scores_triton
-            from model.kernels.sparse_attention import sparse_attention_triton
-            from model.kernels.topk import select_topk_triton
-            self.attend, self.scores_at = sparse_attention_triton, index_scores_at_triton
-            self.scores_masked, self.select = index_scores_triton, select_topk_triton
-        else:
-            self.attend, self.scores_at = _head_summed(ATTENTION_IMPLS[cfg.attn_impl]), index_scores_at
-            self.scores_masked, self.select = None, select_topk
+        self.attend = _head_summed(ATTENTION_IMPLS[cfg.attn_impl])
         self.scale = cfg.kv_dim ** -0.5
         if cfg.n_heads % cfg.o_groups:
             raise ValueError(f"n_heads={cfg.n_heads} not divisible by o_groups={cfg.o_groups}")
 
         if spec.mode == "swa":  # window only: plain RoPE at rope_theta, never YaRN
-            self.rotary = Rotary(cfg.rope_dim, cfg.rope_theta, kernels=cfg.kernels)
+            self.rotary = Rotary(cfg.rope_dim, cfg.rope_theta)
         else:  # YaRN whenever original_seq_len > 0 (0 turns it off), as DeepSeek's inference code
             self.rotary = Rotary(cfg.rope_dim, cfg.rope_theta_compressed, cfg.rope_factor, cfg.original_seq_len,
-                                 cfg.beta_fast, cfg.beta_slow, kernels=cfg.kernels)
+                                 cfg.beta_fast, cfg.beta_slow)
         self.wq_a = nn.Linear(cfg.dim, cfg.q_lora_rank, bias=False)
-        self.q_norm = RMSNorm(cfg.q_lora_rank, eps=cfg.norm_eps, kernels=cfg.kernels)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, eps=cfg.norm_eps)
         self.wq_b = nn.Linear(cfg.q_lora_rank, cfg.n_heads * cfg.kv_dim, bias=False)
         self.wkv = nn.Linear(cfg.dim, cfg.kv_dim, bias=False)  # window KV
-        self.kv_norm = RMSNorm(cfg.kv_dim, eps=cfg.norm_eps, kernels=cfg.kernels)
+        self.kv_norm = RMSNorm(cfg.kv_dim, eps=cfg.norm_eps)
         self.sink = nn.Parameter(torch.zeros(cfg.n_heads, dtype=torch.float32))
         group_in = cfg.n_heads // cfg.o_groups * cfg.kv_dim
         self.wo_a = nn.Parameter(torch.empty(cfg.o_groups, cfg.o_lora_rank, group_in))
@@ -96,16 +95,14 @@ class CSA2Attention(nn.Module):
 
         self.compressor = self.index_key = self.index_query = None
         if spec.owns_kv:
-            self.compressor = Compressor(cfg.dim, cfg.kv_dim, spec.compress_ratio, cfg.norm_eps, cfg.kernels)
-            self.index_key = IndexKey(cfg.kv_dim, cfg.index_dim, cfg.norm_eps, cfg.kernels)
+            self.compressor = Compressor(cfg.dim, cfg.kv_dim, spec.compress_ratio, cfg.norm_eps)
+            self.index_key = IndexKey(cfg.kv_dim, cfg.index_dim, cfg.norm_eps)
         if spec.has_indexer_query:
             self.index_query = IndexQuery(cfg.dim, cfg.q_lora_rank, cfg.index_heads, cfg.index_dim)
 
     def forward(self, x: torch.Tensor, rt: AttentionRuntime) -> torch.Tensor:
         """x [B, T, D] (normed sub-layer input) -> [B, T, D]."""
         B, T, _ = x.shape
-        if self.kernels and not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-            raise RuntimeError("model.kernels=true runs Triton kernels: it needs a CUDA device (or TRITON_INTERPRET=1)")
         angles = self.rotary.angles(rt.positions)  # [B, T, R/2]
         qr = self.q_norm(self.wq_a(x))  # [B, T, Rq]
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.kv_dim))  # [B, T, H, C]
@@ -114,10 +111,10 @@ class CSA2Attention(nn.Module):
         # the global KV. Each chunk is checkpointed, so its O(chunk * (k + W)) scores live only
         # while it runs.
         chunk = self.attn_chunk if 0 < self.attn_chunk < T else T
-        # kernels, one chunk: the attention call rotates q in place and rotates out back on their
-        # 64 RoPE dims, where two rotaries would copy all of q and out each way. A checkpointed
-        # chunk would rotate its q again on recompute.
-        fold_rope = self.kernels and chunk == T
+        # an `attend` that rotates, one chunk: the attention call rotates q in place and rotates
+        # out back on their 64 RoPE dims, where two rotaries would copy all of q and out each way.
+        # A checkpointed chunk would rotate its q again on recompute.
+        fold_rope = self.attend_rotates and chunk == T
         if not fold_rope:
             q = self.rotary(q, angles.unsqueeze(-2))
         win = self.rotary(self.kv_norm(self.wkv(x)), angles)  # [B, T, C]
@@ -178,8 +175,8 @@ class CSA2Attention(nn.Module):
     def _attend_rows(self, q, win, halo, iq, iw, glob, idx, rt: AttentionRuntime, rows: slice,
                      q_angles: torch.Tensor | None = None):
         """Attention of the queries in `rows` and their indexer loss (None when not wanted).
-        q_angles (kernels only): q comes unrotated and out goes back rotated by the inverse (the
-        RoPE folded into the kernel call, `sparse_attention_triton`)."""
+        q_angles (only for an `attend` that rotates): q comes unrotated and out goes back rotated
+        by the inverse (the RoPE folded into the kernel call, `sparse_attention_triton`)."""
         attend_idx = idx
         if glob is not None and rt.indexer_mode == "dense":
             attend_idx = rt.all_visible(self.spec.compress_ratio, rows)  # [B, Tc, S]: column j is entry j

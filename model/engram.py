@@ -167,8 +167,33 @@ class EngramTable(nn.Module):
         return rows.to(addresses.device)
 
 
+def engram_rows(engram: Engram, lookup_ids: torch.Tensor, doc_start: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None, history: torch.Tensor | None = None) -> torch.Tensor:
+    """`Engram.lookup`: hash the lookup ids' n-grams to table addresses, then gather the rows."""
+    return engram.table.lookup(engram.addresses(lookup_ids, doc_start, positions, history))
+
+
+def engram_gate(h: torch.Tensor, kv: torch.Tensor, w_h: torch.Tensor, w_k: torch.Tensor, eps: float) -> torch.Tensor:
+    """Engram's gated residual add: h [..., S, D] streams, kv [..., S+1, D] (S keys, then the
+    value), w_h/w_k [S, D] the per-stream query and key norm weights -> h + gate * value in h's
+    dtype. The gate is sigmoid of the signed square root of the RMS-normed query-key dot product."""
+    S, D = h.shape[-2:]
+    x, kv = wide(h), wide(kv)
+    keys, value = kv[..., :S, :], kv[..., S:, :]  # [..., S, D], [..., 1, D]
+    w = wide(w_h) * wide(w_k)  # [S, D]
+    rstd = torch.rsqrt(x.square().mean(-1) + eps) * torch.rsqrt(keys.square().mean(-1) + eps)
+    d = (x * w * keys).sum(-1) * rstd * D**-0.5  # [..., S]
+    gate = torch.sigmoid(torch.copysign(d.abs().clamp_min(GATE_EPS).sqrt(), d))  # d = +0: leans open
+    return (x + gate.unsqueeze(-1) * value).to(h.dtype)  # [..., S, D]
+
+
 class Engram(nn.Module):
     """Hashed n-gram lookup, fused key/value projection and per-stream gated residual add."""
+
+    # the ops; model.ops.KernelPolicy may swap in the Triton hash + gather (model/kernels/engram.py)
+    # and gated add (model/kernels/engram_gate.py)
+    gather_rows = staticmethod(engram_rows)
+    gate = staticmethod(engram_gate)
 
     def __init__(self, cfg: ModelConfig, layer_id: int, pad_id: int = 0, compressed_vocab: int | None = None,
                  sparse_grad: bool = False):
@@ -255,16 +280,8 @@ class Engram(nn.Module):
 
     def lookup(self, lookup_ids: torch.Tensor, doc_start: torch.Tensor | None = None,
                positions: torch.Tensor | None = None, history: torch.Tensor | None = None) -> torch.Tensor:
-        """lookup_ids [B, T] -> table rows [B, T, O*H, E] on the ids' device. model.kernels: the hash
-        and the gather as Triton kernels (model/kernels/engram.py; a host table is gathered by the
-        CPU from GPU-computed addresses); not under torch.compile, nor for a ZeRO-3 partitioned
-        table (its weight exists only inside a gathered forward), which take the reference."""
-        weight = self.table.weight
-        if self.cfg.kernels and not torch.compiler.is_compiling() and not hasattr(weight, "ds_id"):
-            from model.kernels.engram import engram_lookup_triton  # Triton only when the kernels are on
-
-            return engram_lookup_triton(self, lookup_ids, doc_start, positions, history)
-        return self.table.lookup(self.addresses(lookup_ids, doc_start, positions, history))
+        """lookup_ids [B, T] -> table rows [B, T, O*H, E] on the ids' device (the `gather_rows` op)."""
+        return self.gather_rows(self, lookup_ids, doc_start, positions, history)
 
     def forward(self, h: torch.Tensor, lookup_ids: torch.Tensor, doc_start: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None, history: torch.Tensor | None = None) -> torch.Tensor:
@@ -275,19 +292,10 @@ class Engram(nn.Module):
         rows = self.lookup(lookup_ids, doc_start, positions, history)  # [B, T, O*H, E]
         kv = self.proj(rows.flatten(2).to(self.proj.weight.dtype))  # [B, T, (S+1)*D]
         kv = kv.unflatten(-1, (S + 1, D))  # [B, T, S+1, D]
-        if self.cfg.kernels and h.dtype != torch.float64 and not torch.compiler.is_compiling():
-            from model.kernels.engram_gate import engram_gate_triton  # one pass each way
-
-            return engram_gate_triton(h, kv, self.hidden_norm_weight, self.key_norm_weight, self.eps)
         return self.gated_residual(h, kv)
 
     def gated_residual(self, h: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        """h [..., S, D] streams, kv [..., S+1, D] (S keys, then the value) -> h + gate * value."""
-        S, D = h.shape[-2:]
-        x, kv = wide(h), wide(kv)
-        keys, value = kv[..., :S, :], kv[..., S:, :]  # [..., S, D], [..., 1, D]
-        w = wide(self.hidden_norm_weight) * wide(self.key_norm_weight)  # [S, D]
-        rstd = torch.rsqrt(x.square().mean(-1) + self.eps) * torch.rsqrt(keys.square().mean(-1) + self.eps)
-        d = (x * w * keys).sum(-1) * rstd * D**-0.5  # [..., S]
-        gate = torch.sigmoid(torch.copysign(d.abs().clamp_min(GATE_EPS).sqrt(), d))  # d = +0: leans open
-        return (x + gate.unsqueeze(-1) * value).to(h.dtype)  # [..., S, D]
+        """h [..., S, D] streams, kv [..., S+1, D] (S keys, then the value) -> h + gate * value
+        (the `gate` op)."""
+        return self.gate(h, kv, self.hidden_norm_weight, self.key_norm_weight, self.eps)
+

@@ -21,10 +21,10 @@ class IndexKey(nn.Module):
     """On KV-owner layers: index_k = k_norm(wk(latent)), RoPE on the trailing dims, MXFP4.
     `latent` is the compressor's output before RoPE and FP4 rounding."""
 
-    def __init__(self, kv_dim: int, index_dim: int, eps: float, kernels: bool = False):
+    def __init__(self, kv_dim: int, index_dim: int, eps: float):
         super().__init__()
         self.wk = nn.Linear(kv_dim, index_dim, bias=False)
-        self.k_norm = RMSNorm(index_dim, eps=eps, kernels=kernels)
+        self.k_norm = RMSNorm(index_dim, eps=eps)
 
     def forward(self, latent: torch.Tensor, angles: torch.Tensor, rotary: Rotary, qat: bool) -> torch.Tensor:
         # latent [B, S, C] (pre-RoPE), angles [B, S, R/2] at the entries' positions -> [B, S, Di]

@@ -41,7 +41,7 @@ class _SinkhornExplicit(torch.autograd.Function):
     round, each a graph node. The n x n axes are moved in front for the rounds, so every op
     broadcasts over a contiguous batch axis instead of an inner axis of size n. On a CPU (tiny:
     [8, 256, 4, 4], 20 rounds) the reference's forward+backward ran ~80 ops of ~90 us; this is
-    what the default (kernels=false) model runs, the reference stays the definition."""
+    what the default model (no kernel policy) runs, the reference stays the definition."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -81,6 +81,9 @@ class HyperConnection(nn.Module):
     Two epsilons, as in DeepSeek's inference code: `norm_eps` (the model's RMSNorm eps) in the
     RMS normalisation of the flattened streams, `eps` (hc_eps) added to `pre` and in Sinkhorn."""
 
+    # [..., n, n] logits -> comb: the op; model.ops.KernelPolicy may swap in the Triton kernel
+    sinkhorn = staticmethod(sinkhorn_comb_explicit)
+
     def __init__(self, dim: int, n_streams: int, sinkhorn_iters: int, eps: float, norm_eps: float):
         super().__init__()
         self.n, self.iters, self.eps, self.norm_eps = n_streams, sinkhorn_iters, eps, norm_eps
@@ -88,8 +91,6 @@ class HyperConnection(nn.Module):
         self.fn = nn.Parameter(torch.empty(n_out, n_streams * dim, dtype=torch.float32))
         self.base = nn.Parameter(torch.zeros(n_out, dtype=torch.float32))
         self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))  # pre, post, comb gains
-        # [..., n, n] logits -> comb; Block swaps in the Triton kernel when model.kernels=true
-        self.sinkhorn = sinkhorn_comb_explicit
 
     def reset_parameters(self) -> None:
         # keep the mixing logits O(0.1) at init: near-uniform comb, pre ~ 0.5, post ~ 1
@@ -120,27 +121,13 @@ class HyperConnection(nn.Module):
         return post, self.sinkhorn(comb_logits, self.iters, self.eps), next_pre
 
 
-def _kernel_fits(h: torch.Tensor, *shapes: tuple[torch.Tensor, tuple]) -> bool:
-    """The stream-mix kernel takes these arguments: no fp64, no broadcasting."""
-    return h.dtype != torch.float64 and all(tuple(t.shape) == want for t, want in shapes)
-
-
-def mix_streams(pre: torch.Tensor, h: torch.Tensor, kernels: bool = False) -> torch.Tensor:
-    """Sub-layer input: pre [B, T, n], h [B, T, n, D] -> x [B, T, D]. kernels: the Triton kernel
-    (model/kernels/stream_mix.py; fp32 math, x in h's dtype)."""
-    if kernels and _kernel_fits(h, (pre, h.shape[:-1])):
-        from model.kernels.stream_mix import mix_streams_triton
-        return mix_streams_triton(pre, h)
+def mix_streams(pre: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """Sub-layer input: pre [B, T, n], h [B, T, n, D] -> x [B, T, D]."""
     return torch.einsum("bts,btsd->btd", pre.to(h.dtype), h)
 
 
-def update_streams(h: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-                   kernels: bool = False) -> torch.Tensor:
-    """Residual update h'[d] = post[d] * y + sum_s comb[s, d] * h[s]. kernels: as `mix_streams`."""
-    if kernels and _kernel_fits(h, (y, h.shape[:-2] + h.shape[-1:]), (post, h.shape[:-1]),
-                                (comb, h.shape[:-1] + h.shape[-2:-1])):
-        from model.kernels.stream_mix import update_streams_triton
-        return update_streams_triton(h, y, post, comb)
+def update_streams(h: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """Residual update h'[d] = post[d] * y + sum_s comb[s, d] * h[s]."""
     mixed = torch.einsum("btsd,btsc->btdc", comb.to(h.dtype), h)  # [B, T, n(dst), D]
     return mixed + post.to(h.dtype).unsqueeze(-1) * y.unsqueeze(2)
 

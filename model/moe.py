@@ -47,20 +47,14 @@ def clamped_swiglu_packed(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
     return clamped_swiglu(gate, up, limit)
 
 
-def _swiglu(kernels: bool):
-    """clamped_swiglu_packed, or with kernels its fused Triton version (model/kernels/swiglu.py)."""
-    if not kernels:
-        return clamped_swiglu_packed
-    from model.kernels.swiglu import clamped_swiglu_packed_triton  # Triton only when the kernels are on
-    return clamped_swiglu_packed_triton
-
-
 class SharedExpert(nn.Module):
     """A dense SwiGLU MLP that every token passes through."""
 
-    def __init__(self, dim: int, inter_dim: int, limit: float, kernels: bool = False):
+    swiglu = staticmethod(clamped_swiglu_packed)  # the op; model.ops.KernelPolicy may swap in the Triton one
+
+    def __init__(self, dim: int, inter_dim: int, limit: float):
         super().__init__()
-        self.limit, self.swiglu = limit, _swiglu(kernels)
+        self.limit = limit
         self.w1 = nn.Linear(dim, inter_dim, bias=False)  # gate
         self.w3 = nn.Linear(dim, inter_dim, bias=False)  # up
         self.w2 = nn.Linear(inter_dim, dim, bias=False)  # down
@@ -79,10 +73,11 @@ class RoutedExperts(nn.Module):
     routing needs no host sync).
     `grouped`: None picks grouped where PyTorch has a fast kernel for it (CUDA, bf16 compute)."""
 
-    def __init__(self, n_experts: int, dim: int, inter_dim: int, limit: float, grouped: bool | None = None,
-                 kernels: bool = False):
+    swiglu = staticmethod(clamped_swiglu_packed)  # the op; model.ops.KernelPolicy may swap in the Triton one
+
+    def __init__(self, n_experts: int, dim: int, inter_dim: int, limit: float, grouped: bool | None = None):
         super().__init__()
-        self.limit, self.grouped, self.swiglu = limit, grouped, _swiglu(kernels)
+        self.limit, self.grouped = limit, grouped
         self.w1 = nn.Parameter(torch.empty(n_experts, inter_dim, dim))  # gate
         self.w3 = nn.Parameter(torch.empty(n_experts, inter_dim, dim))  # up
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, inter_dim))  # down
@@ -128,23 +123,28 @@ class _Gather(torch.autograd.Function):
     with `back` and sums each row's copies: index_select's own backward is a scatter-add.
     `dtype`: the rows come out cast to it (x is cast before the gather, copies times less to
     convert), and the gradient's copies are summed in x's dtype. `gather_sum(grad, back, copies,
-    dtype)`: a fused gather + sum for the gradient (`model/kernels/moe_combine.py`), same values."""
+    dtype)` computes that gradient (`gather_sum_reference`, or the fused kernel of
+    `model/kernels/moe_combine.py`: same values)."""
 
     @staticmethod
     def forward(ctx, x, index, back, copies, dtype=None, gather_sum=None):
         ctx.save_for_backward(back)
-        ctx.copies, ctx.in_dtype, ctx.gather_sum = copies, x.dtype, gather_sum
+        ctx.copies, ctx.in_dtype, ctx.gather_sum = copies, x.dtype, gather_sum or gather_sum_reference
         return (x if dtype is None else x.to(dtype)).index_select(0, index)
 
     @staticmethod
     def backward(ctx, grad):
         (back,) = ctx.saved_tensors
-        if ctx.gather_sum is not None and ctx.copies > 1:  # the fused gather + sum (kernels on)
-            return ctx.gather_sum(grad, back, ctx.copies, ctx.in_dtype), None, None, None, None, None
-        g = grad.index_select(0, back)
-        if ctx.copies > 1:
-            g = g.view(-1, ctx.copies, g.shape[-1]).sum(1, dtype=ctx.in_dtype)
-        return g.to(ctx.in_dtype), None, None, None, None, None
+        return ctx.gather_sum(grad, back, ctx.copies, ctx.in_dtype), None, None, None, None, None
+
+
+def gather_sum_reference(grad: torch.Tensor, back: torch.Tensor, copies: int, dtype: torch.dtype) -> torch.Tensor:
+    """grad [M * copies, D] -> [M, D] in dtype: row r is the sum of grad's rows back[r * copies:
+    (r + 1) * copies] (`_Gather`'s gradient)."""
+    g = grad.index_select(0, back)
+    if copies > 1:
+        g = g.view(-1, copies, g.shape[-1]).sum(1, dtype=dtype)
+    return g.to(dtype)
 
 
 def routing_order(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,21 +202,18 @@ class Router(nn.Module):
 
 
 class MoE(nn.Module):
+    # the ops: the weighted combine and the dispatch gather's gradient; model.ops.KernelPolicy may
+    # swap in the fused kernels of model/kernels/moe_combine.py
+    combine = staticmethod(combine_reference)
+    gather_sum = staticmethod(gather_sum_reference)
+
     def __init__(self, dim: int, n_routed: int, n_shared: int, topk: int, inter_dim: int,
-                 route_scale: float, limit: float, seq_aux_alpha: float, kernels: bool = False):
+                 route_scale: float, limit: float, seq_aux_alpha: float):
         super().__init__()
         self.n_routed, self.topk, self.seq_aux_alpha = n_routed, topk, seq_aux_alpha
         self.router = Router(dim, n_routed, topk, route_scale)
-        self.experts = RoutedExperts(n_routed, dim, inter_dim, limit, kernels=kernels)
-        # model.kernels: the fused combine and the dispatch gather's fused gradient (model/kernels/moe_combine.py)
-        self.combine = self.gather_sum = None
-        if kernels:
-            from model.kernels.moe_combine import (  # Triton only then
-                moe_combine_triton,
-                moe_gather_sum_triton,
-            )
-            self.combine, self.gather_sum = moe_combine_triton, moe_gather_sum_triton
-        self.shared = SharedExpert(dim, inter_dim * n_shared, limit, kernels) if n_shared > 0 else None
+        self.experts = RoutedExperts(n_routed, dim, inter_dim, limit)
+        self.shared = SharedExpert(dim, inter_dim * n_shared, limit) if n_shared > 0 else None
 
     def dispatch(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Dropless routed compute: x [N, D], chosen/weights [N, k] -> [N, D]. Expert
@@ -236,21 +233,12 @@ class MoE(nn.Module):
         (and an expert-parallel exchange moves them in it); the copies' gradient is summed in x's
         dtype."""
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else None
-        gather_sum = self.gather_sum if self._fused(x) else None
-        return _Gather.apply(x, order // self.topk, inv, self.topk, dtype, gather_sum)
+        return _Gather.apply(x, order // self.topk, inv, self.topk, dtype, self.gather_sum)
 
     def combine_routed(self, y: torch.Tensor, order: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor,
                        out_dtype: torch.dtype) -> torch.Tensor:
-        """The experts' rows y [N*k, D] in `order` -> [N, D]: weighted sum over each token's k
-        experts, with the fused kernel when the kernels are on."""
-        if self._fused(y):
-            return self.combine(y, inv, weights, out_dtype)
-        return combine_reference(y, inv, order, weights, out_dtype)
-
-    def _fused(self, t: torch.Tensor) -> bool:
-        """Whether the MoE kernels take t: kernels on, not float64 (precision checks take the
-        reference) and not under trainer.compile (inductor fuses the reference itself)."""
-        return self.combine is not None and t.dtype != torch.float64 and not torch.compiler.is_compiling()
+        """The experts' rows y [N*k, D] in `order` -> [N, D]: weighted sum over each token's k experts."""
+        return self.combine(y, inv, order, weights, out_dtype)
 
     def forward(self, x: torch.Tensor, shard=None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, D] -> (y [B, T, D], sequence-wise balance loss scalar). `shard`: where the T

@@ -21,6 +21,17 @@ def gather_rows(x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return x.reshape(B * S, C).index_select(0, flat).view(*ids.shape, C)
 
 
+def rms_norm(x: torch.Tensor, normalized_shape, weight: torch.Tensor | None, eps: float | None) -> torch.Tensor:
+    """F.rms_norm with the weight cast to x's dtype and, under autocast, the output in the autocast
+    dtype (RMSNorm's docstring says why)."""
+    if weight is not None and weight.dtype != x.dtype:
+        weight = weight.to(x.dtype)
+    out = F.rms_norm(x, normalized_shape, weight, eps)
+    if torch.is_autocast_enabled(x.device.type) and out.dtype == torch.float32:
+        out = out.to(torch.get_autocast_dtype(x.device.type))
+    return out
+
+
 class RMSNorm(nn.RMSNorm):
     """nn.RMSNorm with its weight cast to the input's dtype. Under bf16 autocast a norm that follows
     a matmul (q_norm, kv_norm, the compressor's and the index key's) gets a bf16 input and an fp32
@@ -36,24 +47,10 @@ class RMSNorm(nn.RMSNorm):
     fp32 adds of their gradients ([B, T, D] each). The router, which widens its input, now sees
     the rounded values, as it does without the kernels (the einsum stream mix casts under autocast).
 
-    kernels=True (model.kernels): the same norm as one Triton pass each way
-    (`model/kernels/rms_norm.py`), where torch's backward reads x and dy twice."""
+    The norm itself is the `rms_norm` op (below): `model.ops.KernelPolicy` may swap in one Triton
+    pass each way (`model/kernels/rms_norm.py`), where torch's backward reads x and dy twice."""
 
-    def __init__(self, normalized_shape, eps=None, kernels: bool = False, **kwargs):
-        super().__init__(normalized_shape, eps=eps, **kwargs)
-        self.kernels = kernels
+    rms_norm = staticmethod(rms_norm)  # the op; KernelPolicy.apply may replace it per module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels:
-            from model.kernels.rms_norm import rms_norm_triton  # Triton only when the kernels are on
-
-            out = rms_norm_triton(self, x)
-            if out is not None:
-                return out
-        weight = self.weight
-        if weight is not None and weight.dtype != x.dtype:
-            weight = weight.to(x.dtype)
-        out = F.rms_norm(x, self.normalized_shape, weight, self.eps)
-        if torch.is_autocast_enabled(x.device.type) and out.dtype == torch.float32:
-            out = out.to(torch.get_autocast_dtype(x.device.type))
-        return out
+        return self.rms_norm(x, self.normalized_shape, self.weight, self.eps)

@@ -37,14 +37,28 @@ def yarn_frequencies(dim: int, theta: float, factor: float, original_len: int,
     return freqs / factor * (1 - keep) + freqs * keep
 
 
+def rotate(x: torch.Tensor, angles: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """x [..., C] with its last 2 * angles.shape[-1] channels rotated pairwise by `angles` (by
+    minus `angles` when inverse), which broadcast against them with the pair axis last."""
+    dim = 2 * angles.shape[-1]
+    rot = wide(x[..., -dim:])
+    cos, sin = angles.cos(), angles.sin()
+    if inverse:
+        sin = -sin
+    even, odd = rot[..., 0::2], rot[..., 1::2]
+    out = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
+    return torch.cat((x[..., :-dim], out.to(x.dtype)), dim=-1)
+
+
 class Rotary(nn.Module):
     """cos/sin for given positions; applied to the last `dim` channels of a tensor."""
 
+    rotate = staticmethod(rotate)  # the op; model.ops.KernelPolicy may swap in the Triton rotation
+
     def __init__(self, dim: int, theta: float, factor: float = 1.0, original_len: int = 0,
-                 beta_fast: int = 32, beta_slow: int = 1, kernels: bool = False):
+                 beta_fast: int = 32, beta_slow: int = 1):
         super().__init__()
         self.dim = dim
-        self.kernels = kernels  # model.kernels: the one-pass Triton rotation (model/kernels/rope.py)
         inv_freq = yarn_frequencies(dim, theta, factor, original_len, beta_fast, beta_slow)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
@@ -55,15 +69,4 @@ class Rotary(nn.Module):
     def forward(self, x: torch.Tensor, angles: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         """Rotate x[..., -dim:]. `angles` broadcasts against x[..., -dim:] with its pair axis last
         (e.g. [B, T, dim/2] -> insert a head axis before calling for [B, T, H, C])."""
-        if self.kernels and x.dtype != torch.float64:
-            from model.kernels.rope import angle_share, rotary_triton
-
-            if angle_share(x, angles) is not None:  # else a broadcast the kernel does not take
-                return rotary_triton(x, angles, inverse)
-        rot = wide(x[..., -self.dim:])
-        cos, sin = angles.cos(), angles.sin()
-        if inverse:
-            sin = -sin
-        even, odd = rot[..., 0::2], rot[..., 1::2]
-        out = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
-        return torch.cat((x[..., :-self.dim], out.to(x.dtype)), dim=-1)
+        return self.rotate(x, angles, inverse)

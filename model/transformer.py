@@ -42,24 +42,24 @@ class ModelOutput:
 class Block(nn.Module):
     """One layer: attention and MoE sub-layers, each wrapped in single-pass mHC."""
 
+    # the stream ops; model.ops.KernelPolicy may swap in Triton kernels, and set the fused mHC
+    # boundary (an update, the next input mix and the next coefficients' logits in one pass)
+    mix_streams = staticmethod(mix_streams)
+    update_streams = staticmethod(update_streams)
+    fused_mhc = fused_mix = None
+
     def __init__(self, cfg: ModelConfig, spec: LayerSpec):
         super().__init__()
         self.spec = spec
         hc = dict(dim=cfg.dim, n_streams=cfg.hc_mult, sinkhorn_iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps,
                   norm_eps=cfg.norm_eps)
         self.attn_hc = HyperConnection(**hc)
-        self.attn_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, kernels=cfg.kernels)
+        self.attn_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.attn = CSA2Attention(cfg, spec)
         self.ffn_hc = HyperConnection(**hc)
-        self.ffn_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, kernels=cfg.kernels)
+        self.ffn_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.moe = MoE(cfg.dim, cfg.n_routed_experts, cfg.n_shared_experts, cfg.n_activated_experts,
-                       cfg.moe_inter_dim, cfg.route_scale, cfg.swiglu_limit, cfg.seq_aux_alpha, kernels=cfg.kernels)
-        self.fused_mhc = self.fused_mix = None
-        if cfg.kernels:  # the attention -> MoE boundary inside a block, in one pass over the streams
-            from model.kernels.mhc import fused_mhc_mix, fused_mhc_step
-            from model.kernels.sinkhorn import sinkhorn_comb_triton
-            self.fused_mhc, self.fused_mix = fused_mhc_step, fused_mhc_mix
-            self.attn_hc.sinkhorn = self.ffn_hc.sinkhorn = sinkhorn_comb_triton  # one launch, not ~80
+                       cfg.moe_inter_dim, cfg.route_scale, cfg.swiglu_limit, cfg.seq_aux_alpha)
 
     def forward(self, h: torch.Tensor, pre: torch.Tensor, rt: AttentionRuntime, pending: Optional[tuple] = None):
         """h [B, T, n, D] streams, pre [B, T, n] this layer's input mix -> (h', next pre, pending').
@@ -75,30 +75,48 @@ class Block(nn.Module):
             x, mix = self.fused_mix(h, pre, self.attn_hc.fn, self.attn_hc.norm_eps)
             post, comb, ffn_pre = self.attn_hc.coefficients(mix)
         else:
-            h = settle(h, pending)
+            h = h if pending is None else self.update_streams(h, *pending)
             post, comb, ffn_pre = self.attn_hc(h)
-            x = mix_streams(pre, h)
+            x = self.mix_streams(pre, h)
         y = self.attn(self.attn_norm(x), rt)  # [B, T, D]
         if self.fused_mhc is not None:
             h, x, mix = self.fused_mhc(h, y, post, comb, ffn_pre, self.ffn_hc.fn, self.ffn_hc.norm_eps)
             post, comb, next_pre = self.ffn_hc.coefficients(mix)
         else:
-            h = update_streams(h, y, post, comb)
+            h = self.update_streams(h, y, post, comb)
             post, comb, next_pre = self.ffn_hc(h)
-            x = mix_streams(ffn_pre, h)
+            x = self.mix_streams(ffn_pre, h)
         y, balance = self.moe(self.ffn_norm(x), rt.shard)
         rt.aux_losses.append(balance)
         if self.fused_mhc is not None:
             return h, next_pre, (y, post, comb)
-        return update_streams(h, y, post, comb), next_pre, None
+        return self.update_streams(h, y, post, comb), next_pre, None
 
 
-def settle(h: torch.Tensor, pending: Optional[tuple], kernels: bool = False) -> torch.Tensor:
-    """h with a block's pending MoE update (y, post, comb) applied (h itself when none)."""
-    return h if pending is None else update_streams(h, *pending, kernels=kernels)
+def chunked_head_loss(x: torch.Tensor, head: nn.Linear, labels: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Mean next-token cross-entropy of x [N, D] through `head` against labels [N] (-100 =
+    ignore). With 0 < chunk < N, logits exist for one chunk of tokens at a time, in the forward
+    and (recomputed) in the backward, so memory does not grow with vocab x sequence length."""
+    if chunk <= 0 or chunk >= labels.numel():
+        return F.cross_entropy(wide(head(x)), labels, ignore_index=-100)
+    total = x.new_zeros((), dtype=wide(x[:1]).dtype)
+    for start in range(0, labels.numel(), chunk):
+        total = total + torch.utils.checkpoint.checkpoint(
+            _summed_ce, head, x[start:start + chunk], labels[start:start + chunk], use_reentrant=False)
+    return total / (labels != -100).sum().clamp(min=1)
+
+
+def _summed_ce(head: nn.Linear, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(wide(head(x)), y, ignore_index=-100, reduction="sum")
 
 
 class Transformer(nn.Module):
+    # the ops; model.ops.KernelPolicy may swap in Triton kernels (the head and its loss fused, with
+    # the gradients taken in the forward: model/kernels/cross_entropy.py)
+    mix_streams = staticmethod(mix_streams)
+    update_streams = staticmethod(update_streams)
+    head_loss = staticmethod(chunked_head_loss)
+
     def __init__(self, cfg: ModelConfig, lookup_map: Optional[torch.Tensor] = None, lookup_pad_id: int = 0):
         """lookup_map [V]: the tokenizer compression map that turns token ids into Engram lookup
         ids (identity when None)."""
@@ -114,7 +132,7 @@ class Transformer(nn.Module):
                                                               compressed_vocab=n_lookup)
                                       for s in self.plan.layers if s.engram})
         self.layers = nn.ModuleList(Block(cfg, spec) for spec in self.plan.layers)
-        self.norm = RMSNorm(D, eps=cfg.norm_eps, kernels=cfg.kernels)
+        self.norm = RMSNorm(D, eps=cfg.norm_eps)
         self.head = nn.Linear(D, V, bias=False)
         if lookup_map is None:
             lookup_map = torch.arange(V)
@@ -184,34 +202,16 @@ class Transformer(nn.Module):
                            topk_recall=recall.get("topk"), pool_recall=recall.get("pool"))
 
     def lm_loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy of x [B, T, D] against labels [B, T]. With
-        `loss_chunk_tokens`, logits exist for one chunk of tokens at a time, in the forward and
-        (recomputed) in the backward, so memory does not grow with vocab x sequence length."""
+        """Mean next-token cross-entropy of x [B, T, D] against labels [B, T] (`loss_chunk_tokens`:
+        see `chunked_head_loss`)."""
         flat_x, flat_y = x.reshape(-1, x.shape[-1]), labels.reshape(-1)  # [N, D], [N]
-        chunk = self.cfg.loss_chunk_tokens
-        # model.kernels: head and loss fused, gradients taken in the forward (model/kernels/cross_entropy.py).
-        # Not under ZeRO-3, whose partitioned head weight exists only inside the head's own forward.
-        if self.cfg.kernels and flat_x.dtype != torch.float64 and not hasattr(self.head.weight, "ds_id"):
-            from model.kernels.cross_entropy import linear_cross_entropy_triton
-
-            total = linear_cross_entropy_triton(flat_x, self.head.weight, flat_y, chunk if chunk > 0 else len(flat_y))
-            return total / (flat_y != -100).sum().clamp(min=1)
-        if chunk <= 0 or chunk >= flat_y.numel():
-            return F.cross_entropy(wide(self.head(flat_x)), flat_y, ignore_index=-100)
-        total = flat_x.new_zeros((), dtype=wide(flat_x[:1]).dtype)
-        for start in range(0, flat_y.numel(), chunk):
-            total = total + torch.utils.checkpoint.checkpoint(
-                self._summed_ce, flat_x[start:start + chunk], flat_y[start:start + chunk], use_reentrant=False)
-        return total / (flat_y != -100).sum().clamp(min=1)
-
-    def _summed_ce(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(wide(self.head(x)), y, ignore_index=-100, reduction="sum")
+        return self.head_loss(flat_x, self.head, flat_y, self.cfg.loss_chunk_tokens)
 
     def hidden(self, input_ids: torch.Tensor, rt: AttentionRuntime) -> torch.Tensor:
         """input_ids [B, T] -> final normed hidden state [B, T, D]."""
         h, pre = self.embed_streams(input_ids)
         h, pre = self.run_layers(h, pre, input_ids, rt, self.layers)
-        return self.norm(mix_streams(pre, h, self.cfg.kernels))
+        return self.norm(self.mix_streams(pre, h))
 
     def embed_streams(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids [B, T] -> streams h [B, T, n, D] and the first sub-layer's one-hot pre-mix."""
@@ -233,9 +233,13 @@ class Transformer(nn.Module):
         for layer in layers:
             engram = self.engrams[str(layer.spec.layer_id)] if layer.spec.engram else None
             if engram is not None:
-                h, pending = engram(settle(h, pending, self.cfg.kernels), lookup, rt.doc_start, rt.positions, history), None
+                h, pending = engram(self.settle(h, pending), lookup, rt.doc_start, rt.positions, history), None
             h, pre, pending = layer(h, pre, rt, pending)
-        return settle(h, pending, self.cfg.kernels), pre
+        return self.settle(h, pending), pre
+
+    def settle(self, h: torch.Tensor, pending: Optional[tuple]) -> torch.Tensor:
+        """h with a block's pending MoE update (y, post, comb) applied (h itself when none)."""
+        return h if pending is None else self.update_streams(h, *pending)
 
     def forward_ced(self, input_ids: torch.Tensor, replay: int, shard: Optional[SequenceShard] = None) -> torch.Tensor:
         """CED prefill with bounded replay (docs/ARCHITECTURE.md §2) -> logits [B, R, V] of the last R = min(replay, N)
@@ -255,10 +259,10 @@ class Transformer(nn.Module):
         rt = AttentionRuntime(B, N, input_ids.device, shard=shard)
         h, pre = self.embed_streams(input_ids)
         h, pre = self.run_layers(h, pre, input_ids, rt, self.layers[:n_enc])
-        owner.attn.write_global_kv(owner.attn_norm(mix_streams(pre, h, self.cfg.kernels)), rt)  # [B, N] entries from H_enc
+        owner.attn.write_global_kv(owner.attn_norm(self.mix_streams(pre, h)), rt)  # [B, N] entries from H_enc
         keys = {(owner.spec.layer_id, "kv"): rt.kv[owner.spec.layer_id],
                 (owner.spec.layer_id, "index_k"): rt.index_k[owner.spec.layer_id]}
         replay_shard = rt.shard.replay(N - R, N, keys, input_ids)
         rt_dec = AttentionRuntime(B, R, input_ids.device, shard=replay_shard)
         h, pre = self.run_layers(h[:, N - R:], pre[:, N - R:], input_ids[:, N - R:], rt_dec, self.layers[n_enc:])
-        return wide(self.head(self.norm(mix_streams(pre, h, self.cfg.kernels))))
+        return wide(self.head(self.norm(self.mix_streams(pre, h))))

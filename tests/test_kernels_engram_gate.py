@@ -10,6 +10,7 @@ import torch
 from conf.model import TinyModelConfig
 from model.engram import Engram
 from model.kernels.engram_gate import engram_gate_triton
+from model.ops import KernelPolicy
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -112,7 +113,7 @@ def test_clamped_gate_passes_no_gradient_to_the_dot():
 
 
 def test_module_forward_uses_the_kernels_with_kernels_on(monkeypatch):
-    """Engram.forward with model.kernels: the lookup and the gated add go through the kernels
+    """Engram.forward under the kernel policy (model.kernels): the lookup and the gated add go through the kernels
     (counted), and give the reference module's output."""
     import model.kernels.engram as lookup_mod
     import model.kernels.engram_gate as gate_mod
@@ -122,9 +123,8 @@ def test_module_forward_uses_the_kernels_with_kernels_on(monkeypatch):
         fn = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, _fn=fn, _name=name, **k: (calls.append(_name), _fn(*a, **k))[1])
     eng = _engram(64)
-    ker = _engram(64)
+    ker = KernelPolicy(["engram_lookup", "engram_gate"]).apply(_engram(64))  # after the counting patches
     ker.load_state_dict(eng.state_dict())
-    ker.cfg = dataclasses.replace(ker.cfg, kernels=True)
     h = torch.randn(2, 7, 4, 64)
     ids = torch.randint(0, 50, (2, 7))
     torch.testing.assert_close(ker(h, ids), eng(h, ids), rtol=1e-5, atol=1e-5)

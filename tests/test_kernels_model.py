@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from conf.model import TinyModelConfig
+from model.ops import OPS, KernelPolicy
 from model.transformer import Transformer
 
 # norm_eps far from hc_eps and near the streams' mean square (~4e-4 at init): the fused mHC steps
@@ -20,6 +21,11 @@ def _batch(device="cpu"):
     doc = torch.zeros(2, 32, dtype=torch.long)
     doc[1, 20:] = 1
     return ids[:, :-1].to(device), ids[:, 1:].to(device), doc.to(device)
+
+
+def _with_kernels(model: Transformer) -> Transformer:
+    """What model.kernels=true builds: every fused op's kernel swapped in (model/ops.py)."""
+    return KernelPolicy(OPS).apply(model)
 
 
 def _run(model, x, y, doc):
@@ -48,7 +54,7 @@ def test_kernels_match_the_reference_model(monkeypatch, chunk):
         monkeypatch.setattr(sm, name, size)
     torch.manual_seed(0)
     ref = Transformer(dataclasses.replace(CFG, attn_chunk_tokens=chunk, loss_chunk_tokens=24))
-    ker = Transformer(dataclasses.replace(CFG, attn_chunk_tokens=chunk, loss_chunk_tokens=24, kernels=True))
+    ker = _with_kernels(Transformer(dataclasses.replace(CFG, attn_chunk_tokens=chunk, loss_chunk_tokens=24)))
     ker.load_state_dict(ref.state_dict())
     a, ga = _run(ref, *_batch())
     b, gb = _run(ker, *_batch())
@@ -61,7 +67,7 @@ def test_kernels_match_the_reference_model(monkeypatch, chunk):
 
 def test_kernels_need_a_gpu_or_the_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    model = Transformer(dataclasses.replace(CFG, kernels=True))
+    model = _with_kernels(Transformer(CFG))
     x, y, doc = _batch()
     with pytest.raises(RuntimeError, match="needs a CUDA device"):
         model(x, labels=y, doc_ids=doc)
@@ -80,7 +86,7 @@ def test_kernels_match_the_reference_model_on_gpu(fp32_residual):
                               fp32_residual=fp32_residual)
     with torch.device("cuda"):
         ref = Transformer(cfg)
-        ker = Transformer(dataclasses.replace(cfg, kernels=True))
+        ker = _with_kernels(Transformer(cfg))
     ker.load_state_dict(ref.state_dict())
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 97, (2, 1025), generator=g).cuda()
@@ -113,10 +119,10 @@ def test_compiled_kernel_model_matches_eager_on_gpu():
     from trainer.parallelize import compile_blocks
 
     torch.manual_seed(0)
-    cfg = dataclasses.replace(CFG, window=128, index_topk=64, pool_block=8, pool_blocks=8, kernels=True)
+    cfg = dataclasses.replace(CFG, window=128, index_topk=64, pool_block=8, pool_blocks=8)
     with torch.device("cuda"):
-        eager = Transformer(cfg)
-        compiled = Transformer(cfg)
+        eager = _with_kernels(Transformer(cfg))
+        compiled = _with_kernels(Transformer(cfg))
     # Routing is a discontinuity that rounding may cross: with these weights one token of layer 5
     # ties exactly between its 2nd and 3rd expert, so the expert it gets (and the gradients) would
     # follow the rounding of whichever kernel configs inductor's timing picks. Distinct selection

@@ -10,6 +10,7 @@ import torch
 
 from model.kernels.moe_combine import moe_combine_triton, moe_gather_sum_triton
 from model.moe import MoE, _Gather, combine_reference
+from model.ops import KernelPolicy
 
 
 def _reference(y, inv, weights, out_dtype):
@@ -50,7 +51,9 @@ def test_bad_shapes_are_refused():
 def _moe(kernels: bool) -> MoE:
     torch.manual_seed(0)
     moe = MoE(dim=32, n_routed=8, n_shared=1, topk=3, inter_dim=24, route_scale=2.5, limit=7.0,
-              seq_aux_alpha=0.0, kernels=kernels)
+              seq_aux_alpha=0.0)
+    if kernels:
+        KernelPolicy(["swiglu", "moe_combine"]).apply(moe)
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.2)
     return moe

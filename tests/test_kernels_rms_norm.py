@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from model.numerics import RMSNorm
+from model.ops import KernelPolicy
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -17,7 +18,7 @@ def _norms(D: int, seed: int = 0, device: str = DEV):
     ref = RMSNorm(D, eps=1e-6).to(device)
     with torch.no_grad():
         ref.weight.copy_(1 + 0.5 * torch.randn(D, generator=torch.Generator().manual_seed(seed)))
-    ker = RMSNorm(D, eps=1e-6, kernels=True).to(device)
+    ker = KernelPolicy(["rms_norm"]).apply(RMSNorm(D, eps=1e-6)).to(device)
     ker.load_state_dict(ref.state_dict())
     return ref, ker
 

@@ -5,6 +5,7 @@ CPU runs use Triton's interpreter in fp32; the bf16 check at `small`'s q shape n
 import pytest
 import torch
 
+from model.ops import KernelPolicy
 from model.rope import Rotary
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -13,7 +14,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 def pair(dim=16, theta=10_000.0, **kw):
     """(reference, kernel) rotaries with the same frequencies (YaRN on, so not just theta powers)."""
     args = (dim, theta, 4.0, 64, 32, 1)
-    return Rotary(*args, **kw).to(DEV), Rotary(*args, kernels=True, **kw).to(DEV)
+    return Rotary(*args, **kw).to(DEV), KernelPolicy(["rotary"]).apply(Rotary(*args, **kw)).to(DEV)
 
 
 def run(rotary, x, angles, inverse, cot):

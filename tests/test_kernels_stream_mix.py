@@ -67,23 +67,26 @@ def test_gradients_only_of_the_inputs_that_need_them():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_dispatch_takes_the_kernel_only_when_asked_and_shapes_match(monkeypatch):
+def test_the_policy_takes_the_kernel_only_when_asked_and_shapes_match(monkeypatch):
     import model.kernels.stream_mix as sm
+    from model.ops import KernelPolicy
 
     calls = []
     real = sm.update_streams_triton
     monkeypatch.setattr(sm, "update_streams_triton", lambda *a: calls.append(1) or real(*a))
     h, y, post, comb, _ = _inputs((2, 3), 4, 16)
     update_streams(h, y, post, comb)
-    assert not calls  # kernels off: the reference
-    update_streams(h, y, post, comb, kernels=True)
-    assert len(calls) == 1
+    assert not calls  # no policy: the reference
+    policy = KernelPolicy(["stream_mix"])
+    update = policy._ops()["update_streams"]
+    update(h, y, post, comb)
+    assert len(calls) == 1 and not policy.fell_back
     # a broadcast comb [1, 3, n, n] is outside the kernel's contract: the reference runs
-    got = update_streams(h, y, post, comb[:1], kernels=True)
-    assert len(calls) == 1
+    got = update(h, y, post, comb[:1])
+    assert len(calls) == 1 and policy.fell_back == {"stream_mix": "broadcast arguments"}
     torch.testing.assert_close(got, update_streams(h, y, post, comb[:1].expand_as(comb)))
     # fp64 stays on the reference (the interpreter would compute it in fp32)
-    update_streams(h.double(), y.double(), post.double(), comb.double(), kernels=True)
+    update(h.double(), y.double(), post.double(), comb.double())
     assert len(calls) == 1
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import random
 import time
 from pathlib import Path
@@ -18,6 +19,7 @@ from conf.pretrain import PretrainConfig
 from data import DistributedBatchLoader, build_datasets
 from model.accounting import train_flops_per_token
 from model.engram import build_compression_map
+from model.ops import KernelPolicy
 from model.transformer import Transformer
 from optim import CompositeOptimizer, Replicas, build_optimizer, lr_multiplier
 from trainer.checkpoint import CheckpointManager
@@ -76,7 +78,14 @@ def build_model(cfg: PretrainConfig, tokenizer) -> Transformer:
     if model_cfg.engram_layers:
         lookup, _ = build_compression_map(tokenizer.tokenizer, model_cfg.vocab_size)
         pad = int(lookup[tokenizer.pad_id])
-    return Transformer(model_cfg, lookup_map=lookup, lookup_pad_id=pad)
+    model = Transformer(model_cfg, lookup_map=lookup, lookup_pad_id=pad)
+    policy = KernelPolicy.from_config(model_cfg)
+    policy.apply(model)
+    if model_cfg.kernels and int(os.environ.get("RANK", "0")) == 0:
+        trainer = getattr(cfg, "trainer", None)
+        print("flashtrain: " + policy.describe(getattr(trainer, "compile", False), getattr(trainer, "zero_stage", 0)),
+              flush=True)
+    return model
 
 
 class Trainer:
