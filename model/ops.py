@@ -14,8 +14,8 @@ imports `model.kernels`; the kernels import the reference math, never the other 
 | --- | --- | --- |
 | rms_norm | RMSNorm.rms_norm | torch.compile traces it (inductor fuses the norm), fp64, no weight or not over the last dim |
 | rotary | Rotary.rotate | fp64; angles that broadcast other than over a head axis |
-| stream_mix | Block/Transformer.mix_streams, .update_streams | fp64; broadcast arguments |
-| mhc_step | Block.fused_mhc, Block.fused_mix (one pass at each sub-layer boundary) | fp64 (inside the kernel) |
+| stream_mix | Block.mix_streams, .update_streams, Transformer.mix_streams | fp64; broadcast arguments |
+| mhc_step | Block.fused_mhc, .fused_mix, with the fused schedule (model/fused_mhc.py) as the blocks' forward and the model's run_layers | fp64 (inside the kernel) |
 | sinkhorn | HyperConnection.sinkhorn | never (fp64 is computed in fp64) |
 | swiglu | SharedExpert.swiglu, RoutedExperts.swiglu | torch.compile, fp64, odd width (inside the kernel) |
 | moe_combine | MoE.combine, MoE.gather_sum | torch.compile, fp64; gather_sum also for one copy per row |
@@ -107,7 +107,7 @@ class KernelPolicy:
         from model.transformer import Block, Transformer
 
         sites = {RMSNorm: ("rms_norm",), Rotary: ("rotate",), Block: ("mix_streams", "update_streams", "fused_mhc",
-                 "fused_mix"), Transformer: ("mix_streams", "update_streams", "head_loss"),
+                 "fused_mix"), Transformer: ("mix_streams", "head_loss"),
                  HyperConnection: ("sinkhorn",), SharedExpert: ("swiglu",), RoutedExperts: ("swiglu",),
                  MoE: ("combine", "gather_sum"), Engram: ("gather_rows", "gate"),
                  CSA2Attention: ("attend", "attend_rotates", "scores_at", "scores_masked", "select")}
@@ -117,6 +117,9 @@ class KernelPolicy:
                     for name in names:
                         if name in ops:
                             setattr(module, name, ops[name])
+        if "mhc_step" in self.fused:  # the blocks now hold the fused step: run them on its schedule
+            from model.fused_mhc import apply_fused_schedule
+            apply_fused_schedule(model)
         return model
 
     def _ops(self) -> dict[str, object]:

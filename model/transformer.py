@@ -42,11 +42,9 @@ class ModelOutput:
 class Block(nn.Module):
     """One layer: attention and MoE sub-layers, each wrapped in single-pass mHC."""
 
-    # the stream ops; model.ops.KernelPolicy may swap in Triton kernels, and set the fused mHC
-    # boundary (an update, the next input mix and the next coefficients' logits in one pass)
+    # the stream ops; model.ops.KernelPolicy may swap in Triton kernels
     mix_streams = staticmethod(mix_streams)
     update_streams = staticmethod(update_streams)
-    fused_mhc = fused_mix = None
 
     def __init__(self, cfg: ModelConfig, spec: LayerSpec):
         super().__init__()
@@ -61,36 +59,22 @@ class Block(nn.Module):
         self.moe = MoE(cfg.dim, cfg.n_routed_experts, cfg.n_shared_experts, cfg.n_activated_experts,
                        cfg.moe_inter_dim, cfg.route_scale, cfg.swiglu_limit, cfg.seq_aux_alpha)
 
-    def forward(self, h: torch.Tensor, pre: torch.Tensor, rt: AttentionRuntime, pending: Optional[tuple] = None):
-        """h [B, T, n, D] streams, pre [B, T, n] this layer's input mix -> (h', next pre, pending').
+    def forward(self, h: torch.Tensor, pre: torch.Tensor, rt: AttentionRuntime) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [B, T, n, D] streams, pre [B, T, n] this layer's input mix -> (h', the next layer's pre)."""
+        post, comb, ffn_pre = self.attn_hc(h)
+        h = self.update_streams(h, self.attention(self.mix_streams(pre, h), rt), post, comb)
+        post, comb, next_pre = self.ffn_hc(h)
+        return self.update_streams(h, self.ffn(self.mix_streams(ffn_pre, h), rt), post, comb), next_pre
 
-        pending: the previous block's MoE update (y [B, T, D], post, comb), not yet applied to h.
-        With the fused mHC kernel a block leaves its own MoE update pending, so that the next block
-        applies it in the same pass that mixes its attention input (`settle` applies the last one);
-        without, pending' is None and h' is fully updated."""
-        if pending is not None and self.fused_mhc is not None:
-            h, x, mix = self.fused_mhc(h, *pending, pre, self.attn_hc.fn, self.attn_hc.norm_eps)
-            post, comb, ffn_pre = self.attn_hc.coefficients(mix)
-        elif self.fused_mhc is not None:  # no update before it (first block, after an Engram): one read of h
-            x, mix = self.fused_mix(h, pre, self.attn_hc.fn, self.attn_hc.norm_eps)
-            post, comb, ffn_pre = self.attn_hc.coefficients(mix)
-        else:
-            h = h if pending is None else self.update_streams(h, *pending)
-            post, comb, ffn_pre = self.attn_hc(h)
-            x = self.mix_streams(pre, h)
-        y = self.attn(self.attn_norm(x), rt)  # [B, T, D]
-        if self.fused_mhc is not None:
-            h, x, mix = self.fused_mhc(h, y, post, comb, ffn_pre, self.ffn_hc.fn, self.ffn_hc.norm_eps)
-            post, comb, next_pre = self.ffn_hc.coefficients(mix)
-        else:
-            h = self.update_streams(h, y, post, comb)
-            post, comb, next_pre = self.ffn_hc(h)
-            x = self.mix_streams(ffn_pre, h)
+    def attention(self, x: torch.Tensor, rt: AttentionRuntime) -> torch.Tensor:
+        """The attention sub-layer: its mixed input x [B, T, D] -> its output [B, T, D]."""
+        return self.attn(self.attn_norm(x), rt)
+
+    def ffn(self, x: torch.Tensor, rt: AttentionRuntime) -> torch.Tensor:
+        """The MoE sub-layer: x [B, T, D] -> [B, T, D]; its balance loss goes to rt.aux_losses."""
         y, balance = self.moe(self.ffn_norm(x), rt.shard)
         rt.aux_losses.append(balance)
-        if self.fused_mhc is not None:
-            return h, next_pre, (y, post, comb)
-        return self.update_streams(h, y, post, comb), next_pre, None
+        return y
 
 
 def chunked_head_loss(x: torch.Tensor, head: nn.Linear, labels: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -114,7 +98,6 @@ class Transformer(nn.Module):
     # the ops; model.ops.KernelPolicy may swap in Triton kernels (the head and its loss fused, with
     # the gradients taken in the forward: model/kernels/cross_entropy.py)
     mix_streams = staticmethod(mix_streams)
-    update_streams = staticmethod(update_streams)
     head_loss = staticmethod(chunked_head_loss)
 
     def __init__(self, cfg: ModelConfig, lookup_map: Optional[torch.Tensor] = None, lookup_pad_id: int = 0):
@@ -225,21 +208,20 @@ class Transformer(nn.Module):
     def run_layers(self, h: torch.Tensor, pre: torch.Tensor, input_ids: torch.Tensor, rt: AttentionRuntime,
                    layers) -> tuple[torch.Tensor, torch.Tensor]:
         """Streams of the tokens input_ids [B, T] through `layers` (each preceded by its Engram)."""
+        lookup, history = self.lookup_ids(input_ids, rt)
+        for layer in layers:
+            if layer.spec.engram:
+                h = self.engrams[str(layer.spec.layer_id)](h, lookup, rt.doc_start, rt.positions, history)
+            h, pre = layer(h, pre, rt)
+        return h, pre
+
+    def lookup_ids(self, input_ids: torch.Tensor, rt: AttentionRuntime):
+        """The Engram lookup ids of input_ids [B, T] and of the shard's history (None without Engrams)."""
         lookup = self.lookup_map[input_ids] if len(self.engrams) else None
         history = rt.shard.history
         if history is not None and lookup is not None:
             history = self.lookup_map[history]
-        pending = None  # a block's MoE update that the next block's fused mHC step applies
-        for layer in layers:
-            engram = self.engrams[str(layer.spec.layer_id)] if layer.spec.engram else None
-            if engram is not None:
-                h, pending = engram(self.settle(h, pending), lookup, rt.doc_start, rt.positions, history), None
-            h, pre, pending = layer(h, pre, rt, pending)
-        return self.settle(h, pending), pre
-
-    def settle(self, h: torch.Tensor, pending: Optional[tuple]) -> torch.Tensor:
-        """h with a block's pending MoE update (y, post, comb) applied (h itself when none)."""
-        return h if pending is None else self.update_streams(h, *pending)
+        return lookup, history
 
     def forward_ced(self, input_ids: torch.Tensor, replay: int, shard: Optional[SequenceShard] = None) -> torch.Tensor:
         """CED prefill with bounded replay (docs/ARCHITECTURE.md §2) -> logits [B, R, V] of the last R = min(replay, N)

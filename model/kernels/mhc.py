@@ -1,7 +1,7 @@
 """Fused single-pass mHC residual step (Triton forward and backward).
 
 Replaces this chain of plain-PyTorch references from `model/mhc.py` at a sub-layer boundary
-(see `Block.forward` in `model/transformer.py`):
+(`Block.forward` in `model/transformer.py`; the schedule that calls this step is `model/fused_mhc.py`):
 
     h_new = update_streams(h, y, post, comb)        # h'[d] = post[d] y + sum_s comb[s, d] h[s]
     x     = mix_streams(pre, h_new)                 # next sub-layer input, pre known already
@@ -12,12 +12,12 @@ Single-pass mHC makes this possible: `pre` of the next sub-layer was produced by
 HyperConnection, so one read of the streams gives the update, the next input and the next
 coefficient logits. Per token the forward reads h (n*D) and y (D) and writes h' (n*D) and
 x (D): the (2n + 2) * D ideal. The [2n + n*n, n*D] logit weight is read from L2 once per
-token tile, not per token. In Block.forward (bf16 streams):
+token tile, not per token. In `fused_block_forward` (bf16 streams):
 
-    y = self.attn(self.attn_norm(x), rt)
-    h, x, mix = fused_mhc_step(h, y, post, comb, ffn_pre, self.ffn_hc.fn, self.ffn_hc.norm_eps)
-    post, comb, next_pre = hc_coefficients(self.ffn_hc, mix)
-    y, balance = self.moe(self.ffn_norm(x), rt.shard)
+    y = block.attention(x, rt)
+    h, x, mix = fused_mhc_step(h, y, post, comb, ffn_pre, block.ffn_hc.fn, block.ffn_hc.norm_eps)
+    post, comb, next_pre = block.ffn_hc.coefficients(mix)
+    y = block.ffn(x, rt)
     h, x, mix = fused_mhc_step(h, y, post, comb, next_pre, <next layer>.attn_hc.fn, norm_eps)
 
 Where no update comes before a boundary (the first sub-layer; the one after an Engram, which
