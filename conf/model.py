@@ -17,6 +17,9 @@ class ModelConfig:
     init_std: float = 0.02
     loss_chunk_tokens: int = 0  # >0: the LM loss materialises logits for this many tokens at a time
     attn_chunk_tokens: int = 0  # >0: attention and indexer run this many queries at a time (>= window)
+    # sparse: each query attends to its indexer top-k (the model as specified); dense: to every visible
+    # entry, the indexer learning toward that attention (the long-context stage's warm-up sets it)
+    indexer_mode: str = "sparse"
     kernels: bool = False  # Triton kernels (model/kernels/): attention, indexer, mHC steps and stream mixes, Sinkhorn, ...
     # Starting weights of a training run (pretrain, sft, rl, distill): a flashtrain checkpoint (or a run's
     # checkpoints/ dir, or a run dir), or a directory in the public DeepSeek-V4.1-Flash layout

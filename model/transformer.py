@@ -122,7 +122,6 @@ class Transformer(nn.Module):
         if lookup_map.shape != (V,):
             raise ValueError(f"lookup map has shape {tuple(lookup_map.shape)}, expected ({V},)")
         self.register_buffer("lookup_map", lookup_map.long())
-        self.indexer_mode = "sparse"  # "dense": the indexer's warm-up stage attends to every entry
         self.reset_parameters()
 
     @torch.no_grad()
@@ -164,15 +163,17 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 doc_ids: Optional[torch.Tensor] = None, collect_recall: bool = False,
-                keep_runtime: bool = False, shard: Optional[SequenceShard] = None) -> ModelOutput:
+                keep_runtime: bool = False, shard: Optional[SequenceShard] = None,
+                indexer_mode: Optional[str] = None) -> ModelOutput:
         """input_ids [B, T]; labels [B, T] (-100 = ignore); doc_ids [B, T] document index of each
         position (attention never crosses documents). With labels: losses; without: logits.
-        `self.indexer_mode` ("sparse" | "dense" warm-up) is set by the training stage. `shard`:
-        the tokens are a slice of a longer sequence (context parallelism)."""
+        `shard`: the tokens are a slice of a longer sequence (context parallelism). indexer_mode:
+        "sparse" | "dense" for this call (None: model.indexer_mode)."""
         B, T = input_ids.shape
         rt = AttentionRuntime(B, T, input_ids.device, doc_ids,
                               with_indexer_loss=labels is not None and self.training and self.cfg.indexer_loss_coef > 0,
-                              indexer_mode=self.indexer_mode, collect_recall=collect_recall, shard=shard)
+                              indexer_mode=indexer_mode or self.cfg.indexer_mode, collect_recall=collect_recall,
+                              shard=shard)
         x = self.hidden(input_ids, rt)  # [B, T, D]
         rt.seal()  # what an activation-checkpoint recomputation writes later is dropped
         if labels is None:

@@ -347,8 +347,8 @@ def test_pool_recall_and_warmup_loss_without_a_built_pool(monkeypatch, indexer_m
     from model.attention import CSA2Attention
 
     torch.manual_seed(0)
-    model = Transformer(tiny(engram_layers=[], index_topk=8, pool_blocks=16, pool_block=4, window=16)).train()
-    model.indexer_mode = indexer_mode
+    model = Transformer(tiny(engram_layers=[], index_topk=8, pool_blocks=16, pool_block=4, window=16,
+                             indexer_mode=indexer_mode)).train()
     ids = torch.randint(0, 97, (2, 65), generator=torch.Generator().manual_seed(6))
 
     def run():

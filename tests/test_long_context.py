@@ -20,9 +20,8 @@ CFG = dataclasses.replace(TinyModelConfig(vocab_size=97), engram_min_rows=50, in
 
 def _recall(model: Transformer, batch: torch.Tensor) -> tuple[float, float]:
     model.eval()
-    model.indexer_mode = "sparse"
     with torch.no_grad():
-        out = model(batch[:, :-1], labels=batch[:, 1:], collect_recall=True)
+        out = model(batch[:, :-1], labels=batch[:, 1:], collect_recall=True, indexer_mode="sparse")
     model.train()
     return out.topk_recall.item(), out.pool_recall.item()
 
@@ -37,11 +36,10 @@ def test_dense_warmup_trains_only_the_indexer_lowers_kl_and_raises_recall():
     g = torch.Generator().manual_seed(1)
     data = torch.randint(0, 97, (64, 129), generator=g)
     topk_before, pool_before = _recall(model, data[:8])
-    model.indexer_mode = "dense"
     kls = []
     for _ in range(40):
         batch = data[torch.randint(0, 64, (4,), generator=g)]
-        out = model(batch[:, :-1], labels=batch[:, 1:])
+        out = model(batch[:, :-1], labels=batch[:, 1:], indexer_mode="dense")
         opt.zero_grad()
         out.loss.backward()  # the LM loss has no path to trainable parameters: only the KL trains
         opt.step()
@@ -55,6 +53,18 @@ def test_dense_warmup_trains_only_the_indexer_lowers_kl_and_raises_recall():
             assert torch.equal(p, frozen[name]), name
 
 
+def test_a_bad_model_setting_is_named():
+    from types import SimpleNamespace
+
+    from conf.errors import ConfigError
+    from trainer.pretrain import build_model
+
+    tok = SimpleNamespace(vocab_size=97)
+    for name, bad in (("indexer_mode", "warmup"), ("attn_impl", "flash")):
+        with pytest.raises(ConfigError, match=f"model.{name}='{bad}': expected one of"):
+            build_model(SimpleNamespace(model=dataclasses.replace(CFG, **{name: bad})), tok)
+
+
 def test_dense_mode_attends_to_every_visible_entry():
     torch.manual_seed(0)
     model = Transformer(CFG).eval()
@@ -65,8 +75,7 @@ def test_dense_mode_attends_to_every_visible_entry():
         seen["idx"] = args[3]
 
     model.layers[1].attn.attend = _wrap(model.layers[1].attn.attend, hook)
-    model.indexer_mode = "dense"
-    model(x)
+    model(x, indexer_mode="dense")
     idx = seen["idx"][0]  # [T, S]: layer 1 (m=2) sees entry j exactly when (j+1)*2 <= t+1
     for t in (0, 1, 2, 63):
         assert (idx[t] >= 0).sum().item() == (t + 1) // 2

@@ -90,13 +90,12 @@ def test_query_chunked_attention_equals_whole_sequence(impl, indexer_mode):
     """Query chunks (uneven: 64 = 24 + 24 + 16) give the same losses, gradients, recall, top-k and
     pool. A small window, top-k and pool make every chunk boundary matter: window rows cross it,
     and the selection is a strict subset of the visible entries."""
-    cfg = dataclasses.replace(CFG, window=8, index_topk=4, pool_block=2, pool_blocks=3, attn_impl=impl)
+    cfg = dataclasses.replace(CFG, window=8, index_topk=4, pool_block=2, pool_blocks=3, attn_impl=impl,
+                              indexer_mode=indexer_mode)
     torch.manual_seed(0)
     whole = Transformer(cfg)
     chunked = Transformer(dataclasses.replace(cfg, attn_chunk_tokens=24))
     chunked.load_state_dict(whole.state_dict())
-    for m in (whole, chunked):
-        m.indexer_mode = indexer_mode
     a, b = whole(*_batch()[:1], doc_ids=_batch()[2], keep_runtime=True), chunked(
         *_batch()[:1], doc_ids=_batch()[2], keep_runtime=True)
     torch.testing.assert_close(a.logits, b.logits, rtol=1e-5, atol=1e-5)

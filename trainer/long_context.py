@@ -27,7 +27,8 @@ def stage_steps(stage: ContextStage, grad_accum: int, world_size: int) -> int:
 def stage_config(cfg: LongContextConfig, stage: ContextStage, world_size: int) -> PretrainConfig:
     if stage.indexer not in INDEXER_REGIMES:
         raise ConfigError(f"schedule stage {stage.name}: indexer={stage.indexer!r}, expected {INDEXER_REGIMES}")
-    model = dataclasses.replace(cfg.model, max_seq_len=max(cfg.model.max_seq_len, stage.seq_len))
+    model = dataclasses.replace(cfg.model, max_seq_len=max(cfg.model.max_seq_len, stage.seq_len),
+                                indexer_mode="dense" if stage.indexer == "dense_warmup" else "sparse")
     if stage.rope_factor is not None:
         model = dataclasses.replace(model, rope_factor=stage.rope_factor)
     if stage.original_seq_len is not None:
@@ -70,7 +71,6 @@ def run_long_context(cfg: LongContextConfig, run_dir: Path, config_yaml: str) ->
         scfg = stage_config(cfg, stage, world_size)
         trainer = Trainer(scfg, stage_dir, OmegaConf.to_yaml(OmegaConf.structured(scfg)), init_from=previous,
                           init_setting="init_from" if i == 0 else f"the stage before {stage.name} (its checkpoints)",
-                          indexer_mode="dense" if stage.indexer == "dense_warmup" else "sparse",
                           train_only_indexer=stage.indexer == "dense_warmup")
         try:
             summaries.append({"stage": stage.name, "seq_len": stage.seq_len, **trainer.fit()})

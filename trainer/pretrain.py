@@ -18,6 +18,7 @@ from conf.errors import ConfigError
 from conf.pretrain import PretrainConfig
 from data import DistributedBatchLoader, build_datasets
 from model.accounting import train_flops_per_token
+from model.csa import ATTENTION_IMPLS
 from model.engram import build_compression_map
 from model.ops import KernelPolicy
 from model.transformer import Transformer
@@ -69,6 +70,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def build_model(cfg: PretrainConfig, tokenizer) -> Transformer:
     model_cfg = cfg.model
+    for name, allowed in (("attn_impl", tuple(ATTENTION_IMPLS)), ("indexer_mode", ("sparse", "dense"))):
+        if getattr(model_cfg, name) not in allowed:
+            raise ConfigError(f"model.{name}={getattr(model_cfg, name)!r}: expected one of {', '.join(allowed)}")
     if model_cfg.vocab_size is None:
         model_cfg = dataclasses.replace(model_cfg, vocab_size=tokenizer.vocab_size)
     elif model_cfg.vocab_size < tokenizer.vocab_size:
@@ -90,11 +94,11 @@ def build_model(cfg: PretrainConfig, tokenizer) -> Transformer:
 
 class Trainer:
     def __init__(self, cfg: PretrainConfig, run_dir: Path, config_yaml: str, init_from: Optional[Path] = None,
-                 indexer_mode: str = "sparse", train_only_indexer: bool = False, init_setting: str = "model.init_from"):
+                 train_only_indexer: bool = False, init_setting: str = "model.init_from"):
         """init_from: a checkpoint (or checkpoints dir) whose model weights start a fresh run
         (default: model.init_from, which may also be a public-layout directory; init_setting names
         the setting it came from in errors);
-        indexer_mode / train_only_indexer: the long-context stage's indexer regime."""
+        train_only_indexer: the long-context stage's indexer warm-up (with model.indexer_mode=dense)."""
         self.cfg, self.run_dir, self.config_yaml = cfg, Path(run_dir), config_yaml
         tc = cfg.trainer
         if tc.max_steps <= 0:
@@ -113,7 +117,6 @@ class Trainer:
         seed_everything(tc.seed)  # identical initial weights on every rank
         self.train_ds, self.val_ds, self.tokenizer = self.build_data()
         self.model = build_model(cfg, self.tokenizer)
-        self.model.indexer_mode = indexer_mode
         if train_only_indexer:  # the indexer warm-up: everything else is frozen
             for name, p in self.model.named_parameters():
                 p.requires_grad_(".index_query." in name or ".index_key." in name)
