@@ -9,7 +9,6 @@ HyperConnection. `reference_mhc_step` is that composition up to `mix`; the chain
 the real HyperConnection module. CPU runs use Triton's interpreter, in fp32 plus one small
 bf16 check of the split-bf16 logit path; the model-size bf16 tests need a GPU.
 """
-import dataclasses
 
 import pytest
 import torch
@@ -189,17 +188,15 @@ def rms_linear(h_new: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
     return (flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + EPS)) @ fn.T
 
 
-@pytest.mark.parametrize("fn_in_kernel", [True, False], ids=["fn-grad-in-kernel", "fn-grad-on-host"])
-def test_bf16_streams_split_logits(fn_in_kernel):
+def test_bf16_streams_split_logits():
     """bf16 streams take the GPU path: h' is exact in bf16, so the logits and the fn gradient
     use bf16 hi/lo halves of fn and g_dot (two bf16 MMAs, fp32 accumulation), the fn gradient
-    inside the backward kernel or as a host GEMM over the saved h' (on the CPU an fp32 matmul).
+    as a host GEMM over the saved h' (on the CPU an fp32 matmul).
     Both must match fp32 math on the same rounded h' to ~fp32 accuracy, not bf16's 4e-3. (Under
     the interpreter, which truncates fp32 -> bf16 where GPUs round to nearest, h' and x are
     compared at bf16 tolerance only.)"""
     inputs = make_inputs(dtype=torch.bfloat16, seed=10)
-    cfg = dataclasses.replace(CONFIGS[1], bwd_fn_in_kernel=fn_in_kernel)
-    h_new, x, mix = fused_mhc_step(*inputs, EPS, config=cfg)
+    h_new, x, mix = fused_mhc_step(*inputs, EPS, config=CONFIGS[1])
     fn = inputs[5]
     assert h_new.dtype == x.dtype == torch.bfloat16 and mix.dtype == torch.float32
     assert rel_err(mix, rms_linear(h_new.detach(), fn.detach())) < 2e-5
@@ -254,14 +251,13 @@ def test_forward_token_tile_for_narrow_io():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fn_in_kernel", [True, False], ids=["fn-grad-in-kernel", "fn-grad-on-host"])
 @pytest.mark.parametrize("dim", [1024, 4096])
-def test_bf16_streams_on_gpu(dim, fn_in_kernel):
+def test_bf16_streams_on_gpu(dim):
     """bf16 h/y, fp32 coefficients, default tiles: fused vs the fp32 reference of the same
     inputs is within bf16 rounding, and no further from it than the eager bf16 reference; the fn
-    gradient (either way it is computed) matches fp32 math on the same h' to ~fp32 accuracy."""
+    gradient matches fp32 math on the same h' to ~fp32 accuracy."""
     inputs = make_inputs(lead=(2, 333), dim=dim, dtype=torch.bfloat16, seed=8, device="cuda")
-    fused = fused_mhc_step(*inputs, EPS, config=MHCKernelConfig(bwd_fn_in_kernel=fn_in_kernel))
+    fused = fused_mhc_step(*inputs, EPS)
     eager = reference_mhc_step(*inputs, EPS)
     wide = [t.detach().float().requires_grad_() for t in inputs]
     truth = reference_mhc_step(*wide, EPS)
@@ -275,7 +271,7 @@ def test_bf16_streams_on_gpu(dim, fn_in_kernel):
     for name, a, e, b in zip(NAMES, grads(fused, inputs, cot), grads(eager, inputs, cot),
                              grads(truth, wide, cot_wide)):
         assert rel_err(a, b) < max(2e-2, 2 * rel_err(e, b)), f"grad {name}: {rel_err(a, b)}"
-    h_new, _, mix = fused_mhc_step(*inputs, EPS, config=MHCKernelConfig(bwd_fn_in_kernel=fn_in_kernel))
+    h_new, _, mix = fused_mhc_step(*inputs, EPS)
     (g_fn,) = torch.autograd.grad(mix, [inputs[5]], cot[2])
     fn_leaf = inputs[5].detach().clone().requires_grad_()
     (g_ref,) = torch.autograd.grad(rms_linear(h_new.detach(), fn_leaf), [fn_leaf], cot[2])

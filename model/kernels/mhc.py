@@ -91,10 +91,6 @@ class MHCKernelConfig:
     # load-bound, only loses by it)
     fwd_num_stages: int = 3
     fwd_splits: Optional[int] = None  # forward: D ranges per token tile (None: fill the GPU)
-    # bf16 streams: the fn gradient as a bf16 GEMM with fp32 output on the host over the saved h'
-    # (False; CPU: an fp32 matmul), or as a tensor-core dot inside the backward kernel (True), whose
-    # four [64, BD] fp32 accumulators make the kernel slower than the host GEMM
-    bwd_fn_in_kernel: bool = False
     bwd_groups: Optional[int] = None  # backward: token groups per D block (None: fill the GPU)
 
     def resolved(self, dtype: torch.dtype, narrow_io: bool = False) -> MHCKernelConfig:
@@ -239,32 +235,28 @@ def _rank1(gdot_ptr, fn_ptr, t64, t_ok, k, k_ok, j, d, D, K, M: tl.constexpr):
 
 @triton.jit
 def _mhc_bwd_kernel(h_ptr, y_ptr, post_ptr, comb_ptr, pre_ptr, fn_ptr,
-                    ghn_ptr, gx_ptr, coef_ptr, gdot_ptr, gc_ptr,
-                    gh_ptr, gy_ptr, gpost_part_ptr, gcomb_part_ptr, gpre_part_ptr, gfn_part_ptr,
+                    ghn_ptr, gx_ptr, coef_ptr, gdot_ptr,
+                    gh_ptr, gy_ptr, gpost_part_ptr, gcomb_part_ptr, gpre_part_ptr,
                     T, D, n_tiles,
-                    N: tl.constexpr, M: tl.constexpr, MC: tl.constexpr,
+                    N: tl.constexpr, M: tl.constexpr,
                     BT: tl.constexpr, BD: tl.constexpr,
                     HAS_GHN: tl.constexpr, HAS_GX: tl.constexpr, HAS_GMIX: tl.constexpr,
-                    NEED_GFN: tl.constexpr, UPCAST: tl.constexpr, UPDATE: tl.constexpr,
-                    J_UNROLL: tl.constexpr = 8):
-    """Program (D block, token group): loops over the group's token tiles at a fixed D block,
-    so the fn gradient (a reduction over tokens) accumulates in registers, and the per-token
-    coefficient gradients (reductions over D) are written as per-D-block partials.
+                    UPDATE: tl.constexpr, J_UNROLL: tl.constexpr = 8):
+    """Program (D block, token group): loops over the group's token tiles at a fixed D block; the
+    per-token coefficient gradients (reductions over D) are written as per-D-block partials.
 
     Recomputes h' from h and y (which are read anyway for the post/comb gradients), so h' is
     not re-read. With g_dot = r * g_mix and G[d] the total gradient reaching h'[d]:
         G[d]    = g_hn[d] + pre[d] g_x + g_dot @ fn[:, d] + coef * h'[d]   (coef: RMS term)
         g_h[s]  = sum_d comb[s, d] G[d]        g_y = sum_d post[d] G[d]
         g_post[d] = <G[d], y>   g_comb[s, d] = <G[d], h[s]>   g_pre[d] = <g_x, h'[d]>
-        g_fn[:, d] += g_dot^T h'[d]
     g_dot @ fn[:, d] runs as M rank-1 fp32 updates on CUDA cores (exact fp32): a tensor-core
     dot there hands its (transposed MMA) layout to the whole elementwise chain, which then
     spills (checked with ptxas for sm_90); ~24 FMAs an element should stay under the memory
     roof (an estimate: ~5 FLOP per HBM byte against ~14 on H200; not yet measured).
-    NEED_GFN (bf16 streams only): g_fn is a tensor-core dot feeding only its own accumulator;
-    gc [T, MC] holds g_dot's bf16 hi | lo halves in two column slots (h' is exact in bf16, so
-    ~fp32 accuracy), zero-padded to 64 columns (the dot's M side -> wgmma); the host adds the
-    two row slots of the result. Other dtypes get g_fn from a host matmul.
+    g_fn = g_dot^T h' (a reduction over tokens) is a host matmul over the h' the forward saved:
+    a tensor-core dot in this kernel made it slower than that GEMM (its four [64, BD] fp32
+    accumulators).
     Without UPDATE (`fused_mhc_mix`: h' is h), g_h[d] = G[d]: y, post, comb and their
     gradients are not touched, and there is no g_hn.
     """
@@ -273,11 +265,7 @@ def _mhc_bwd_kernel(h_ptr, y_ptr, post_ptr, comb_ptr, pre_ptr, fn_ptr,
     n_groups = tl.num_programs(1)
     k = pid_b * BD + tl.arange(0, BD)
     k_ok = k < D
-    mc = tl.arange(0, MC)
     K = N * D
-    gfn = ()  # per stream d: [MC, BD] block of g_fn[:, d*D + k], summed over this group's tokens
-    for _ in tl.static_range(N):
-        gfn = gfn + (tl.zeros([MC, BD], dtype=tl.float32),)
     for tile in range(pid_g, n_tiles, n_groups):
         t = tile * BT + tl.arange(0, BT)
         t_ok = t < T
@@ -305,13 +293,10 @@ def _mhc_bwd_kernel(h_ptr, y_ptr, post_ptr, comb_ptr, pre_ptr, fn_ptr,
             gx = tl.zeros([BT, BD], dtype=tl.float32)
         if HAS_GMIX:
             coef = tl.load(coef_ptr + t64, mask=t_ok, other=0.0)  # [BT]
-        if NEED_GFN:
-            gcT = tl.load(gc_ptr + t64[None, :] * MC + mc[:, None], mask=t_ok[None, :], other=0.0)  # [MC, BT]
         gh = ()
         if UPDATE:
             for _ in tl.static_range(N):
                 gh = gh + (tl.zeros([BT, BD], dtype=tl.float32),)
-        new_gfn = ()
         for d in tl.static_range(N):
             if UPDATE:  # recompute h'[d] exactly as the forward stored it
                 hn_out = _mix_dest(d, hs, yv, post, comb, N).to(gh_ptr.dtype.element_ty)
@@ -321,7 +306,6 @@ def _mhc_bwd_kernel(h_ptr, y_ptr, post_ptr, comb_ptr, pre_ptr, fn_ptr,
             g = pre[d][:, None] * gx
             if HAS_GHN:
                 g += tl.load(ghn_ptr + row_h + d * D + k[None, :], mask=mask, other=0.0).to(tl.float32)
-            gfn_d = gfn[d]
             if HAS_GMIX:
                 # a runtime loop over groups of J_UNROLL rows: fully unrolled, all 24 fn rows and g_dot
                 # columns would be hoisted into registers (2x slower); one row an iteration leaves
@@ -333,9 +317,6 @@ def _mhc_bwd_kernel(h_ptr, y_ptr, post_ptr, comb_ptr, pre_ptr, fn_ptr,
                 for j in tl.static_range(M - M % J_UNROLL, M):  # the rest (n = 3: 15 rows)
                     g += _rank1(gdot_ptr, fn_ptr, t64, t_ok, k, k_ok, j, d, D, K, M)
                 g += coef[:, None] * hn
-                if NEED_GFN:
-                    gfn_d = _dot(gcT, hn_out, gfn_d, None, UPCAST)
-            new_gfn = new_gfn + (gfn_d,)
             if UPDATE:
                 new_gh = ()
                 for s in tl.static_range(N):
@@ -348,15 +329,10 @@ def _mhc_bwd_kernel(h_ptr, y_ptr, post_ptr, comb_ptr, pre_ptr, fn_ptr,
                 tl.store(gh_ptr + row_h + d * D + k[None, :], g.to(gh_ptr.dtype.element_ty), mask=mask)
             if HAS_GX:
                 tl.store(gpre_part_ptr + part * N + d, tl.sum(gx * hn, axis=1), mask=t_ok)
-        gfn = new_gfn
         if UPDATE:
             for s in tl.static_range(N):
                 tl.store(gh_ptr + row_h + s * D + k[None, :], gh[s].to(gh_ptr.dtype.element_ty), mask=mask)
             tl.store(gy_ptr + row_y + k[None, :], gy.to(gy_ptr.dtype.element_ty), mask=mask)
-    if NEED_GFN:
-        base = pid_g.to(tl.int64) * MC * K
-        for d in tl.static_range(N):
-            tl.store(gfn_part_ptr + base + mc[:, None] * K + d * D + k[None, :], gfn[d], mask=k_ok[None, :])
 
 
 # ----------------------------------------------------------------------------- autograd
@@ -369,10 +345,6 @@ def _split_bf16(a: torch.Tensor):
     products then carry ~fp32 accuracy, at bf16 speed."""
     hi = a.to(torch.bfloat16)
     return hi, (a - hi.float()).to(torch.bfloat16)
-
-
-def _cols(a: torch.Tensor, cols: int) -> torch.Tensor:
-    return F.pad(a, (0, cols - a.shape[1]))
 
 
 def _forward_weight(fn: torch.Tensor, dtype: torch.dtype):
@@ -417,23 +389,17 @@ def _forward(h, y, post, comb, pre, fn, norm_eps: float, cfg: MHCKernelConfig, x
 def _backward(h, y, post, comb, pre, fn, r, mix, h_new, cfg: MHCKernelConfig, g_hn, g_x, g_mix, need_fn: bool):
     """Gradients (g_h, g_y, g_post, g_comb, g_pre, g_fn) of `_forward`'s outputs; y, post and
     comb None as there (g_y, g_post, g_comb None then). h_new: the streams the logits were taken
-    of, kept only where g_fn is a host matmul (else None)."""
+    of (g_fn is a host matmul over them)."""
     T, N, D = h.shape
     M = fn.shape[0]
     update = y is not None
     need_fn = need_fn and g_mix is not None
-    in_kernel_fn = need_fn and h_new is None  # the forward kept h' only for a host fn gradient
-    gdot = coef = gc = r  # placeholders for pointers the kernel does not read
-    slot = 0
+    gdot = coef = r  # placeholders for pointers the kernel does not read
     if g_mix is not None:
         g_mix = g_mix.float()
         gdot = (g_mix * r[:, None]).contiguous()  # d/d(h' . fn[m])
         # d/dh' through r = rsqrt(mean(h'^2) + norm_eps): 2 * dL/d(ss) = -(r^2 / nD) <g_mix, mix>
         coef = (-(r * r) / (N * D) * (g_mix * mix).sum(-1)).contiguous()
-    if in_kernel_fn:  # [gd_hi | gd_lo], slot columns each, padded to >= 64 (see the kernel)
-        slot = _pow2(M, 16)
-        gc = torch.cat([_cols(a, slot) for a in _split_bf16(gdot)], 1)
-        gc = _cols(gc, _pow2(gc.shape[1], 64)).contiguous()
     g_hn = g_hn.contiguous() if g_hn is not None else None
     g_x = g_x.contiguous() if g_x is not None else None
     n_blocks = triton.cdiv(D, cfg.bwd_block_d)
@@ -446,22 +412,17 @@ def _backward(h, y, post, comb, pre, fn, r, mix, h_new, cfg: MHCKernelConfig, g_
     gpre_part = torch.empty(n_blocks, T, N, **f32) if g_x is not None else r
     gpost_part = torch.empty(n_blocks, T, N, **f32) if update else gpre_part
     gcomb_part = torch.empty(n_blocks, T, N, N, **f32) if update else gpre_part
-    gfn_part = torch.empty(groups, gc.shape[1], N * D, **f32) if in_kernel_fn else gpre_part
     if T > 0:  # dummies (h, pre, g_h, r) for what the kernel does not touch
         _mhc_bwd_kernel[(n_blocks, groups)](
             h, y if update else h, post if update else pre, comb if update else pre, pre, fn,
-            g_hn if g_hn is not None else h, g_x if g_x is not None else h, coef, gdot, gc,
-            g_h, g_y if update else g_h, gpost_part, gcomb_part, gpre_part, gfn_part, T, D, n_tiles,
-            N=N, M=M, MC=gc.shape[1] if in_kernel_fn else 16, BT=cfg.bwd_block_t, BD=cfg.bwd_block_d,
+            g_hn if g_hn is not None else h, g_x if g_x is not None else h, coef, gdot,
+            g_h, g_y if update else g_h, gpost_part, gcomb_part, gpre_part, T, D, n_tiles,
+            N=N, M=M, BT=cfg.bwd_block_t, BD=cfg.bwd_block_d,
             HAS_GHN=g_hn is not None, HAS_GX=g_x is not None, HAS_GMIX=g_mix is not None,
-            NEED_GFN=in_kernel_fn, UPCAST=_interpreting(), UPDATE=update, num_warps=cfg.bwd_num_warps,
-            num_stages=cfg.num_stages)
+            UPDATE=update, num_warps=cfg.bwd_num_warps, num_stages=cfg.num_stages)
     g_pre = gpre_part.sum(0) if g_x is not None else None
     g_fn = None
-    if in_kernel_fn:
-        g_fn = gfn_part.sum(0)
-        g_fn = g_fn[:M] + g_fn[slot:slot + M]
-    elif need_fn and h_new.dtype == torch.bfloat16 and h_new.is_cuda:
+    if need_fn and h_new.dtype == torch.bfloat16 and h_new.is_cuda:
         # g_dot's bf16 halves against h' (exact in bf16), accumulated and returned in fp32
         g_fn = torch.mm(torch.cat(_split_bf16(gdot), 1).T, h_new.reshape(T, N * D), out_dtype=torch.float32)
         g_fn = g_fn[:M] + g_fn[M:]
@@ -472,18 +433,13 @@ def _backward(h, y, post, comb, pre, fn, r, mix, h_new, cfg: MHCKernelConfig, g_
     return g_h, g_y, gpost_part.sum(0), gcomb_part.sum(0), g_pre, g_fn
 
 
-def _host_fn_grad(h: torch.Tensor, cfg: MHCKernelConfig) -> bool:
-    """Whether the backward takes g_fn from a host matmul over the streams (so they are saved)."""
-    return not (h.dtype == torch.bfloat16 and cfg.bwd_fn_in_kernel)
-
-
 class _FusedMHCStep(torch.autograd.Function):
     """Flat shapes: h [T, n, D], y [T, D], post/pre [T, n], comb [T, n, n], fn [M, n*D]."""
 
     @staticmethod
     def forward(ctx, h, y, post, comb, pre, fn, norm_eps: float, cfg: MHCKernelConfig, x_dtype: torch.dtype):
         h_new, x, mix, r, cfg = _forward(h, y, post, comb, pre, fn, norm_eps, cfg, x_dtype)
-        ctx.save_for_backward(h, y, post, comb, pre, fn, r, mix, h_new if _host_fn_grad(h, cfg) else None)
+        ctx.save_for_backward(h, y, post, comb, pre, fn, r, mix, h_new)
         ctx.cfg = cfg
         ctx.set_materialize_grads(False)  # unused outputs cost no traffic in the backward
         return h_new, x, mix
@@ -510,8 +466,7 @@ class _FusedMHCMix(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_x, g_mix):
         h, pre, fn, r, mix = ctx.saved_tensors
-        g_h, _, _, _, g_pre, g_fn = _backward(h, None, None, None, pre, fn, r, mix,
-                                              h if _host_fn_grad(h, ctx.cfg) else None, ctx.cfg, None, g_x,
+        g_h, _, _, _, g_pre, g_fn = _backward(h, None, None, None, pre, fn, r, mix, h, ctx.cfg, None, g_x,
                                               g_mix, ctx.needs_input_grad[2])
         return g_h, g_pre, g_fn, None, None, None
 
