@@ -44,7 +44,14 @@ def resolve_init_source(source: str, what: str = "model.init_from") -> Path:
     """Where a run's starting weights come from: a public-layout directory as given, or the
     checkpoint that `source` names (resolve_checkpoint; collective). `what` names the setting in
     the error when `source` does not exist."""
+    path = existing_init_source(source, what)
+    return path if is_public_dir(path) else resolve_checkpoint(path, what)
+
+
+def existing_init_source(source: str, what: str = "model.init_from") -> Path:
+    """`source` as a path, or a one-line error naming `what` when nothing is there (checked before
+    a run builds anything)."""
     path = Path(source).expanduser()
     if not path.exists():
         raise CheckpointError(f"{what}={source}: no such checkpoint or directory")
-    return path if is_public_dir(path) else resolve_checkpoint(path, what)
+    return path

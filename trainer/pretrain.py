@@ -27,7 +27,7 @@ from trainer.checkpoint import CheckpointManager
 from trainer.context_parallel import slice_batch
 from trainer.distributed import DistInfo, all_reduce_sum_, init_distributed
 from trainer.engine import build_engine, check_trainer_counts
-from trainer.init_weights import checkpoint_attachments, load_init_weights
+from trainer.init_weights import checkpoint_attachments, existing_init_source, load_init_weights
 from trainer.metrics import MetricsLog, device_peak_flops, moe_balance
 from trainer.nonfinite import NonFiniteSteps, boundary_step
 from trainer.parallelize import (
@@ -104,6 +104,10 @@ class Trainer:
         if tc.max_steps <= 0:
             raise ConfigError(f"trainer.max_steps={tc.max_steps}: must be positive")
         check_trainer_counts(tc)  # before the data and the model are built
+        if init_from is None:
+            init_from, init_setting = cfg.model.init_from, "model.init_from"
+        if init_from is not None:
+            existing_init_source(str(init_from), init_setting)
         if tc.compile and tc.activation_checkpointing:  # the recompute saves other tensors than the forward
             raise ConfigError("trainer.compile=true with trainer.activation_checkpointing=true is not supported: "
                               "checkpoint recomputation through the compiled blocks fails; turn one off")
@@ -143,8 +147,6 @@ class Trainer:
         self.nonfinite = NonFiniteSteps(tc.max_nonfinite_steps, d.is_main)
         self.resumed_from = self.ckpts.resolve(tc.resume)
         run_id = self._resume(self.resumed_from) if self.resumed_from is not None else None
-        if init_from is None:
-            init_from, init_setting = cfg.model.init_from, "model.init_from"
         self.initialised_from = None
         if self.resumed_from is None and init_from is not None:
             self._load_weights(init_from, init_setting)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -23,31 +23,19 @@ from trainer.parallelize import full_experts
 from trainer.pretrain import Trainer, build_model
 
 
-def resolve_init(init_from: Optional[str]) -> Optional[Path]:
-    """init_from: a checkpoint, a run's checkpoints/ dir, or a run dir holding checkpoints/."""
-    if init_from is None:
-        return None
-    path = Path(init_from).expanduser()
-    if not path.exists():
-        raise ConfigError(f"init_from={init_from}: no such checkpoint or directory")
-    if (path / "checkpoints").is_dir():
-        path = path / "checkpoints"
-    return path
-
-
 class SFTTrainer(Trainer):
     def __init__(self, cfg: SFTConfig, run_dir: Path, config_yaml: str):
         self.sft_cfg = cfg
         if cfg.init_from is not None and cfg.model.init_from is not None:
             raise ConfigError(f"init_from={cfg.init_from} and model.init_from={cfg.model.init_from}: give one")
-        init = resolve_init(cfg.init_from if cfg.init_from is not None else cfg.model.init_from)
         tier_efforts(cfg.efforts, cfg.sft.tiers)  # bad tiers fail before anything is built
         # The Trainer sizes sequences (FLOPs, tokens/step, context-parallel slices) by
         # data.seq_len; SFT rows are sft.seq_len long. The tokenizer comes from the unchanged
         # cfg.data (build_data below).
         rows = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=cfg.sft.seq_len))
-        super().__init__(rows, run_dir, config_yaml, init_from=init)
-        if self.dist.is_main and self.resumed_from is None and init is None:
+        # init_from (else model.init_from) is resolved and loaded as model.init_from is (trainer/init_weights.py)
+        super().__init__(rows, run_dir, config_yaml, init_from=cfg.init_from, init_setting="init_from")
+        if self.dist.is_main and self.resumed_from is None and self.initialised_from is None:
             print("flashtrain: warning: sft without init_from: fine-tuning randomly initialised weights", flush=True)
 
     def build_data(self):
