@@ -6,13 +6,8 @@ from typing import Any, Optional
 
 from omegaconf import MISSING
 
-from conf.data import DataConfig
-from conf.launcher import LauncherConfig
-from conf.logger import LoggerConfig
-from conf.model import ModelConfig
-from conf.optim import OptimConfig
-from conf.rl import RL_DEFAULTS, RLLoopConfig
-from conf.trainer import TrainerConfig
+from conf.rl import RLLoopConfig, rl_defaults
+from conf.stage import TrainingStage
 
 
 @dataclass
@@ -85,14 +80,10 @@ def distill_rl_defaults() -> RLLoopConfig:
 
 
 @dataclass
-class DistillConfig:
-    defaults: list[Any] = field(default_factory=lambda: list(RL_DEFAULTS))
+class DistillConfig(TrainingStage):
+    # model: the student; data: the pretraining corpus, of which only its tokenizer is used (the
+    # teachers must share it)
+    defaults: list[Any] = field(default_factory=rl_defaults)
     stage: str = "distill"
-    model: ModelConfig = MISSING  # the student
-    data: DataConfig = MISSING  # the pretraining corpus: only its tokenizer is used (teachers must share it)
-    optim: OptimConfig = MISSING
-    trainer: TrainerConfig = MISSING
-    logger: LoggerConfig = MISSING
-    launcher: LauncherConfig = MISSING
     rl: RLLoopConfig = field(default_factory=distill_rl_defaults)  # rl.task is set from distill.domains
     distill: DistillLoopConfig = field(default_factory=DistillLoopConfig)

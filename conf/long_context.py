@@ -14,12 +14,7 @@ from typing import Any, Optional
 
 from omegaconf import MISSING
 
-from conf.data import DataConfig
-from conf.launcher import LauncherConfig
-from conf.logger import LoggerConfig
-from conf.model import ModelConfig
-from conf.optim import OptimConfig
-from conf.trainer import TrainerConfig
+from conf.stage import TrainingStage, training_defaults
 
 
 @dataclass
@@ -82,16 +77,8 @@ class FlashSchedule(ScheduleConfig):
 
 
 @dataclass
-class LongContextConfig:
-    defaults: list[Any] = field(default_factory=lambda: [
-        "_self_", {"model": "tiny"}, {"data": "stdlib"}, {"optim": "muon"}, {"trainer": "default"},
-        {"schedule": "tiny"}, {"logger": "wandb"}, {"launcher": "local"}])
+class LongContextConfig(TrainingStage):
+    defaults: list[Any] = field(default_factory=lambda: training_defaults("muon", {"schedule": "tiny"}))
     stage: str = "long_context"
     init_from: Optional[str] = None  # a pretraining checkpoint (dir) to start from; weights only
-    model: ModelConfig = MISSING
-    data: DataConfig = MISSING
-    optim: OptimConfig = MISSING
-    trainer: TrainerConfig = MISSING
     schedule: ScheduleConfig = MISSING
-    logger: LoggerConfig = MISSING
-    launcher: LauncherConfig = MISSING

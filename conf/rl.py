@@ -4,14 +4,7 @@
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from omegaconf import MISSING
-
-from conf.data import DataConfig
-from conf.launcher import LauncherConfig
-from conf.logger import LoggerConfig
-from conf.model import ModelConfig
-from conf.optim import OptimConfig
-from conf.trainer import TrainerConfig
+from conf.stage import TrainingStage, training_defaults
 
 
 @dataclass
@@ -59,25 +52,13 @@ class RLLoopConfig:
     ray_num_cpus: Optional[int] = None
 
 
-RL_DEFAULTS = [
-    "_self_",
-    {"model": "tiny"},
-    {"data": "stdlib"},
-    {"optim": "rl"},  # AdamW, constant fine-tuning lr
-    {"trainer": "default"},
-    {"logger": "wandb"},
-    {"launcher": "local"},
-]
+def rl_defaults() -> list[Any]:
+    return training_defaults("rl")  # AdamW, constant fine-tuning lr
 
 
 @dataclass
-class RLConfig:
-    defaults: list[Any] = field(default_factory=lambda: list(RL_DEFAULTS))
+class RLConfig(TrainingStage):
+    # data: the pretraining corpus, of which only its tokenizer is used
+    defaults: list[Any] = field(default_factory=rl_defaults)
     stage: str = "rl"
-    model: ModelConfig = MISSING
-    data: DataConfig = MISSING  # the pretraining corpus: only its tokenizer is used
-    optim: OptimConfig = MISSING
-    trainer: TrainerConfig = MISSING
-    logger: LoggerConfig = MISSING
-    launcher: LauncherConfig = MISSING
     rl: RLLoopConfig = field(default_factory=RLLoopConfig)

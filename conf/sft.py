@@ -15,14 +15,7 @@ A row is either `messages_field` (a list of {role, content, reasoning?}) or, whe
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from omegaconf import MISSING
-
-from conf.data import DataConfig
-from conf.launcher import LauncherConfig
-from conf.logger import LoggerConfig
-from conf.model import ModelConfig
-from conf.optim import OptimConfig
-from conf.trainer import TrainerConfig
+from conf.stage import TrainingStage, training_defaults
 
 
 @dataclass
@@ -64,17 +57,6 @@ class SFTEvalConfig:
     packed_cache: bool = True  # FP4 / MXFP4 / FP8 decode cache, as inference stores it
 
 
-SFT_DEFAULTS = [
-    "_self_",
-    {"model": "tiny"},
-    {"data": "stdlib"},  # the pretraining corpus: its tokenizer
-    {"optim": "muon"},
-    {"trainer": "default"},
-    {"logger": "wandb"},
-    {"launcher": "local"},
-    "sft_tuning",  # SFT_TUNING below, over the group presets
-]
-
 # Fine-tuning values over the group presets (stored as the root config `sft_tuning` by
 # launch/stages/sft.py); command-line overrides still win.
 SFT_TUNING: dict[str, Any] = {
@@ -84,16 +66,11 @@ SFT_TUNING: dict[str, Any] = {
 
 
 @dataclass
-class SFTConfig:
-    defaults: list[Any] = field(default_factory=lambda: list(SFT_DEFAULTS))
+class SFTConfig(TrainingStage):
+    # data: the pretraining corpus (its tokenizer); sft_tuning: SFT_TUNING over the group presets
+    defaults: list[Any] = field(default_factory=lambda: training_defaults("muon", "sft_tuning"))
     stage: str = "sft"
     init_from: Optional[str] = None  # a pretraining checkpoint, or a run's checkpoints/ dir (None: random init)
-    model: ModelConfig = MISSING
-    data: DataConfig = MISSING
-    optim: OptimConfig = MISSING
-    trainer: TrainerConfig = MISSING
-    logger: LoggerConfig = MISSING
-    launcher: LauncherConfig = MISSING
     sft: SFTDataConfig = field(default_factory=SFTDataConfig)
     efforts: EffortTiers = field(default_factory=EffortTiers)
     eval: SFTEvalConfig = field(default_factory=SFTEvalConfig)
