@@ -55,8 +55,8 @@ STAGES = ("pretrain", "default", "sft", "long_context", "rl", "distill")
 FROM_A_CHECKPOINT = ("sft", "rl", "distill")  # start from a pretraining checkpoint made once
 RAY_STAGES = ("rl", "distill")
 # two sub-stages of 5 steps each, as tests/test_long_context.py's resume test
-SCHEDULE = ("schedule.stages=[{name:warm,seq_len:128,tokens:2560,micro_batch_size:4,lr:0.01,indexer:dense_warmup},"
-            "{name:sparse,seq_len:256,tokens:5120,micro_batch_size:4,lr:0.003}]")
+SCHEDULE = ("schedule.stages=[{name:warm,seq_len:128,tokens:2560,micro_batch_size:4,lr:0.01,"
+            "indexer:dense_warmup},{name:sparse,seq_len:256,tokens:5120,micro_batch_size:4,lr:0.003}]")
 
 
 def command(stage: str, run_dir: Path, cache: Path, steps: int, init: Path | None = None) -> list[str]:
@@ -71,26 +71,30 @@ def command(stage: str, run_dir: Path, cache: Path, steps: int, init: Path | Non
         return [*launch, "pretrain", *where]
     quiet = ["trainer.log_every=1", "trainer.progress=false", "logger=none", *where]
     if stage in RAY_STAGES:
-        ray = [f"rl.policy={init}", f"rl.steps={steps}", "rl.save_every=2", "rl.eval_every=0", "rl.prompts_per_step=4",
-               "rl.group_size=2", "rl.max_new_tokens=8", "rl.prompts_per_request=2", "rl.rollout_workers=1",
-               "rl.reward_workers=1", f"rl.ray_num_cpus={3 if stage == 'rl' else 4}", "rl.timeout_s=120", "trainer.torch_threads=1", *quiet]
+        ray = [f"rl.policy={init}", f"rl.steps={steps}", "rl.save_every=2", "rl.eval_every=0",
+               "rl.prompts_per_step=4", "rl.group_size=2", "rl.max_new_tokens=8", "rl.prompts_per_request=2",
+               "rl.rollout_workers=1", "rl.reward_workers=1", f"rl.ray_num_cpus={3 if stage == 'rl' else 4}",
+               "rl.timeout_s=120", "trainer.torch_threads=1", *quiet]
         if stage == "rl":
             return [*launch, "rl", "rl.eval_prompts=1", *ray]
-        return [*launch, "distill", "distill.only=[reverse,upper]", f"distill.domains.reverse.checkpoint={init}",
-                f"distill.domains.upper.checkpoint={init}", "distill.teacher_workers=1", "distill.eval_prompts=1",
-                "distill.domain_block=2", "distill.teacher_batch=4", *ray]
-    common = ["model=tiny", "trainer.micro_batch_size=4", "trainer.save_every=2", "trainer.eval_every=0", *quiet]
+        return [*launch, "distill", "distill.only=[reverse,upper]",
+                f"distill.domains.reverse.checkpoint={init}", f"distill.domains.upper.checkpoint={init}",
+                "distill.teacher_workers=1", "distill.eval_prompts=1", "distill.domain_block=2",
+                "distill.teacher_batch=4", *ray]
+    common = ["model=tiny", "trainer.micro_batch_size=4", "trainer.save_every=2", "trainer.eval_every=0",
+              *quiet]
     if stage == "long_context":
         return [*launch, "long_context", SCHEDULE, *common]
     common.append(f"trainer.max_steps={steps}")
     if stage == "sft":
-        return [*launch, "sft", f"init_from={init}", "sft.builtin_samples=200", "sft.seq_len=128", "eval.problems=0",
-                *common]
+        return [*launch, "sft", f"init_from={init}", "sft.builtin_samples=200", "sft.seq_len=128",
+                "eval.problems=0", *common]
     return [*launch, "pretrain", "data.seq_len=128", *common]
 
 
 def environment(port: int) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                WANDB_MODE="offline", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
@@ -101,7 +105,8 @@ def run_to_end(cmd: list[str], env: dict[str, str], log: Path, deadline: float) 
     """(exit code, seconds); exit code None when the run was still going at the deadline."""
     start = time.monotonic()
     with open(log, "a") as out:
-        p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                             start_new_session=True)
         try:
             return p.wait(timeout=deadline), time.monotonic() - start
         except subprocess.TimeoutExpired:
@@ -115,7 +120,8 @@ def killed_at(cmd: list[str], env: dict[str, str], log: Path, run_dir: Path, sec
     training rows written, complete checkpoints, a checkpoint half written (its staging dir),
     and the last line of its output (the setup phase, before training starts)."""
     with open(log, "a") as out:
-        p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                             start_new_session=True)
         try:
             code = p.wait(timeout=seconds)
             return {"finished_before_the_kill": code}
@@ -203,7 +209,8 @@ def prompt_accounting(run_dir: Path, steps: int) -> dict:
 
     from trainer.checkpoint import TRAINER_STATE
 
-    state = torch.load(latest_checkpoint(run_dir) / TRAINER_STATE, map_location="cpu", weights_only=True)["rl"]
+    state = torch.load(latest_checkpoint(run_dir) / TRAINER_STATE, map_location="cpu",
+                       weights_only=True)["rl"]
     rows = [r for _, r in training_rows(run_dir)]
     trained = Counter(pid for r in rows for pid in r["prompt_ids"])
     versions = Counter(r["step"] for r in rows)
@@ -219,11 +226,12 @@ def prompt_accounting(run_dir: Path, steps: int) -> dict:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--kill-at", default="1,3,5,10", help="seconds after the start, comma-separated")
-    p.add_argument("--random", type=int, default=4, help="more kill moments, drawn between 0 and the run's duration")
+    p.add_argument("--random", type=int, default=4,
+                   help="more kill moments, drawn between 0 and the run's duration")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stage", choices=STAGES, default="pretrain",
-                   help="default: the Quickstart's `flashtrain pretrain` as is (150 steps; --steps is ignored); "
-                        "long_context: its two sub-stages (--steps is ignored)")
+                   help="default: the Quickstart's `flashtrain pretrain` as is (150 steps; --steps is "
+                        "ignored); long_context: its two sub-stages (--steps is ignored)")
     p.add_argument("--steps", type=int, default=20, help="training steps (rl, distill: policy versions)")
     p.add_argument("--deadline", type=float, default=900.0, help="seconds a rerun may take")
     p.add_argument("--work", type=Path, default=None, help="where the runs go (default: a temp dir)")
@@ -240,7 +248,8 @@ def main(argv=None) -> dict:
         code, _ = run_to_end(command("pretrain", work / "init", work / "init_cache", 2), environment(port),
                              work / "init.log", args.deadline)
         if code != 0:
-            raise SystemExit(f"the pretraining run {args.stage} starts from failed (exit {code}): see {work / 'init.log'}")
+            raise SystemExit(f"the pretraining run {args.stage} starts from failed (exit {code}): see "
+                             f"{work / 'init.log'}")
         init = work / "init" / "checkpoints"
         port += 1
 
@@ -279,12 +288,15 @@ def main(argv=None) -> dict:
         trials.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
     out = {"benchmark": "bench/chaos_kill.py", "stage": args.stage, "command": cmd_for(work / "TRIAL")[2:],
-           "commit": provenance.commit(), "date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU",
+           "commit": provenance.commit(), "date": time.strftime("%Y-%m-%d"),
+           "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU",
            "versions": {"python": sys.version.split()[0], "torch": torch.__version__},
-           "steps": steps, "uninterrupted_s": round(ref_s, 1), **({"uninterrupted": reference} if reference else {}),
+           "steps": steps, "uninterrupted_s": round(ref_s, 1),
+           **({"uninterrupted": reference} if reference else {}),
            "trials": trials, "all_resumed": all(t.get("rerun_exit") == 0 for t in trials),
            **({"all_bit_exact": all(t.get("bit_exact") for t in trials)} if exact else {}),
-           "nothing_lost_or_duplicated": all(t.get("rerun_exit") == 0 and not t["lost"] and not t["duplicated"]
+           "nothing_lost_or_duplicated": all(t.get("rerun_exit") == 0 and not t["lost"]
+                                             and not t["duplicated"]
                                              for t in trials)}
     text = json.dumps(out, indent=2)
     print(text)

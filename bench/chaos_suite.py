@@ -42,11 +42,15 @@ def main(argv=None) -> dict:
             for tag in ("failure", "error", "skipped"):
                 found = case.find(tag)
                 if found is not None:
-                    outcome, reason = ("skipped" if tag == "skipped" else "failed"), found.get("message", "")[:200]
+                    outcome, reason = (("skipped" if tag == "skipped" else "failed"),
+                                       found.get("message", "")[:200])
             cases.append({"test": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome,
-                          "seconds": round(float(case.get("time", 0)), 1), **({"reason": reason} if reason else {})})
-    out = {"benchmark": "bench/chaos_suite.py", "commit": provenance.commit(), "date": time.strftime("%Y-%m-%d"),
-           "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU", "versions": {"python": sys.version.split()[0], "torch": torch.__version__},
+                          "seconds": round(float(case.get("time", 0)), 1),
+                          **({"reason": reason} if reason else {})})
+    out = {"benchmark": "bench/chaos_suite.py", "commit": provenance.commit(),
+           "date": time.strftime("%Y-%m-%d"),
+           "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU",
+           "versions": {"python": sys.version.split()[0], "torch": torch.__version__},
            "pytest_exit": run.returncode,
            "cases": cases, "passed": sum(c["outcome"] == "passed" for c in cases),
            "failed": sum(c["outcome"] == "failed" for c in cases),

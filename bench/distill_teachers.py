@@ -13,8 +13,8 @@
 Not in CI (teachers ~17 minutes on 2 cores, then ~75 minutes for 1000 versions). The recorded run
 (distill.kl_mean at its default, domain):
     python bench/distill_teachers.py --work runs/distill-cpu --out bench/results/distill-cpu.json \
-        --threads 2 --eval-prompts 64 --distill rl.steps=1000 rl.prompts_per_step=32 optim.lr=5e-4 \
-        optim.schedule=cosine optim.warmup_steps=0 optim.min_lr_ratio=0.1 rl.eval_every=500 distill.cpu_cache=24
+      --threads 2 --eval-prompts 64 --distill rl.steps=1000 rl.prompts_per_step=32 optim.lr=5e-4 \
+      optim.schedule=cosine optim.warmup_steps=0 optim.min_lr_ratio=0.1 rl.eval_every=500 distill.cpu_cache=24
     and its variant adds distill.kl_mean=token (with --skip-teachers --run run_token).
 """
 from __future__ import annotations
@@ -40,13 +40,16 @@ def main() -> None:
     ap.add_argument("--teacher-steps", type=int, default=60)
     ap.add_argument("--hf-steps", type=int, default=300)
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--lr", type=float, default=5e-4, help="base and flashtrain teachers (2e-3 leaves tiny copying a constant answer)")
+    ap.add_argument("--lr", type=float, default=5e-4,
+                    help="base and flashtrain teachers (2e-3 leaves tiny copying a constant answer)")
     ap.add_argument("--eval-prompts", type=int, default=16)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (2 on 2 busy cores ran >4x slower than 1)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (2 on 2 busy cores ran >4x slower than 1)")
     ap.add_argument("--distill", nargs="*", default=[], help="extra `flashtrain distill` overrides")
     ap.add_argument("--run", default="run", help="the distill run's directory under --work")
     ap.add_argument("--skip-teachers", action="store_true", help="reuse teachers already in --work")
-    ap.add_argument("--skip-distill", action="store_true", help="only rebuild the table from the run in --run")
+    ap.add_argument("--skip-distill", action="store_true",
+                    help="only rebuild the table from the run in --run")
     args = ap.parse_args()
 
     import torch
@@ -80,8 +83,8 @@ def main() -> None:
     effort = cfg.rl.efforts[0]
     pairs = DomainPromptSource(task, chat, [effort], [1.0], cfg.rl.seed, 1).eval_prompts(args.eval_prompts)
     max_new = cfg.rl.max_new_tokens
-    report: dict = {"commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                                             text=True).stdout.strip(),
+    report: dict = {"commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
+                                             capture_output=True, text=True).stdout.strip(),
                     "date": time.strftime("%Y-%m-%d"), "device": "cpu", "cpus": os.cpu_count(),
                     "python": sys.version.split()[0], "torch": torch.__version__, "threads": args.threads,
                     "args": vars(args)}
@@ -106,12 +109,15 @@ def main() -> None:
             rows = domain_rows(chat, task, domains, 400, seed=100 + i, effort=effort)
             if hf:
                 model = hf_llama(tok.vocab_size, 1000 + i).train()
-                losses[name] = train_rows(model, rows, args.hf_steps, args.batch, 3e-3, tok.pad_id, seed=i, hf=True)
+                losses[name] = train_rows(model, rows, args.hf_steps, args.batch, 3e-3, tok.pad_id, seed=i,
+                                          hf=True)
                 model.save_pretrained(teachers_dir / name)
-                tok.save(teachers_dir / name / "tokenizer.json")  # checked token by token against the student's
+                # checked token by token against the student's
+                tok.save(teachers_dir / name / "tokenizer.json")
             else:
                 model = copy.deepcopy(base)
-                losses[name] = train_rows(model, rows, args.teacher_steps, args.batch, args.lr, tok.pad_id, seed=i)
+                losses[name] = train_rows(model, rows, args.teacher_steps, args.batch, args.lr, tok.pad_id,
+                                          seed=i)
                 save_flashtrain(model, base_cfg, teachers_dir / name)
             mine = [p for p in pairs if p[0]["domain"] in domains]
             scores[name] = domain_scores(model, chat, task, mine, max_new, hf=hf)
@@ -122,12 +128,15 @@ def main() -> None:
                                            "base_s": base_s, "teachers_s": teachers_s, "base_loss": base_loss,
                                            "eval_prompts": args.eval_prompts}))
     made = json.loads(scores_file.read_text())
-    if made.get("eval_prompts", 16) != args.eval_prompts:  # teachers reused: score them on the student's eval set
-        made["scores"] = rescore_teachers(Path(made["base_ckpt"]), teachers_dir, groups, tok, chat, task, pairs, max_new)
+    # teachers reused: score them on the student's eval set
+    if made.get("eval_prompts", 16) != args.eval_prompts:
+        made["scores"] = rescore_teachers(Path(made["base_ckpt"]), teachers_dir, groups, tok, chat, task,
+                                          pairs, max_new)
         made["eval_prompts"] = args.eval_prompts
         scores_file.write_text(json.dumps(made))
     report["teacher_training"] = {"base_steps": args.base_steps, "base_s": round(made["base_s"], 1),
-                                  "base_loss": made["base_loss"], "flashtrain_teachers": len(groups) - len(HF_TEACHERS),
+                                  "base_loss": made["base_loss"],
+                                  "flashtrain_teachers": len(groups) - len(HF_TEACHERS),
                                   "hf_teachers": len(HF_TEACHERS), "teacher_steps": args.teacher_steps,
                                   "hf_steps": args.hf_steps, "all_teachers_s": round(made["teachers_s"], 1)}
 
@@ -155,8 +164,8 @@ def main() -> None:
         table.append({"domain": d, "teacher": teacher_of[d], "kl_start": first.get(f"eval/{d}/kl"),
                       "kl_end": last.get(f"eval/{d}/kl"), "student_score_start": first[f"eval/{d}/score"],
                       "student_score_end": last[f"eval/{d}/score"], "teacher_score": t["score"],
-                      "student_exact_start": first[f"eval/{d}/exact"], "student_exact_end": last[f"eval/{d}/exact"],
-                      "teacher_exact": t["exact"]})
+                      "student_exact_start": first[f"eval/{d}/exact"],
+                      "student_exact_end": last[f"eval/{d}/exact"], "teacher_exact": t["exact"]})
     both = [r for r in table if r["kl_start"] is not None and r["kl_end"] is not None]
     def gap_of(r: dict, when: str) -> float:
         return round(abs(r["teacher_score"] - r[f"student_score_{when}"]), 6)
@@ -165,16 +174,22 @@ def main() -> None:
         return sum(abs(r["teacher_score"] - r[key]) for r in table) / len(table)
 
     report["summary"] = {
-        "domains": len(table), "kl_fell": sum(r["kl_end"] < r["kl_start"] for r in both), "kl_measured": len(both),
-        "kl_mean_start": sum(r["kl_start"] for r in both) / len(both), "kl_mean_end": sum(r["kl_end"] for r in both) / len(both),
+        "domains": len(table), "kl_fell": sum(r["kl_end"] < r["kl_start"] for r in both),
+        "kl_measured": len(both),
+        "kl_mean_start": sum(r["kl_start"] for r in both) / len(both),
+        "kl_mean_end": sum(r["kl_end"] for r in both) / len(both),
         "score_gap_shrank": sum(gap_of(r, "end") < gap_of(r, "start") for r in table),
         "score_gap_same": sum(gap_of(r, "end") == gap_of(r, "start") for r in table),
         "score_gap_grew": sum(gap_of(r, "end") > gap_of(r, "start") for r in table),
-        "score_gap_to_teacher_start": gap("student_score_start"), "score_gap_to_teacher_end": gap("student_score_end"),
-        "student_score_mean_start": first["eval/mean_score"], "student_score_mean_end": last["eval/mean_score"],
+        "score_gap_to_teacher_start": gap("student_score_start"),
+        "score_gap_to_teacher_end": gap("student_score_end"),
+        "student_score_mean_start": first["eval/mean_score"],
+        "student_score_mean_end": last["eval/mean_score"],
         "teacher_score_mean": sum(r["teacher_score"] for r in table) / len(table),
-        "train_kl_first_5": [round(r["kl"], 4) for r in steps[:5]], "train_kl_last_5": [round(r["kl"], 4) for r in steps[-5:]],
-        "teacher_tokens_per_s": steps[-1]["teacher_tokens_per_s"], "teacher_swap_s": steps[-1]["teacher_swap_s"],
+        "train_kl_first_5": [round(r["kl"], 4) for r in steps[:5]],
+        "train_kl_last_5": [round(r["kl"], 4) for r in steps[-5:]],
+        "teacher_tokens_per_s": steps[-1]["teacher_tokens_per_s"],
+        "teacher_swap_s": steps[-1]["teacher_swap_s"],
         "teacher_score_s": steps[-1]["teacher_score_s"], "samples_per_s": steps[-1]["samples_per_s"],
         "versions": steps[-1]["step"]}
     report["table"] = table
@@ -189,8 +204,8 @@ def main() -> None:
     print(json.dumps(report["summary"], indent=1))
 
 
-def rescore_teachers(base_ckpt: Path, teachers_dir: Path, groups: dict[str, list[str]], tok, chat, task, pairs,
-                     max_new: int) -> dict:
+def rescore_teachers(base_ckpt: Path, teachers_dir: Path, groups: dict[str, list[str]], tok, chat, task,
+                     pairs, max_new: int) -> dict:
     """Greedy eval of the saved base and teachers, loaded from disk as the registry loads them."""
     from conf.distill import HF_TEACHERS
     from rl.distill.make_teachers import domain_scores
@@ -201,11 +216,13 @@ def rescore_teachers(base_ckpt: Path, teachers_dir: Path, groups: dict[str, list
         key = path if arch == "hf" else resolve_checkpoint(path)
         return load_teacher(TeacherSpec(str(key), name, arch, 1, tuple(domains)), tok, tok.vocab_size)
 
-    scores = {"base": domain_scores(load(base_ckpt, "base", "flashtrain", ["all"]), chat, task, pairs, max_new)}
+    scores = {"base": domain_scores(load(base_ckpt, "base", "flashtrain", ["all"]), chat, task, pairs,
+                                    max_new)}
     for name, domains in sorted(groups.items()):
         hf = name in HF_TEACHERS.values()
         model = load(teachers_dir / name, name, "hf" if hf else "flashtrain", domains)
-        scores[name] = domain_scores(model, chat, task, [p for p in pairs if p[0]["domain"] in domains], max_new, hf=hf)
+        scores[name] = domain_scores(model, chat, task, [p for p in pairs if p[0]["domain"] in domains],
+                                     max_new, hf=hf)
         print(f"teacher {name} rescored on {len(pairs) // len(task.names)} prompts per domain: "
               f"{sum(v['score'] for v in scores[name].values()) / len(domains):.3f}", flush=True)
     return scores

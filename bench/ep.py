@@ -48,9 +48,11 @@ def main() -> None:
         "torch": torch.__version__,
         "date": datetime.date.today().isoformat(),
         "commit": os.environ.get("FLASHTRAIN_COMMIT"),
-        "model": "small", "ep": args.ep, "dp": 1, "seq_len": args.seq_len, "micro_batch_per_gpu": args.micro_batch,
+        "model": "small", "ep": args.ep, "dp": 1, "seq_len": args.seq_len,
+        "micro_batch_per_gpu": args.micro_batch,
         "steps": args.steps, "tokens_per_s": mean("tokens_per_s"), "mfu": mean("mfu"),
-        "all_to_all_share_of_step": mean("a2a_share"), "peak_mem_gib_rank0": max(r["peak_mem_gib"] for r in steady),
+        "all_to_all_share_of_step": mean("a2a_share"),
+        "peak_mem_gib_rank0": max(r["peak_mem_gib"] for r in steady),
         "final_loss": steady[-1]["loss"], "first_loss": rows[0]["loss"],
     }, indent=1))
 

@@ -23,9 +23,11 @@ SHAPES = ((32, 131072), (384, 196608), (8, 4096))
 def _ways(ids: torch.Tensor, n: int) -> dict:
     dev = ids.device
     return {
-        "scatter_add": lambda: torch.zeros(n, dtype=torch.int64, device=dev).scatter_add_(0, ids, torch.ones_like(ids)),
+        "scatter_add": lambda: torch.zeros(n, dtype=torch.int64,
+                                           device=dev).scatter_add_(0, ids, torch.ones_like(ids)),
         "histc": lambda: torch.histc(ids.float(), bins=n, min=0, max=n).long(),
-        "sort_searchsorted": lambda: torch.searchsorted(ids.sort().values, torch.arange(n + 1, device=dev)).diff(),
+        "sort_searchsorted": lambda: torch.searchsorted(ids.sort().values,
+                                                        torch.arange(n + 1, device=dev)).diff(),
         "compare_sum": lambda: (ids.unsqueeze(1) == torch.arange(n, device=dev)).sum(0),
         "expert_counts": lambda: expert_counts(ids, n),
         "bincount": lambda: torch.bincount(ids, minlength=n),

@@ -103,7 +103,8 @@ def bench_decode(model, batches, prompt_len, steps, vocab, device) -> dict:
         at = prompt_len + steps
         [plain_next_logits(model, ids[:, :p + 1]) for p in range(at - 2, at)]  # warm-up
         positions = range(at, at + plain_steps)
-        plain = _seconds(lambda ids=ids, positions=positions: [plain_next_logits(model, ids[:, :p + 1]) for p in positions],
+        plain = _seconds(lambda ids=ids, positions=positions: [plain_next_logits(model, ids[:, :p + 1])
+                                                               for p in positions],
                          device)
         out[b] = {"cached_tokens_per_s": b * steps / cached, "plain_tokens_per_s": b * plain_steps / plain,
                   "speedup": (b * steps / cached) / (b * plain_steps / plain)}
@@ -114,8 +115,10 @@ def bench_prefix(model, prefix_len, new_tokens, vocab, device) -> dict:
     prefix = _ids(1, prefix_len, vocab, device, seed=1)[0].tolist()
     prompt = prefix + _ids(1, new_tokens, vocab, device, seed=2)[0].tolist()
     cache = PrefixCache(max_bytes=1 << 40)
-    generate(model, [prefix + prompt[prefix_len:prefix_len + 1]], max_new_tokens=1, temperature=0, prefix_cache=cache)
-    hit = _seconds(lambda: generate(model, [prompt], max_new_tokens=1, temperature=0, prefix_cache=cache), device)
+    generate(model, [prefix + prompt[prefix_len:prefix_len + 1]], max_new_tokens=1, temperature=0,
+             prefix_cache=cache)
+    hit = _seconds(lambda: generate(model, [prompt], max_new_tokens=1, temperature=0, prefix_cache=cache),
+                   device)
     miss = _seconds(lambda: generate(model, [prompt], max_new_tokens=1, temperature=0), device)
     return {"prefix_tokens": prefix_len, "new_tokens": new_tokens, "hit_s": hit, "miss_s": miss,
             "miss_over_hit": miss / hit, "hits": cache.hits}
@@ -132,7 +135,8 @@ def main() -> None:
     ap.add_argument("--prefix-len", type=int, default=16384)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--vocab", type=int, default=129_280)
-    ap.add_argument("--kernels", action="store_true", help="model.kernels=true (Triton attention, indexer, mHC)")
+    ap.add_argument("--kernels", action="store_true",
+                    help="model.kernels=true (Triton attention, indexer, mHC)")
     args = ap.parse_args()
     device = torch.device(args.device)
     base = SmallModelConfig() if args.model == "small" else TinyModelConfig()
@@ -145,13 +149,14 @@ def main() -> None:
     if device.type == "cuda":
         model.to(torch.bfloat16)  # inference weights
     commit = provenance.commit()
-    result = {"bench": "generate", "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+    result = {"bench": "generate",
+              "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "date": datetime.date.today().isoformat(), "commit": commit,
               "model": args.model, "kernels": args.kernels}
     result["prefill"] = bench_prefill(model, [int(x) for x in args.prefill.split(",")], args.vocab, device)
     print(json.dumps(result["prefill"]), file=sys.stderr, flush=True)
-    result["decode"] = bench_decode(model, [int(x) for x in args.batches.split(",")], args.prompt_len, args.steps,
-                                    args.vocab, device)
+    result["decode"] = bench_decode(model, [int(x) for x in args.batches.split(",")], args.prompt_len,
+                                    args.steps, args.vocab, device)
     result["prefix"] = bench_prefix(model, args.prefix_len, args.new_tokens, args.vocab, device)
     print(json.dumps(result, indent=1))
 

@@ -30,7 +30,8 @@ def _site(depth: int = 3) -> str:
     here = str(Path(__file__).resolve())
     frames = [f for f in traceback.extract_stack() if f.filename.startswith(ROOT) and f.filename != here]
     inner = frames[-depth:]
-    return " <- ".join(f"{f.filename[len(ROOT):]}:{f.lineno} {f.name}" for f in reversed(inner)) or "(no repository frame)"
+    return (" <- ".join(f"{f.filename[len(ROOT):]}:{f.lineno} {f.name}" for f in reversed(inner))
+            or "(no repository frame)")
 
 
 def host_waits(micro_batch: int = 8, seq_len: int = 4096, vocab: int = 129_280) -> dict:

@@ -58,7 +58,8 @@ def main() -> None:
     result.setdefault("measured", {})
     for name in args.only.split(","):
         if name not in SECTIONS:
-            raise SystemExit(f"bench.kernels: unknown section {name!r}; expected some of {', '.join(SECTIONS)}")
+            raise SystemExit(f"bench.kernels: unknown section {name!r}; expected some of "
+                             f"{', '.join(SECTIONS)}")
         try:
             result[name] = importlib.import_module(f"bench.kernels_{name}").bench(device)
         except Exception as e:  # one failing section must not lose the others' numbers

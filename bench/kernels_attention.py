@@ -23,7 +23,8 @@ LENGTHS = (8192, 32768, 65536, 131072)
 
 def _inputs(S: int, device: torch.device, grad: bool) -> dict:
     g = torch.Generator(device=device).manual_seed(S)
-    r = lambda *shape: torch.randn(*shape, device=device, generator=g, dtype=torch.bfloat16).requires_grad_(grad)
+    r = lambda *shape: torch.randn(*shape, device=device, generator=g,
+                                   dtype=torch.bfloat16).requires_grad_(grad)
     entries = S // RATIO
     visible = max(K, (S - T) // RATIO)  # entries complete before the chunk's first query
     idx = torch.rand(1, T, visible, device=device, generator=g).topk(K, dim=-1).indices
@@ -64,7 +65,8 @@ def _sdpa_inputs(S: int, dim: int, device: torch.device):
     kv = torch.randn(1, 1, S, dim, device=device, dtype=torch.bfloat16).expand(1, H, S, dim).contiguous()
     kv.requires_grad_(True)
     params = SDPAParams(q, kv, kv, None, 0.0, False, False)  # the checks CausalBias makes, in order
-    backend = "flash" if can_use_flash_attention(params) else "efficient" if can_use_efficient_attention(params) else None
+    backend = ("flash" if can_use_flash_attention(params)
+               else "efficient" if can_use_efficient_attention(params) else None)
     return q, kv, backend
 
 
@@ -108,7 +110,8 @@ def _kernel(S: int, device: torch.device, entry: dict, peak: float) -> None:
 
     args = _inputs(S, device, grad=True)
     with torch.no_grad():
-        _guard(entry, "kernel_fwd_ms", lambda: timed_ms(lambda: sparse_attention_triton(**args, want_probs=False)))
+        _guard(entry, "kernel_fwd_ms",
+               lambda: timed_ms(lambda: sparse_attention_triton(**args, want_probs=False)))
         # + the second pass producing the head-summed probabilities (what indexer_kl needs)
         _guard(entry, "kernel_fwd_probs_ms", lambda: timed_ms(lambda: sparse_attention_triton(**args)))
     no_probs = functools.partial(sparse_attention_triton, want_probs=False)

@@ -62,7 +62,8 @@ def _selection(S: int, ratio: int, device) -> torch.Tensor:
 
     g = torch.Generator(device=device).manual_seed(S)
     scores = torch.rand(B, T, S, device=device, generator=g)
-    visible = (torch.arange(S, device=device) * ratio + ratio - 1)[None, :] <= torch.arange(T, device=device)[:, None]
+    visible = ((torch.arange(S, device=device) * ratio + ratio - 1)[None, :]
+               <= torch.arange(T, device=device)[:, None])
     return select_topk_triton(scores.masked_fill(~visible, float("-inf")), K)
 
 
@@ -72,8 +73,10 @@ def _ceilings(glob: torch.Tensor, idx: torch.Tensor, n_rows: int) -> tuple[float
     out = torch.empty(B * T, C, device=glob.device)
     dg = torch.zeros(B, S, C, device=glob.device)
     gather_ms = min(timed_ms(lambda bn=bn, st=st: _gather_rows[(B * T,)](
-        glob, idx, out, T, S, K, C=C, BLOCK_N=bn, num_warps=4, num_stages=st)) for bn, st in ((16, 3), (32, 3), (16, 4)))
-    atomic_ms = min(timed_ms(lambda bn=bn: _add_rows[(B * T,)](dg, idx, T, S, K, C=C, BLOCK_N=bn, num_warps=4))
+        glob, idx, out, T, S, K, C=C, BLOCK_N=bn, num_warps=4, num_stages=st))
+                    for bn, st in ((16, 3), (32, 3), (16, 4)))
+    atomic_ms = min(timed_ms(lambda bn=bn: _add_rows[(B * T,)](dg, idx, T, S, K, C=C, BLOCK_N=bn,
+                                                               num_warps=4))
                     for bn in (16, 32))
     return n_rows * C * glob.element_size() / gather_ms / 1e6, n_rows * C * 4 / atomic_ms / 1e6
 
@@ -104,8 +107,9 @@ def _layer(ratio: int, device) -> dict:
     atomic_ms = selected * C * 4 / atomic_gbs / 1e6
     bwd_ms = fwd_bwd_ms - fwd_ms
     return {"S": S, "selected_per_query": selected / (B * T), "window_per_query": window / (B * T),
-            "kernel_fwd_ms": fwd_ms, "kernel_bwd_ms": bwd_ms, "gather_gbs": gather_gbs, "atomic_gbs": atomic_gbs,
-            "floor_fwd_ms": gather_ms, "floor_bwd_ms": gather_ms + atomic_ms, "floor_bwd_atomic_ms": atomic_ms,
+            "kernel_fwd_ms": fwd_ms, "kernel_bwd_ms": bwd_ms, "gather_gbs": gather_gbs,
+            "atomic_gbs": atomic_gbs, "floor_fwd_ms": gather_ms, "floor_bwd_ms": gather_ms + atomic_ms,
+            "floor_bwd_atomic_ms": atomic_ms,
             "fwd_frac_of_floor": gather_ms / fwd_ms, "bwd_frac_of_floor": (gather_ms + atomic_ms) / bwd_ms}
 
 

@@ -2,8 +2,8 @@
 tokens/s, their ratio, and MFU (model FLOPs per token x tokens/s over the datasheet bf16 peak).
 
 Off is every reference path (the per-expert MoE loop included); on is every fast path (Triton
-kernels and grouped-GEMM experts). Each path runs at the settings it needs: the reference attention keeps an O(T x k x C) gather
-per query chunk, so it runs in query chunks of 2048 (model.attn_chunk_tokens, as `small`
+kernels and grouped-GEMM experts). Each path runs at the settings it needs: the reference attention keeps an
+O(T x k x C) gather per query chunk, so it runs in query chunks of 2048 (model.attn_chunk_tokens, as `small`
 defaults); the kernel needs no chunking. Both: bf16 autocast, fp32 master weights, the Muon +
 Sinkhorn + AdamW composite with sparse Engram table gradients (as the trainer sets it up), no
 activation checkpointing, random tokens.
@@ -46,12 +46,13 @@ def small_model(kernels: bool, vocab: int, compiled: bool = False):
 
         compile_blocks(model)
     opt = build_optimizer(model, MuonConfig(), zero_stage=0)
-    opt.enable_sparse_table_grads(model)  # as the trainer does (trainer/pretrain.py): Engram rows a batch touched
+    # as the trainer does (trainer/pretrain.py): Engram rows a batch touched
+    opt.enable_sparse_table_grads(model)
     return model, opt
 
 
-def _tokens_per_s(kernels: bool, seq_len: int, micro_batch: int, steps: int, vocab: int, compiled: bool = False,
-                  accum: int = 1) -> dict:
+def _tokens_per_s(kernels: bool, seq_len: int, micro_batch: int, steps: int, vocab: int,
+                  compiled: bool = False, accum: int = 1) -> dict:
     model, opt = small_model(kernels, vocab, compiled)
     cfg = model.cfg
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -78,10 +79,11 @@ def _tokens_per_s(kernels: bool, seq_len: int, micro_batch: int, steps: int, voc
     flops = train_flops_per_token(model, seq_len)
     peak, source = device_peak_flops(torch.device("cuda"), None)
     tps = micro_batch * seq_len * accum / step_s
-    result = {"tokens_per_s": tps, "step_s": step_s, "accum": accum, "warmup_s": warmup_s, "compiled": compiled,
-              "mfu": tps * flops / peak, "peak_source": source,
+    result = {"tokens_per_s": tps, "step_s": step_s, "accum": accum, "warmup_s": warmup_s,
+              "compiled": compiled, "mfu": tps * flops / peak, "peak_source": source,
               "flops_per_token": flops, "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
-              "attn_chunk_tokens": cfg.attn_chunk_tokens, "lm_loss_first": losses[0], "lm_loss_last": losses[-1]}
+              "attn_chunk_tokens": cfg.attn_chunk_tokens, "lm_loss_first": losses[0],
+              "lm_loss_last": losses[-1]}
     if compiled:
         from torch._dynamo.utils import counters
 
@@ -103,11 +105,12 @@ def bench(device, seq_len: int = 4096, micro_batch: int = 2, steps: int = 3, voc
     compiled_accum = _tokens_per_s(True, seq_len, micro_batch, steps, vocab, compiled=True, accum=accum)
     torch._dynamo.reset()
     return {"model": "small", "seq_len": seq_len, "micro_batch": micro_batch, "timed_steps": steps,
-            "kernels_off": off, "kernels_on": on, "tokens_per_s_ratio": on["tokens_per_s"] / off["tokens_per_s"],
+            "kernels_off": off, "kernels_on": on,
+            "tokens_per_s_ratio": on["tokens_per_s"] / off["tokens_per_s"],
             "compiled": compiled, "compiled_accum": compiled_accum,
             "compiled_vs_on": compiled["tokens_per_s"] / on["tokens_per_s"],
             "compiled_accum_vs_off": compiled_accum["tokens_per_s"] / off["tokens_per_s"],
             "kernels_used": "sparse attention fwd+bwd, indexer scoring (dense with fused mask, Reindex, KL), "
                             "fused mHC at every sub-layer boundary (attention->MoE in a block, and MoE->next "
-                            "attention across blocks), rotary, LM head + cross-entropy, grouped-GEMM experts; "
-                            "not wired: Engram, KV quant"}
+                            "attention across blocks), rotary, LM head + cross-entropy, grouped-GEMM "
+                            "experts; not wired: Engram, KV quant"}

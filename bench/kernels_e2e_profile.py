@@ -54,7 +54,8 @@ def _top_kernels(prof, n: int = 30) -> list[dict]:
     """The n kernels with the most GPU time: name (cut to 90 characters), ms, calls."""
     events = sorted((e for e in prof.key_averages() if e.self_device_time_total > 0),
                     key=lambda e: -e.self_device_time_total)[:n]
-    return [{"name": e.key[:90], "ms": round(e.self_device_time_total / 1e3, 2), "calls": e.count} for e in events]
+    return [{"name": e.key[:90], "ms": round(e.self_device_time_total / 1e3, 2), "calls": e.count}
+            for e in events]
 
 
 def _top_ops(prof, n: int = 40) -> list[dict]:
@@ -63,10 +64,11 @@ def _top_ops(prof, n: int = 40) -> list[dict]:
     from torch.autograd import DeviceType
 
     events = sorted((e for e in prof.key_averages(group_by_input_shape=True)
-                     if e.device_type == DeviceType.CPU and e.self_device_time_total > 0),  # operators, not kernels
+                     # operators, not kernels
+                     if e.device_type == DeviceType.CPU and e.self_device_time_total > 0),
                     key=lambda e: -e.self_device_time_total)[:n]
-    return [{"op": e.key[:60], "shapes": str(e.input_shapes)[:120], "ms": round(e.self_device_time_total / 1e3, 2),
-             "calls": e.count} for e in events]
+    return [{"op": e.key[:60], "shapes": str(e.input_shapes)[:120],
+             "ms": round(e.self_device_time_total / 1e3, 2), "calls": e.count} for e in events]
 
 
 def bench(device, seq_len: int = 4096, micro_batch: int = 8, vocab: int = 129_280) -> dict:

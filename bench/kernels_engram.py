@@ -81,7 +81,8 @@ def _bench_gpu_table(out: dict, ids, doc, rows_per_head: int, copy_gbs: float, d
     W = eng.table.weight
     (batch, seq), lookups, E = ids.shape, eng.primes.numel(), W.shape[1]
     row_bytes = batch * seq * lookups * E * W.element_size()
-    out.update(lookups=lookups, engram_dim=E, gpu_table_gb=W.numel() * W.element_size() / 1e9, row_bytes=row_bytes)
+    out.update(lookups=lookups, engram_dim=E, gpu_table_gb=W.numel() * W.element_size() / 1e9,
+               row_bytes=row_bytes)
     with torch.no_grad():
         timed_into(out, "addresses_triton_ms", lambda: engram_addresses_triton(
             ids, eng.multipliers, eng.orders, eng.primes, eng.offsets, doc_start=doc))

@@ -74,7 +74,8 @@ def _bench_context(S: int, T: int, H: int, Di: int, pool_blocks: int, pool_block
                 timed_into(out, "select_topk_triton_ms", lambda: select_topk_triton(scores, topk))
                 out["select_topk_speedup"] = out["select_topk_ms"] / out["select_topk_triton_ms"]
             newest = positions.clone()  # m = 1, one document: the query's own entry
-            timed_into(out, "candidate_pool_ms", lambda: candidate_pool(scores, newest, pool_block, pool_blocks),
+            timed_into(out, "candidate_pool_ms",
+                       lambda: candidate_pool(scores, newest, pool_block, pool_blocks),
                      reps=5, warmup=1)
             del scores
         torch.cuda.empty_cache()
@@ -125,7 +126,8 @@ def _select_training_shape(topk: int, device) -> dict:
         ref = timed_into(out, f"s{S}_select_topk_ms", lambda sc=scores: select_topk(sc, topk))
         got = timed_into(out, f"s{S}_select_topk_triton_ms", lambda sc=scores: select_topk_triton(sc, topk))
         out[f"s{S}_select_topk_speedup"] = ref / got
-        out[f"s{S}_select_ids_equal"] = bool(torch.equal(select_topk(scores, topk), select_topk_triton(scores, topk)))
+        out[f"s{S}_select_ids_equal"] = bool(torch.equal(select_topk(scores, topk),
+                                                         select_topk_triton(scores, topk)))
     return out
 
 
@@ -142,8 +144,9 @@ def bench(device, T: int = 4096, contexts: tuple[int, ...] = (16384, 131072), H:
            "pool_candidates": pool_blocks * pool_block}
     out.update({f"train_{k}": v for k, v in _select_training_shape(topk, device).items()})
     for S in contexts:
-        out.update({f"s{S}_{k}": v for k, v in _bench_context(S, T, H, Di, pool_blocks, pool_block, topk, peak,
-                                                              device, ref_reps).items()})
+        out.update({f"s{S}_{k}": v
+                    for k, v in _bench_context(S, T, H, Di, pool_blocks, pool_block, topk, peak,
+                                               device, ref_reps).items()})
         torch.cuda.empty_cache()
     if len(contexts) >= 2:  # pool-bounded: ~1.0 whatever the context grows by
         lo, hi = contexts[0], contexts[-1]

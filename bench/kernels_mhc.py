@@ -110,7 +110,8 @@ def bench(device: torch.device) -> dict:
     torch.manual_seed(0)
     with torch.cuda.device(device):  # timed_ms and copy_bandwidth_gbs use the current device
         copy_gbs = copy_bandwidth_gbs()
-        out = {"tokens": TOKENS, "n_streams": N_STREAMS, "bytes_per_element": 2, "copy_bandwidth_gbs": copy_gbs}
+        out = {"tokens": TOKENS, "n_streams": N_STREAMS, "bytes_per_element": 2,
+               "copy_bandwidth_gbs": copy_gbs}
         for dim in DIMS:
             out.update({f"d{dim}_{k}": v for k, v in _bench_dim(dim, device, copy_gbs).items()})
             torch.cuda.empty_cache()

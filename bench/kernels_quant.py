@@ -34,7 +34,8 @@ from model.kernels import quant as kern
 
 FORMATS = {
     # name: (reference pack, reference unpack, kernel pack, kernel unpack, reference fake quant)
-    "kv_fp4": (ref.pack_kv_fp4, ref.unpack_kv_fp4, kern.pack_kv_fp4, kern.unpack_kv_fp4, ref.fake_quant_kv_fp4),
+    "kv_fp4": (ref.pack_kv_fp4, ref.unpack_kv_fp4, kern.pack_kv_fp4, kern.unpack_kv_fp4,
+               ref.fake_quant_kv_fp4),
     "mxfp4": (ref.pack_mxfp4, ref.unpack_mxfp4, kern.pack_mxfp4, kern.unpack_mxfp4, ref.fake_quant_mxfp4),
     "fp8": (ref.pack_fp8, ref.unpack_fp8, kern.pack_fp8, kern.unpack_fp8, ref.fake_quant_fp8),
 }
@@ -50,7 +51,8 @@ def _bench_format(name: str, x: torch.Tensor, copy_gbs: float, reps: int) -> dic
     r_codes, r_scales = r_pack(x)
     y, qd = k_unpack(codes, scales, torch.bfloat16), kern.quant_dequant(name, x)
     same = (torch.equal(codes, r_codes) and torch.equal(scales, r_scales)
-            and torch.equal(y.view(torch.int16), r_unpack(r_codes, r_scales, torch.bfloat16).view(torch.int16))
+            and torch.equal(y.view(torch.int16),
+                            r_unpack(r_codes, r_scales, torch.bfloat16).view(torch.int16))
             and torch.equal(qd.view(torch.int16), r_fake(x).view(torch.int16)))
     out = {f"{name}_matches_reference": float(same)}
     packed = _nbytes(codes, scales)

@@ -91,7 +91,8 @@ def bench(device) -> dict:
     pre = torch.rand(B, T, N, device="cuda", generator=g)
     upd = _pair(update_streams, update_streams_triton, [h, y, post, comb], 4)
     # forward bytes: h and h' (fp32) and y (bf16)
-    upd["kernel_fwd_frac_copy"] = (2 * h.numel() * 4 + y.numel() * 2) / (upd["kernel_fwd_ms"] * 1e6) / copy_gbs
+    upd["kernel_fwd_frac_copy"] = ((2 * h.numel() * 4 + y.numel() * 2) / (upd["kernel_fwd_ms"] * 1e6)
+                                   / copy_gbs)
     result["update_streams"] = upd
     mix = _pair(mix_streams, mix_streams_triton, [pre, h], 2)
     mix["kernel_fwd_frac_copy"] = (h.numel() * 4 + B * T * D * 4) / (mix["kernel_fwd_ms"] * 1e6) / copy_gbs
@@ -122,7 +123,8 @@ def _engram_gate(g: torch.Generator, copy_gbs: float) -> dict:
     fwd_bytes = 2 * h.numel() * 4 + kv.numel() * 2
     bwd_bytes = 3 * h.numel() * 4 + 2 * kv.numel() * 2
     gate["kernel_fwd_frac_copy"] = fwd_bytes / (gate["kernel_fwd_ms"] * 1e6) / copy_gbs
-    gate["kernel_bwd_frac_copy"] = bwd_bytes / ((gate["kernel_fwd_bwd_ms"] - gate["kernel_fwd_ms"]) * 1e6) / copy_gbs
+    gate["kernel_bwd_frac_copy"] = (bwd_bytes / ((gate["kernel_fwd_bwd_ms"] - gate["kernel_fwd_ms"]) * 1e6)
+                                    / copy_gbs)
     return gate
 
 

@@ -53,7 +53,8 @@ def measure(model: Transformer, opt, seq_len: int, steps: int, vocab: int) -> di
     fwd, bwd, opt_s = (sum(t[i] for t in times) / len(times) for i in range(3))
     step_s = fwd + bwd + opt_s
     return {"seq_len": seq_len, "tokens_per_s": seq_len / step_s, "step_s": step_s, "forward_s": fwd,
-            "backward_s": bwd, "optimizer_s": opt_s, "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "backward_s": bwd, "optimizer_s": opt_s,
+            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
             "lm_loss_first": losses[0], "lm_loss_last": losses[-1], "steps_timed": steps}
 
 
@@ -95,7 +96,8 @@ def main() -> None:
         "date": datetime.date.today().isoformat(), "commit": commit, "model": "small",
         "params": sum(p.numel() for p in model.parameters()), "micro_batch": 1, "attn_impl": cfg.attn_impl,
         "attn_chunk_tokens": args.attn_chunk, "loss_chunk_tokens": args.loss_chunk,
-        "activation_checkpointing": True, "precision": "bf16 autocast, fp32 master", "optimizer": "muon composite",
+        "activation_checkpointing": True, "precision": "bf16 autocast, fp32 master",
+        "optimizer": "muon composite",
         "longest_trained": max((r["seq_len"] for r in results if "tokens_per_s" in r), default=None),
         "results": results,
     }, indent=1))

@@ -1,6 +1,7 @@
 """Parity of a flashtrain export with the public reference inference code, on a CPU or a GPU.
 
-    python -m bench.reference_parity --reference REF --export DIR [--model tiny] [--tokens 256] [--device cuda]
+    python -m bench.reference_parity --reference REF --export DIR [--model tiny] [--tokens 256]
+        [--device cuda]
 
 REF is a directory holding the public DeepSeek-V4.1-Flash inference code as published beside the
 released weights (`model.py`, `engram.py`, `image_processor.py`). It is not part of flashtrain and is
@@ -67,7 +68,8 @@ def _round_e2m1(v: torch.Tensor) -> torch.Tensor:
     dist = (mag - grid).abs()
     best = dist.min(-1, keepdim=True).values
     tied = dist == best
-    code = torch.where(tied.sum(-1) > 1, (tied & (torch.arange(8, device=v.device) % 2 == 0)).float().argmax(-1),
+    code = torch.where(tied.sum(-1) > 1,
+                       (tied & (torch.arange(8, device=v.device) % 2 == 0)).float().argmax(-1),
                        tied.float().argmax(-1))
     return torch.copysign(grid[code], v)
 
@@ -164,7 +166,8 @@ def reference_package(reference: Path, work: Path):
             raise SystemExit(f"--reference {reference}: no {name} (nor inference/{name})")
         shutil.copyfile(src, pkg / name)
     (pkg / "__init__.py").write_text("")
-    (pkg / "kernel_cpu.py").write_text(f"from bench.reference_parity import {', '.join(KERNELS)}  # noqa: F401\n")
+    (pkg / "kernel_cpu.py").write_text(f"from bench.reference_parity import {', '.join(KERNELS)}  "
+                                       "# noqa: F401\n")
     (pkg / "vision.py").write_text(
         "class _TextOnly:\n    def __init__(self, *a, **k):\n"
         "        raise RuntimeError('bench.reference_parity runs text only: a vision tower is not built')\n"
@@ -196,7 +199,8 @@ def build_reference(ref, export: Path, tokenizer, aligned: bool):
                     torch.float8_e4m3fn, torch.float4_e2m1fn_x2):
                 if isinstance(module, ref.ParallelEngramEmbedding):
                     continue  # dequantised by the module itself on lookup (exactly, into bf16)
-                full = _dequant_fp4_weight(w, scale) if w.dtype == torch.float4_e2m1fn_x2 else _dequant_fp8_weight(w, scale)
+                full = (_dequant_fp4_weight(w, scale) if w.dtype == torch.float4_e2m1fn_x2
+                        else _dequant_fp8_weight(w, scale))
                 module.weight = torch.nn.Parameter(full)
                 module.register_parameter("scale", None)
         for p in model.parameters():
@@ -287,14 +291,16 @@ def token_ids(tokenizer_path: Path, batch: int, tokens: int) -> torch.Tensor:
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(tokenizer_path))
-    text = "".join(p.read_text() for p in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("[a-c]*.py"))[:20])
+    text = "".join(p.read_text()
+                   for p in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("[a-c]*.py"))[:20])
     ids = tok.encode(text, add_special_tokens=False).ids
     return torch.tensor([ids[i * 997:i * 997 + tokens] for i in range(batch)])
 
 
 def compare(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
     a, b = a.double(), b.double()
-    return {"rel_err": ((a - b).norm() / b.norm()).item(), "top1_agree": (a.argmax(-1) == b.argmax(-1)).double().mean().item()}
+    return {"rel_err": ((a - b).norm() / b.norm()).item(),
+            "top1_agree": (a.argmax(-1) == b.argmax(-1)).double().mean().item()}
 
 
 def main(argv=None) -> dict:

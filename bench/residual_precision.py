@@ -33,7 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def _corpus(seq_len: int) -> torch.Tensor:
     """[n, seq_len + 1] byte ids of the committed Markdown (README, docs/, model/), cut into rows; not
     a glob of the whole tree, which would pick up the .md reports runs write under outputs/."""
-    files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "model").glob("*.md"))]
+    files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+             *sorted((ROOT / "model").glob("*.md"))]
     text = b"\n".join(p.read_bytes() for p in files)
     ids = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
     n = ids.numel() // (seq_len + 1)

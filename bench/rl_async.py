@@ -62,7 +62,8 @@ def main() -> None:
               "overrides": common}
     with tempfile.TemporaryDirectory() as tmp:
         for mode in ("async", "sync"):
-            result[mode] = _run(common + [f"rl.async={'true' if mode == 'async' else 'false'}"], Path(tmp) / mode)
+            result[mode] = _run(common + [f"rl.async={'true' if mode == 'async' else 'false'}"],
+                                Path(tmp) / mode)
             print(json.dumps({mode: result[mode]}), flush=True)
     result["samples_per_s_ratio"] = result["async"]["samples_per_s"] / result["sync"]["samples_per_s"]
     text = json.dumps(result, indent=1)

@@ -18,8 +18,8 @@ GROUPS = {
     "trainer": {"default": TrainerConfig},
     "logger": {"wandb": WandbLoggerConfig, "none": NoLoggerConfig},
     "schedule": {"tiny": TinySchedule, "small": SmallSchedule, "flash": FlashSchedule},
-    "launcher": {"local": LocalLauncherConfig, "multinode": MultinodeLauncherConfig, "slurm": SlurmLauncherConfig,
-                 "ray": RayLauncherConfig},
+    "launcher": {"local": LocalLauncherConfig, "multinode": MultinodeLauncherConfig,
+                 "slurm": SlurmLauncherConfig, "ray": RayLauncherConfig},
 }
 
 

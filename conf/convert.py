@@ -36,7 +36,8 @@ class ConvertConfig:
     out: Optional[str] = None  # import: the checkpoints directory to write (None: <run dir>/checkpoints)
     export: Optional[str] = None  # a directory to write the public layout into
     checkpoint: Optional[str] = None  # export: a flashtrain checkpoint, a run's checkpoints/ dir or a run dir
-    origin: Optional[str] = None  # export: the public directory the weights came from (None: as recorded; none)
+    # export: the public directory the weights came from (None: as recorded; none)
+    origin: Optional[str] = None
     tokenizer: Optional[str] = None  # export: a tokenizer.json (None: the one the checkpoint carries)
     model: ModelConfig = MISSING
     launcher: LauncherConfig = MISSING

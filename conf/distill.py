@@ -12,10 +12,13 @@ from conf.stage import TrainingStage
 
 @dataclass
 class TeacherConfig:
-    checkpoint: str = MISSING  # flashtrain: a checkpoint or a run's checkpoints/ dir; hf: a save_pretrained dir
-    arch: str = "flashtrain"  # flashtrain (any model config; read from the checkpoint or `model`) | hf (transformers causal LM)
+    # flashtrain: a checkpoint or a run's checkpoints/ dir; hf: a save_pretrained dir
+    checkpoint: str = MISSING
+    # flashtrain (any model config; read from the checkpoint or `model`) | hf (transformers causal LM)
+    arch: str = "flashtrain"
     replicas: int = 1  # teacher workers that can serve it
-    task: Optional[str] = None  # the domain's prompts: None = the built-in domain of this name (tasks/distill_domains.py)
+    # the domain's prompts: None = the built-in domain of this name (tasks/distill_domains.py)
+    task: Optional[str] = None
     # flashtrain teachers whose checkpoint records no model config (a public-layout directory, or a
     # checkpoint made by `flashtrain convert import`): the model preset that describes it, tiny |
     # small | flash. Not used where the checkpoint records its own (trainer_state.pt).
@@ -59,14 +62,17 @@ class DistillLoopConfig:
     # recorded CPU acceptance every domain moved toward its teacher, against 40 of 42 by token) |
     # token: mean over all response tokens of the batch (docs/DESIGN.md, Distillation)
     kl_mean: str = "domain"
-    reward_weight: float = 0.0  # on the RL policy loss (group advantages of the task reward); 0: pure distillation
+    # on the RL policy loss (group advantages of the task reward); 0: pure distillation
+    reward_weight: float = 0.0
     teacher_workers: int = 2  # Ray actors that host teachers
     max_resident: int = 2  # teachers loaded on a worker's device at once (LRU)
     cpu_cache: int = 8  # evicted teachers a worker keeps in CPU memory (beyond: reloaded from disk)
     teacher_gpus: float = 0.0
     teacher_threads: int = 1  # torch threads per teacher worker (CPU)
-    domain_block: int = 4  # consecutive prompts drawn from one domain, so batches and teacher calls share a domain
-    teacher_batch: int = 16  # a teacher is called once it has this many samples waiting (or training needs them)
+    # consecutive prompts drawn from one domain, so batches and teacher calls share a domain
+    domain_block: int = 4
+    # a teacher is called once it has this many samples waiting (or training needs them)
+    teacher_batch: int = 16
     wire_dtype: str = "bfloat16"  # what teachers send: hidden states / log-probs (and heads) in this dtype
     token_chunk: int = 1024  # reverse KL chunking (rl/distill/kl.py)
     vocab_chunk: int = 8192
@@ -74,9 +80,9 @@ class DistillLoopConfig:
 
 
 def distill_rl_defaults() -> RLLoopConfig:
-    return RLLoopConfig(efforts=[50], effort_weights=[1.0], group_size=2, prompts_per_step=8, max_new_tokens=16,
-                        steps=40, save_every=20, eval_every=0, prompts_per_request=4, rollout_workers=1,
-                        max_staleness=1)
+    return RLLoopConfig(efforts=[50], effort_weights=[1.0], group_size=2, prompts_per_step=8,
+                        max_new_tokens=16, steps=40, save_every=20, eval_every=0, prompts_per_request=4,
+                        rollout_workers=1, max_staleness=1)
 
 
 @dataclass

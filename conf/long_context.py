@@ -36,14 +36,16 @@ class ScheduleConfig:
 
 
 def _tiny() -> list[ContextStage]:
-    return [ContextStage("indexer_warmup", 512, 60 * 8 * 512, lr=1e-2, micro_batch_size=8, indexer="dense_warmup"),
+    return [ContextStage("indexer_warmup", 512, 60 * 8 * 512, lr=1e-2, micro_batch_size=8,
+                         indexer="dense_warmup"),
             ContextStage("sparse_512", 512, 60 * 8 * 512, lr=3e-3, micro_batch_size=8),
             ContextStage("sparse_1k", 1024, 40 * 4 * 1024, lr=3e-3, micro_batch_size=4,
                          rope_factor=2.0, original_seq_len=512)]
 
 
 def _small() -> list[ContextStage]:
-    return [ContextStage("indexer_warmup", 4096, 200 * 8 * 4096, lr=1e-3, micro_batch_size=8, indexer="dense_warmup"),
+    return [ContextStage("indexer_warmup", 4096, 200 * 8 * 4096, lr=1e-3, micro_batch_size=8,
+                         indexer="dense_warmup"),
             ContextStage("sparse_16k", 16384, 2_000 * 4 * 16384, lr=3e-4, micro_batch_size=4),
             ContextStage("sparse_64k", 65536, 500 * 65536, lr=2e-4, micro_batch_size=1,
                          rope_factor=4.0, original_seq_len=16384)]

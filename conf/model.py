@@ -20,7 +20,8 @@ class ModelConfig:
     # sparse: each query attends to its indexer top-k (the model as specified); dense: to every visible
     # entry, the indexer learning toward that attention (the long-context stage's warm-up sets it)
     indexer_mode: str = "sparse"
-    kernels: bool = False  # Triton kernels (model/kernels/): attention, indexer, mHC steps and stream mixes, Sinkhorn, ...
+    # Triton kernels (model/kernels/): attention, indexer, mHC steps and stream mixes, Sinkhorn, ...
+    kernels: bool = False
     # Starting weights of a training run (pretrain, sft, rl, distill): a flashtrain checkpoint (or a run's
     # checkpoints/ dir, or a run dir), or a directory in the public DeepSeek-V4.1-Flash layout
     # (docs/post-train-released-model.md). Weights only; ignored when the run resumes its own checkpoint.
@@ -81,7 +82,8 @@ class ModelConfig:
     hc_eps: float = 1e-6
     # Dtype of the residual streams under mixed precision: True keeps them fp32 (the embedding's dtype),
     # False holds them in the autocast dtype, as Megatron-LM does unless --fp32-residual-connection.
-    # Without autocast the streams are in the parameters' dtype either way (bench/reports/2026-12-06-design-history.md).
+    # Without autocast the streams are in the parameters' dtype either way
+    # (bench/reports/2026-12-06-design-history.md).
     fp32_residual: bool = False
 
     # --- Engram (§5)

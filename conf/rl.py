@@ -9,7 +9,8 @@ from conf.stage import TrainingStage, training_defaults
 
 @dataclass
 class RLLoopConfig:
-    policy: Optional[str] = None  # an SFT checkpoint (or run's checkpoints/ dir); None: run the built-in SFT first
+    # an SFT checkpoint (or run's checkpoints/ dir); None: run the built-in SFT first
+    policy: Optional[str] = None
     # extra `flashtrain sft` overrides for that SFT. 140 steps, not sft's 200: greedy answers are
     # right (0.85) but sampled ones are not yet (0.4), which leaves RL a reward to raise; after
     # 200 steps the policy has memorised the task and its sampled reward is flat at ~0.8.
@@ -26,7 +27,8 @@ class RLLoopConfig:
     effort_weights: list[float] = field(default_factory=lambda: [1.0, 1.0, 1.0])  # ...with these weights
     length_penalty_base: float = 8.0  # the penalty at effort 1 is `base` times the one at effort 100
     length_penalty_scale: float = 0.2  # coefficient at effort 100, on length / max_new_tokens
-    adv_std_floor: float = 0.1  # group advantages divide by max(std, this): no unit advantage from a 1-token gap
+    # group advantages divide by max(std, this): no unit advantage from a 1-token gap
+    adv_std_floor: float = 0.1
     flat_reward_warn_steps: int = 5  # warn when this many steps in a row had every advantage 0 (0: never)
     clip_low: float = 0.2
     clip_high: float = 0.28

@@ -70,7 +70,8 @@ class SFTConfig(TrainingStage):
     # data: the pretraining corpus (its tokenizer); sft_tuning: SFT_TUNING over the group presets
     defaults: list[Any] = field(default_factory=lambda: training_defaults("muon", "sft_tuning"))
     stage: str = "sft"
-    init_from: Optional[str] = None  # a pretraining checkpoint, or a run's checkpoints/ dir (None: random init)
+    # a pretraining checkpoint, or a run's checkpoints/ dir (None: random init)
+    init_from: Optional[str] = None
     sft: SFTDataConfig = field(default_factory=SFTDataConfig)
     efforts: EffortTiers = field(default_factory=EffortTiers)
     eval: SFTEvalConfig = field(default_factory=SFTEvalConfig)

@@ -5,7 +5,8 @@ from typing import Optional
 
 @dataclass
 class TrainerConfig:
-    max_steps: int = 150  # optimizer steps (150: the default `tiny` run, bench/reports/2026-12-06-design-history.md)
+    # optimizer steps (150: the default `tiny` run, bench/reports/2026-12-06-design-history.md)
+    max_steps: int = 150
     micro_batch_size: int = 8  # sequences per process per forward
     grad_accum_steps: int = 1
     grad_clip: float = 1.0  # max global grad norm (0 = off)
@@ -17,8 +18,10 @@ class TrainerConfig:
     save_at_end: bool = True  # a final checkpoint (benchmarks turn it off)
     seed: int = 1234
     resume: str = "auto"  # auto | none | <checkpoint dir>
-    max_nonfinite_steps: int = 10  # a NaN/Inf loss or gradient skips the step's update; this many in a row stop the run (0: never)
-    collective_timeout_s: float = 1800.0  # a rank waiting longer on the others in a collective fails with one line
+    # a NaN/Inf loss or gradient skips the step's update; this many in a row stop the run (0: never)
+    max_nonfinite_steps: int = 10
+    # a rank waiting longer on the others in a collective fails with one line
+    collective_timeout_s: float = 1800.0
     zero_stage: int = 1  # ZeRO stage: DeepSpeed's for optim=adamw; 0/1 for Muon or expert parallelism
     activation_checkpointing: bool = False  # recompute each block's activations in the backward
     compile: bool = False  # torch.compile each block's forward (trainer/parallelize.py compile_blocks)

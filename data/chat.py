@@ -56,7 +56,8 @@ class ChatFormat:
                 raise DataError(f"unknown chat role {m.role!r} (expected one of {', '.join(ROLES)})")
             ids.append(self.role[m.role])
             mask.append(False)
-            body = self.assistant_body(m.content, m.reasoning) if m.role == "assistant" else self.tok.encode(m.content)
+            body = (self.assistant_body(m.content, m.reasoning) if m.role == "assistant"
+                    else self.tok.encode(m.content))
             ids += body + [self.eot]
             mask += [m.role == "assistant"] * (len(body) + 1)
         return ids, mask
@@ -65,7 +66,8 @@ class ChatFormat:
         think = [self.think, *self.tok.encode(reasoning or ""), self.end_think]
         return think + self.tok.encode(answer)
 
-    def prompt(self, user: str, effort: Optional[int] = None, history: Optional[list[Message]] = None) -> list[int]:
+    def prompt(self, user: str, effort: Optional[int] = None,
+               history: Optional[list[Message]] = None) -> list[int]:
         """Ids of a generation prompt: the conversation so far, the user turn, then <|assistant|>."""
         ids, _ = self.encode([*(history or []), Message("user", user)], effort)
         return ids + [self.role["assistant"]]

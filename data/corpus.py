@@ -62,8 +62,8 @@ def cache_lock(path: Path, timeout_s: float, what: str):
         with FileLock(lock, timeout=timeout_s):
             yield
     except Timeout:
-        raise DataError(f"waited {timeout_s:g} s for {lock}: another process holds it while it builds the {what}; "
-                        "stop that process or raise data.lock_timeout_s") from None
+        raise DataError(f"waited {timeout_s:g} s for {lock}: another process holds it while it builds the "
+                        f"{what}; stop that process or raise data.lock_timeout_s") from None
 
 
 def load_documents(cfg: DataConfig) -> datasets.Dataset:

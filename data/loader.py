@@ -58,7 +58,8 @@ class DistributedBatchLoader:
         self._order = torch.empty(0, dtype=torch.int64)
 
     def next_batch(self) -> dict[str, torch.Tensor]:
-        """This rank's next micro-batch: ``input_ids``, ``labels``, ``doc_ids`` of shape [micro_batch_size, seq_len]."""
+        """This rank's next micro-batch: ``input_ids``, ``labels``, ``doc_ids`` of shape
+        [micro_batch_size, seq_len]."""
         # Rolled over here rather than after serving, so that a position restored under a larger
         # world size than it was saved with is handled in the same place.
         if self.position + self.global_batch_size > len(self.dataset):
@@ -119,7 +120,8 @@ class DistributedBatchLoader:
             raise DataError(f"data loader state does not match this dataset ({'; '.join(changed)})")
         if state["epoch"] < 0 or not 0 <= state["position"] <= len(self.dataset):
             raise DataError(
-                f"data loader state has an invalid position: epoch {state['epoch']}, position {state['position']}"
+                f"data loader state has an invalid position: epoch {state['epoch']}, position "
+                f"{state['position']}"
             )
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])

@@ -73,8 +73,8 @@ def parse_effort(value: Any, tiers: EffortTiers, where: str) -> int:
     elif isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool):
         effort = int(value) if float(value).is_integer() else None
     if effort is None or not EFFORT_MIN <= effort <= EFFORT_MAX:
-        raise DataError(f"{where}: effort {value!r} is not an integer {EFFORT_MIN}-{EFFORT_MAX} or a tier name "
-                        f"({', '.join(names)})")
+        raise DataError(f"{where}: effort {value!r} is not an integer {EFFORT_MIN}-{EFFORT_MAX} or a tier "
+                        f"name ({', '.join(names)})")
     return effort
 
 
@@ -96,7 +96,8 @@ def parse_messages(value: Any, where: str, field_name: str) -> list[Message]:
     messages = []
     for i, m in enumerate(value):
         if not isinstance(m, dict):
-            raise DataError(f"{where}: message {i} is a {type(m).__name__}, expected an object with role and content")
+            raise DataError(f"{where}: message {i} is a {type(m).__name__}, expected an object with role and "
+                            "content")
         role = m.get("role")
         if role not in ROLES:
             raise DataError(f"{where}: message {i} has role {role!r} (expected one of {', '.join(ROLES)})")
@@ -113,8 +114,10 @@ def parse_row(row: dict[str, Any], cfg: SFTDataConfig, tiers: EffortTiers, where
     """One record (messages or flat schema) -> a Conversation; `draw_effort()` for rows without one."""
     if cfg.prompt_field:
         prompt = _text(row.get(cfg.prompt_field), f"field {cfg.prompt_field!r} (sft.prompt_field)", where)
-        response = _text(row.get(cfg.response_field), f"field {cfg.response_field!r} (sft.response_field)", where)
-        reasoning = (_text(row.get(cfg.reasoning_field), f"field {cfg.reasoning_field!r}", where, optional=True)
+        response = _text(row.get(cfg.response_field), f"field {cfg.response_field!r} (sft.response_field)",
+                         where)
+        reasoning = (_text(row.get(cfg.reasoning_field), f"field {cfg.reasoning_field!r}", where,
+                           optional=True)
                      if cfg.reasoning_field else None)
         messages = [Message("user", prompt), Message("assistant", response, reasoning)]
     else:
@@ -125,7 +128,8 @@ def parse_row(row: dict[str, Any], cfg: SFTDataConfig, tiers: EffortTiers, where
     has_system = any(m.role == "system" for m in messages)
     if has_system:
         if raw is not None:
-            raise DataError(f"{where}: has both a system turn and an effort; the effort goes into the system prompt")
+            raise DataError(f"{where}: has both a system turn and an effort; the effort goes into the system "
+                            "prompt")
         return Conversation(messages, None, where)
     effort = parse_effort(raw, tiers, where) if raw is not None else draw_effort()
     return Conversation(messages, effort, where)
@@ -136,7 +140,8 @@ def resolve_files(source: str) -> Optional[list[Path]]:
     """The files `source` names (a file, a directory, a glob), or None when it names none (a hub name)."""
     expanded = os.path.expanduser(source)
     if os.path.isdir(expanded):
-        files = sorted(p for p in Path(expanded).rglob("*") if p.suffix.lower() in FILE_BUILDERS and p.is_file())
+        files = sorted(p for p in Path(expanded).rglob("*")
+                       if p.suffix.lower() in FILE_BUILDERS and p.is_file())
         if not files:
             raise DataError(f"sft.source {source!r}: no {', '.join(FILE_BUILDERS)} files in that directory")
         return files
@@ -146,13 +151,15 @@ def resolve_files(source: str) -> Optional[list[Path]]:
         matches = sorted(Path(m) for m in glob.glob(expanded, recursive=True) if os.path.isfile(m))
         if not matches:
             raise DataError(f"sft.source glob {source!r} matches no files")
-    elif expanded.lower().endswith(tuple(FILE_BUILDERS)) or (os.sep in expanded and not _looks_like_hub(source)):
+    elif (expanded.lower().endswith(tuple(FILE_BUILDERS))
+          or (os.sep in expanded and not _looks_like_hub(source))):
         raise DataError(f"sft.source {source!r} does not exist")
     else:
         return None
     bad = [str(m) for m in matches if m.suffix.lower() not in FILE_BUILDERS]
     if bad:
-        raise DataError(f"{bad[0]}: unsupported file type for SFT data (supported: {', '.join(FILE_BUILDERS)})")
+        raise DataError(f"{bad[0]}: unsupported file type for SFT data (supported: "
+                        f"{', '.join(FILE_BUILDERS)})")
     return matches
 
 
@@ -231,7 +238,8 @@ def _rows(dataset) -> Iterator[dict[str, Any]]:
             yield dict(zip(keys, values))
 
 
-def file_conversations(cfg: SFTDataConfig, tiers: EffortTiers, cache_dir: Optional[str] = None) -> list[Conversation]:
+def file_conversations(cfg: SFTDataConfig, tiers: EffortTiers,
+                       cache_dir: Optional[str] = None) -> list[Conversation]:
     """Every conversation of sft.source (files or a `datasets` name), in source order."""
     efforts = tier_efforts(tiers, cfg.tiers)
     rng = random.Random(cfg.split_seed)
@@ -246,8 +254,8 @@ def file_conversations(cfg: SFTDataConfig, tiers: EffortTiers, cache_dir: Option
     out: list[Conversation] = []
     for name, dataset in sources:
         if not cfg.prompt_field and cfg.messages_field not in dataset.column_names:
-            raise DataError(f"{name}: no column {cfg.messages_field!r} (sft.messages_field; or set sft.prompt_field "
-                            f"for the flat schema); columns: {dataset.column_names}")
+            raise DataError(f"{name}: no column {cfg.messages_field!r} (sft.messages_field; or set "
+                            f"sft.prompt_field for the flat schema); columns: {dataset.column_names}")
         for i, row in enumerate(_rows(dataset)):
             out.append(parse_row(row, cfg, tiers, f"{name} row {i + 1}", draw))
             if cfg.max_samples is not None and len(out) >= cfg.max_samples:
@@ -296,12 +304,13 @@ def builtin_conversations(task, count: int, seed: int, efforts: Sequence[int],
         while problem.prompt in exclude:
             redraws += 1
             if redraws > 1000:
-                raise DataError(f"sft.builtin_task={task_name(task)}: nearly every problem is held out for the "
-                                "generation eval; lower eval.problems or widen the task")
+                raise DataError(f"sft.builtin_task={task_name(task)}: nearly every problem is held out for "
+                                "the generation eval; lower eval.problems or widen the task")
             problem = task.sample(rng)
         effort = rng.choice(list(efforts))
         out.append(Conversation([Message("user", problem.prompt),
-                                 Message("assistant", task.answer_text(problem), task.reasoning(problem, effort))],
+                                 Message("assistant", task.answer_text(problem),
+                                         task.reasoning(problem, effort))],
                                 effort, f"built-in {task_name(task)} sample {i}"))
     return out
 
@@ -317,7 +326,8 @@ def load_conversations(cfg: SFTDataConfig, tiers: EffortTiers, cache_dir: Option
         raise DataError(f"sft.max_samples must be at least 1 or None, got {cfg.max_samples}")
     if cfg.source == "builtin":
         if cfg.builtin_samples < 2:
-            raise DataError(f"sft.builtin_samples={cfg.builtin_samples}: need at least 2 (train and validation)")
+            raise DataError(f"sft.builtin_samples={cfg.builtin_samples}: need at least 2 (train and "
+                            "validation)")
         count = min(cfg.builtin_samples, cfg.max_samples or cfg.builtin_samples)
         return builtin_conversations(load_sft_task(cfg.builtin_task, cfg.builtin_task_kwargs), count,
                                      cfg.builtin_seed, tier_efforts(tiers, cfg.tiers), exclude)
@@ -432,7 +442,8 @@ def encode_split(conversations: Sequence[Conversation], chat: ChatFormat, seq_le
     arrays = pack_examples(examples, seq_len, chat.tok.pad_id, pack)
     stats.rows = len(arrays[0])
     if stats.truncated:
-        logger.warning("SFT %s split: %d of %d conversations are longer than sft.seq_len=%d and were truncated%s",
+        logger.warning("SFT %s split: %d of %d conversations are longer than sft.seq_len=%d and were "
+                       "truncated%s",
                        split, stats.truncated, len(conversations), seq_len,
                        f" ({stats.dropped} dropped: no assistant token left)" if stats.dropped else "")
     return SFTDataset(*arrays, stats)
@@ -448,7 +459,8 @@ def split_conversations(conversations: list[Conversation], val_fraction: float,
     held_out = min(max(1, round(count * val_fraction)), count - 1)
     is_val = np.zeros(count, dtype=bool)
     is_val[np.random.default_rng(seed).permutation(count)[:held_out]] = True
-    return ([c for c, v in zip(conversations, is_val) if not v], [c for c, v in zip(conversations, is_val) if v])
+    return ([c for c, v in zip(conversations, is_val) if not v],
+            [c for c, v in zip(conversations, is_val) if v])
 
 
 def build_sft_datasets(cfg: SFTDataConfig, tiers: EffortTiers, tokenizer, cache_dir: Optional[str] = None,

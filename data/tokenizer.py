@@ -156,7 +156,8 @@ def _train(documents: datasets.Dataset, vocab_size: int) -> Tokenizer:
     """Train byte-level BPE; the same documents always give a byte-identical ``tokenizer.json``."""
     if vocab_size < _MIN_VOCAB_SIZE:
         raise DataError(
-            f"data.vocab_size={vocab_size} is too small: the special tokens and 256 bytes need {_MIN_VOCAB_SIZE}"
+            f"data.vocab_size={vocab_size} is too small: the special tokens and 256 bytes need "
+            f"{_MIN_VOCAB_SIZE}"
         )
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

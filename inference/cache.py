@@ -28,7 +28,8 @@ from model.quant import pack_fp8, pack_kv_fp4, pack_mxfp4, unpack_fp8, unpack_kv
 from model.runtime import HISTORY_TOKENS, SequenceShard
 
 # what each kind of cached tensor is stored as when packed
-FORMATS = {"kv": (pack_kv_fp4, unpack_kv_fp4), "index_k": (pack_mxfp4, unpack_mxfp4), "window": (pack_fp8, unpack_fp8)}
+FORMATS = {"kv": (pack_kv_fp4, unpack_kv_fp4), "index_k": (pack_mxfp4, unpack_mxfp4),
+           "window": (pack_fp8, unpack_fp8)}
 
 
 @functools.cache
@@ -77,8 +78,8 @@ class DecodeCache(SequenceShard):
         self.window: dict[int, _Store] = {}  # layer -> the last W-1 window rows [B, W-1, C]
         self.entries: dict[tuple[int, str], _Store] = {}  # (owner layer, "kv" | "index_k") -> [B, S, .]
         self.pending: dict[int, torch.Tensor] = {}  # owner layer -> layer inputs [B, r < m, D]
-        self.replaying: set[tuple[int, str]] = set()
-        self.token_layer_passes = 0  # tokens x layers run so far (CED prefill skips most decoder passes)  # entries a CED replay reads but must not append to
+        self.replaying: set[tuple[int, str]] = set()  # entries a CED replay reads but must not append to
+        self.token_layer_passes = 0  # tokens x layers run so far (CED prefill skips most decoder passes)
 
     def begin(self, input_ids: torch.Tensor) -> None:
         """Before a forward over input_ids [B, T] that follow the cached tokens."""
@@ -95,7 +96,8 @@ class DecodeCache(SequenceShard):
         `entries` without adding to them. CED prefill replays the decoder layers of a prompt
         (model.transformer.forward_ced); a prefix-cache hit replays every layer (inference/prefix.py)."""
         if self.length and self.length != total_len:
-            raise ValueError("a replay starts a sequence or rebuilds a restored prefix: the cache must be empty")
+            raise ValueError("a replay starts a sequence or rebuilds a restored prefix: the cache must be "
+                             "empty")
         self.offset, self.total_len = start, total_len
         self.doc_start = torch.zeros(self.batch, total_len - start, dtype=torch.long, device=input_ids.device)
         self.history = input_ids[:, max(start - HISTORY_TOKENS, 0):start] if start > 0 else None

@@ -38,10 +38,11 @@ def forward_new(model: Transformer, cache: DecodeCache, input_ids: torch.Tensor)
 
 
 @torch.no_grad()
-def prefill_ced(model: Transformer, cache: DecodeCache, input_ids: torch.Tensor, replay: int = 128) -> torch.Tensor:
+def prefill_ced(model: Transformer, cache: DecodeCache, input_ids: torch.Tensor,
+                replay: int = 128) -> torch.Tensor:
     """CED prefill of input_ids [B, N] into an empty cache: encoder over all N tokens, decoder over
-    the last min(replay, N) (docs/ARCHITECTURE.md §2) -> logits [B, R, V] of those positions. Counts token-layer
-    passes in cache.token_layer_passes."""
+    the last min(replay, N) (docs/ARCHITECTURE.md §2) -> logits [B, R, V] of those positions. Counts
+    token-layer passes in cache.token_layer_passes."""
     N = input_ids.shape[1]
     n_enc = model.plan.n_encoder_layers
     cache.begin(input_ids)
@@ -62,10 +63,12 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, generators: l
     if top_p < 1.0:  # keep the smallest prefix of the sorted distribution that reaches top_p
         sorted_logp, order = logp.sort(-1, descending=True)
         keep = sorted_logp.exp().cumsum(-1) - sorted_logp.exp() < top_p
-        masked = torch.full_like(logp, float("-inf")).scatter(-1, order, sorted_logp.masked_fill(~keep, float("-inf")))
+        masked = torch.full_like(logp, float("-inf")).scatter(-1, order,
+                                                              sorted_logp.masked_fill(~keep, float("-inf")))
         logp = masked.log_softmax(-1)
     probs = logp.exp()
-    token = torch.cat([torch.multinomial(probs[b:b + 1], 1, generator=g)[0] for b, g in enumerate(generators)])
+    token = torch.cat([torch.multinomial(probs[b:b + 1], 1, generator=g)[0]
+                       for b, g in enumerate(generators)])
     return token, logp.gather(-1, token[:, None])[:, 0]
 
 
@@ -111,7 +114,8 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
     model.eval()
     n_layers = len(model.layers)
     out = [Generation(policy_version=policy_version) for _ in prompts]
-    generators = [torch.Generator(device=device).manual_seed((seed * 1_000_003 + i) % 2**63) for i in range(len(prompts))]
+    generators = [torch.Generator(device=device).manual_seed((seed * 1_000_003 + i) % 2**63)
+                  for i in range(len(prompts))]
     slots = SlotCache(model, min(max_batch, max(len(prompts), 1)), packed)
     free = list(range(slots.slots))[::-1]
     running: dict[int, int] = {}  # slot -> prompt index

@@ -37,7 +37,8 @@ class PrefixCache:
     def put(self, tokens: list[int], cache: DecodeCache) -> None:
         """Keep the global state of a single-sequence cache that has consumed `tokens`."""
         if cache.batch != 1 or cache.length != len(tokens):
-            raise ValueError(f"expected a 1-sequence cache of {len(tokens)} tokens, got {cache.batch} x {cache.length}")
+            raise ValueError(f"expected a 1-sequence cache of {len(tokens)} tokens, got {cache.batch} x "
+                             f"{cache.length}")
         size = cache.nbytes()
         entry = _Entry(copy.deepcopy(cache.entries), {k: v.clone() for k, v in cache.pending.items()},
                        size["global"] + size["pending"])
@@ -50,7 +51,8 @@ class PrefixCache:
         """The longest cached token sequence that is a proper prefix of prompt (at least one new token)."""
         best = None
         for key in self._lru:
-            if len(key) < len(prompt) and tuple(prompt[:len(key)]) == key and (best is None or len(key) > len(best)):
+            if (len(key) < len(prompt) and tuple(prompt[:len(key)]) == key
+                    and (best is None or len(key) > len(best))):
                 best = key
         return best
 

@@ -160,7 +160,8 @@ class SlotCache(SequenceShard):
     def begin(self, slots: list[int], input_ids: torch.Tensor) -> None:
         """Before a forward over input_ids [B, 1]: the next token of each of `slots`."""
         if input_ids.shape != (len(slots), 1):
-            raise ValueError(f"a slot step feeds one token per slot: {len(slots)} slots, ids {tuple(input_ids.shape)}")
+            raise ValueError(f"a slot step feeds one token per slot: {len(slots)} slots, ids "
+                             f"{tuple(input_ids.shape)}")
         self.busy = list(slots)
         self._rows = torch.tensor(self.busy, device=input_ids.device)
         self.total_len = max(self.lengths[s] for s in slots) + 1

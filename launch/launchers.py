@@ -181,7 +181,8 @@ def check_launcher(cfg: LauncherConfig) -> None:
         if getattr(cfg, name) < 1:
             raise ConfigError(f"launcher.{name}={getattr(cfg, name)}: must be at least 1")
     if not 0 <= cfg.node_rank < cfg.nnodes:
-        raise ConfigError(f"launcher.node_rank={cfg.node_rank}: expected 0 .. launcher.nnodes-1 ({cfg.nnodes - 1})")
+        raise ConfigError(f"launcher.node_rank={cfg.node_rank}: expected 0 .. launcher.nnodes-1 "
+                          f"({cfg.nnodes - 1})")
 
 
 def launched_world_size(cfg: LauncherConfig) -> int:

@@ -71,7 +71,8 @@ class CSA2Attention(nn.Module):
         self.indexer_loss_coef = cfg.indexer_loss_coef
         self.attn_chunk = cfg.attn_chunk_tokens
         if 0 < cfg.attn_chunk_tokens < cfg.window:
-            raise ValueError(f"attn_chunk_tokens={cfg.attn_chunk_tokens} must be 0 or at least window={cfg.window}")
+            raise ValueError(f"attn_chunk_tokens={cfg.attn_chunk_tokens} must be 0 or at least "
+                             f"window={cfg.window}")
         self.qat = cfg.kv_quant == "qat"
         self.attend = _head_summed(ATTENTION_IMPLS[cfg.attn_impl])
         self.scale = cfg.kv_dim ** -0.5
@@ -81,8 +82,8 @@ class CSA2Attention(nn.Module):
         if spec.mode == "swa":  # window only: plain RoPE at rope_theta, never YaRN
             self.rotary = Rotary(cfg.rope_dim, cfg.rope_theta)
         else:  # YaRN whenever original_seq_len > 0 (0 turns it off), as DeepSeek's inference code
-            self.rotary = Rotary(cfg.rope_dim, cfg.rope_theta_compressed, cfg.rope_factor, cfg.original_seq_len,
-                                 cfg.beta_fast, cfg.beta_slow)
+            self.rotary = Rotary(cfg.rope_dim, cfg.rope_theta_compressed, cfg.rope_factor,
+                                 cfg.original_seq_len, cfg.beta_fast, cfg.beta_slow)
         self.wq_a = nn.Linear(cfg.dim, cfg.q_lora_rank, bias=False)
         self.q_norm = RMSNorm(cfg.q_lora_rank, eps=cfg.norm_eps)
         self.wq_b = nn.Linear(cfg.q_lora_rank, cfg.n_heads * cfg.kv_dim, bias=False)
@@ -154,7 +155,8 @@ class CSA2Attention(nn.Module):
                 held = None
                 if self.spec.builds_pool or self.spec.mode == "reindex":
                     held = pool_rows if pool_rows is not None else self._source_pool(rt, rows)
-                recall.append(self._recall_sums(q[:, rows], win[:, rows], chunk_halo, glob, idx, held, rt, rows))
+                recall.append(self._recall_sums(q[:, rows], win[:, rows], chunk_halo, glob, idx, held, rt,
+                                                rows))
         if topk:
             rt.topk[self.spec.layer_id] = topk[0] if len(topk) == 1 else torch.cat(topk, dim=1)
         if pool and pool[0] is not None:
@@ -199,8 +201,8 @@ class CSA2Attention(nn.Module):
     @torch.no_grad()
     def _recall_sums(self, q, win, halo, glob, idx, pool, rt: AttentionRuntime, rows: slice) -> torch.Tensor:
         """Share of the dense global attention mass (summed over heads) that the top-k idx, and the
-        pool [B, Tc, P] where there is one (else None), hold, summed over the queries in `rows` that see any entry
-        -> [topk share sum, pool share sum, number of such queries]."""
+        pool [B, Tc, P] where there is one (else None), hold, summed over the queries in `rows` that see any
+        entry -> [topk share sum, pool share sum, number of such queries]."""
         all_ids = rt.all_visible(self.spec.compress_ratio, rows)
         _, p_all = dense_attention(q, win, glob, all_ids, rt.doc_start[:, rows], self.sink, self.scale,
                                    self.window, rt.positions[:, rows], halo)
@@ -247,7 +249,8 @@ class CSA2Attention(nn.Module):
             scores = self._visible_scores(iq, iw, keys, rt, rows)
             idx = self.select(scores, self.index_topk)
             pool = None
-            if spec.builds_pool and not self.pool_is_every_entry(keys.shape[1]):  # else Reindex scores densely
+            # else Reindex scores densely
+            if spec.builds_pool and not self.pool_is_every_entry(keys.shape[1]):
                 pool = candidate_pool(scores, rt.newest_visible(m, rows), self.pool_block, self.pool_blocks)
             return idx, pool
         if self.pool_is_every_entry(keys.shape[1]):  # reindex over the pool = over every visible entry

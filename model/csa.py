@@ -39,7 +39,8 @@ def window_keys(win_kv: torch.Tensor, window: int, halo: Optional[torch.Tensor] 
     rather than unfolded: under trainer.compile on a CPU (torch 2.13), inductor's gradient of an
     unfold with overlapping windows is wrong (tests/test_attention.py)."""
     T = win_kv.shape[1]
-    rows = torch.arange(T, device=win_kv.device).unsqueeze(-1) + torch.arange(window, device=win_kv.device)  # [T, W]
+    rows = (torch.arange(T, device=win_kv.device).unsqueeze(-1)
+            + torch.arange(window, device=win_kv.device))  # [T, W]
     return _with_halo(win_kv, window, halo)[:, rows]
 
 
@@ -53,11 +54,13 @@ def window_doc_start(doc_start: torch.Tensor, positions: Optional[torch.Tensor],
     return torch.maximum(doc_start, positions[:, :1])
 
 
-def window_valid(doc_start: torch.Tensor, window: int, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+def window_valid(doc_start: torch.Tensor, window: int,
+                 positions: Optional[torch.Tensor] = None) -> torch.Tensor:
     """[B, T, W] bool: key position t-W+1+w exists and lies in query t's document."""
     if positions is None:
         positions = torch.arange(doc_start.shape[1], device=doc_start.device).expand_as(doc_start)
-    key_pos = positions.unsqueeze(-1) - (window - 1) + torch.arange(window, device=doc_start.device)  # [B, T, W]
+    key_pos = (positions.unsqueeze(-1) - (window - 1)
+               + torch.arange(window, device=doc_start.device))  # [B, T, W]
     return key_pos >= doc_start.unsqueeze(-1)
 
 

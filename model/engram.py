@@ -163,7 +163,8 @@ class EngramTable(nn.Module):
 
     def lookup(self, addresses: torch.Tensor) -> torch.Tensor:
         """addresses [...] int64 -> rows [..., dim] on the addresses' device."""
-        rows = F.embedding(addresses.to(self.weight.device), self.weight, sparse=self.sparse_grad)  # [..., dim]
+        rows = F.embedding(addresses.to(self.weight.device), self.weight,
+                           sparse=self.sparse_grad)  # [..., dim]
         return rows.to(addresses.device)
 
 
@@ -173,7 +174,8 @@ def engram_rows(engram: Engram, lookup_ids: torch.Tensor, doc_start: torch.Tenso
     return engram.table.lookup(engram.addresses(lookup_ids, doc_start, positions, history))
 
 
-def engram_gate(h: torch.Tensor, kv: torch.Tensor, w_h: torch.Tensor, w_k: torch.Tensor, eps: float) -> torch.Tensor:
+def engram_gate(h: torch.Tensor, kv: torch.Tensor, w_h: torch.Tensor, w_k: torch.Tensor,
+                eps: float) -> torch.Tensor:
     """Engram's gated residual add: h [..., S, D] streams, kv [..., S+1, D] (S keys, then the
     value), w_h/w_k [S, D] the per-stream query and key norm weights -> h + gate * value in h's
     dtype. The gate is sigmoid of the signed square root of the RMS-normed query-key dot product."""
@@ -253,7 +255,8 @@ class Engram(nn.Module):
         if history is None:
             ctx = F.pad(lookup_ids, (keep, 0), value=self.pad_id)  # [B, keep + T]
         else:
-            history = F.pad(history, (max(keep - history.shape[1], 0), 0), value=self.pad_id)  # near position 0
+            # near position 0
+            history = F.pad(history, (max(keep - history.shape[1], 0), 0), value=self.pad_id)
             ctx = torch.cat((history[:, history.shape[1] - keep:].to(lookup_ids.dtype), lookup_ids), dim=1)
         cols = []
         for i in range(max(self.orders)):

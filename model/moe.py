@@ -32,7 +32,8 @@ def expert_counts(ids: torch.Tensor, n: int, chunk: int = 1 << 24) -> torch.Tens
     `chunk` (<= 2^24) at a time. Deterministic mode has no CUDA histc, so it takes the scatter-add."""
     flat = ids.reshape(-1)
     if torch.are_deterministic_algorithms_enabled():
-        return torch.zeros(n, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
+        return torch.zeros(n, dtype=torch.int64, device=ids.device).scatter_add_(0, flat,
+                                                                                 torch.ones_like(flat))
     counts = torch.zeros(n, dtype=torch.int64, device=ids.device)
     for part in flat.split(min(chunk, 1 << 24)):
         counts += torch.histc(part.float(), bins=n, min=0, max=n).long()  # bin e holds [e, e + 1)
@@ -109,7 +110,8 @@ class RoutedExperts(nn.Module):
 
     def forward_grouped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         offsets = counts.cumsum(0).to(torch.int32)  # [E] end row of each expert's group
-        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        dtype = (torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type)
+                 else x.dtype)
         w13 = torch.cat((self.w1.to(dtype), self.w3.to(dtype)), 1).transpose(-2, -1)  # [E, D, 2I] view
         w2 = self.w2.to(dtype).transpose(-2, -1)  # [E, I, D] view
         with torch.autocast(x.device.type, enabled=False):  # _grouped_mm has no autocast rule: cast here
@@ -138,7 +140,8 @@ class _Gather(torch.autograd.Function):
         return ctx.gather_sum(grad, back, ctx.copies, ctx.in_dtype), None, None, None, None, None
 
 
-def gather_sum_reference(grad: torch.Tensor, back: torch.Tensor, copies: int, dtype: torch.dtype) -> torch.Tensor:
+def gather_sum_reference(grad: torch.Tensor, back: torch.Tensor, copies: int,
+                         dtype: torch.dtype) -> torch.Tensor:
     """grad [M * copies, D] -> [M, D] in dtype: row r is the sum of grad's rows back[r * copies:
     (r + 1) * copies] (`_Gather`'s gradient)."""
     g = grad.index_select(0, back)
@@ -260,7 +263,8 @@ class MoE(nn.Module):
             return scores.new_zeros(())
         E = self.n_routed
         hits = torch.zeros(B, E, device=scores.device, dtype=scores.dtype).scatter_add_(
-            1, chosen.view(B, T * self.topk), torch.ones(B, T * self.topk, device=scores.device, dtype=scores.dtype))
+            1, chosen.view(B, T * self.topk),
+            torch.ones(B, T * self.topk, device=scores.device, dtype=scores.dtype))
         length, parts = T, 1
         if shard is not None:
             hits, length, parts = shard.sum(hits), shard.total_len or T, shard.parts

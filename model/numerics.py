@@ -21,7 +21,8 @@ def gather_rows(x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return x.reshape(B * S, C).index_select(0, flat).view(*ids.shape, C)
 
 
-def rms_norm(x: torch.Tensor, normalized_shape, weight: torch.Tensor | None, eps: float | None) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, normalized_shape, weight: torch.Tensor | None,
+             eps: float | None) -> torch.Tensor:
     """F.rms_norm with the weight cast to x's dtype and, under autocast, the output in the autocast
     dtype (RMSNorm's docstring says why)."""
     if weight is not None and weight.dtype != x.dtype:

@@ -25,7 +25,7 @@ imports `model.kernels`; the kernels import the reference math, never the other 
 | index_scores | CSA2Attention.scores_at, .scores_masked | never |
 | topk | CSA2Attention.select | never |
 | cross_entropy | Transformer.head_loss | fp64, a ZeRO-3 partitioned head |
-"""
+"""  # noqa: E501
 from __future__ import annotations
 
 import os
@@ -106,8 +106,9 @@ class KernelPolicy:
         from model.rope import Rotary
         from model.transformer import Block, Transformer
 
-        sites = {RMSNorm: ("rms_norm",), Rotary: ("rotate",), Block: ("mix_streams", "update_streams", "fused_mhc",
-                 "fused_mix"), Transformer: ("mix_streams", "head_loss"),
+        sites = {RMSNorm: ("rms_norm",), Rotary: ("rotate",),
+                 Block: ("mix_streams", "update_streams", "fused_mhc", "fused_mix"),
+                 Transformer: ("mix_streams", "head_loss"),
                  HyperConnection: ("sinkhorn",), SharedExpert: ("swiglu",), RoutedExperts: ("swiglu",),
                  MoE: ("combine", "gather_sum"), Engram: ("gather_rows", "gate"),
                  CSA2Attention: ("attend", "attend_rotates", "scores_at", "scores_masked", "select")}
@@ -148,7 +149,8 @@ class KernelPolicy:
             def refuse_rotary(x, angles, inverse=False):
                 if x.dtype == torch.float64:
                     return "fp64"
-                return None if angle_share(x, angles) is not None else "angles broadcast in a way the kernel does not take"
+                return (None if angle_share(x, angles) is not None
+                        else "angles broadcast in a way the kernel does not take")
             out["rotate"] = self._guarded("rotary", rotary_triton, rotate, refuse_rotary)
         if "stream_mix" in on:
             from model.kernels.stream_mix import mix_streams_triton, update_streams_triton
@@ -162,10 +164,12 @@ class KernelPolicy:
             def refuse_update(h, y, post, comb):
                 if h.dtype == torch.float64:
                     return "fp64"
-                want = ((y, h.shape[:-2] + h.shape[-1:]), (post, h.shape[:-1]), (comb, h.shape[:-1] + h.shape[-2:-1]))
+                want = ((y, h.shape[:-2] + h.shape[-1:]), (post, h.shape[:-1]),
+                        (comb, h.shape[:-1] + h.shape[-2:-1]))
                 return None if all(tuple(t.shape) == tuple(s) for t, s in want) else "broadcast arguments"
             out["mix_streams"] = self._guarded("stream_mix", mix_streams_triton, mix_streams, refuse_mix)
-            out["update_streams"] = self._guarded("stream_mix", update_streams_triton, update_streams, refuse_update)
+            out["update_streams"] = self._guarded("stream_mix", update_streams_triton, update_streams,
+                                                  refuse_update)
         if "mhc_step" in on:
             from model.kernels.mhc import fused_mhc_mix, fused_mhc_step
             out["fused_mhc"], out["fused_mix"] = fused_mhc_step, fused_mhc_mix
@@ -184,7 +188,8 @@ class KernelPolicy:
                     return "torch.compile"
                 return "fp64" if t.dtype == torch.float64 else None
             out["combine"] = self._guarded(
-                "moe_combine", lambda y, inv, order, weights, dtype: moe_combine_triton(y, inv, weights, dtype),
+                "moe_combine",
+                lambda y, inv, order, weights, dtype: moe_combine_triton(y, inv, weights, dtype),
                 combine_reference, lambda y, *_: refuse_moe(y))
             out["gather_sum"] = self._guarded(
                 "moe_combine", moe_gather_sum_triton, gather_sum_reference,
@@ -197,7 +202,8 @@ class KernelPolicy:
                 if torch.compiler.is_compiling():
                     return "torch.compile"
                 return "ZeRO-3 partitioned table" if hasattr(engram.table.weight, "ds_id") else None
-            out["gather_rows"] = self._guarded("engram_lookup", engram_lookup_triton, engram_rows, refuse_lookup)
+            out["gather_rows"] = self._guarded("engram_lookup", engram_lookup_triton, engram_rows,
+                                               refuse_lookup)
         if "engram_gate" in on:
             from model.engram import engram_gate
             from model.kernels.engram_gate import engram_gate_triton
@@ -227,7 +233,8 @@ class KernelPolicy:
             from model.transformer import chunked_head_loss
 
             def fused_loss(x, head, labels, chunk):
-                total = linear_cross_entropy_triton(x, head.weight, labels, chunk if chunk > 0 else len(labels))
+                total = linear_cross_entropy_triton(x, head.weight, labels,
+                                                    chunk if chunk > 0 else len(labels))
                 return total / (labels != -100).sum().clamp(min=1)
 
             def refuse_loss(x, head, labels, chunk):

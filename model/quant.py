@@ -3,7 +3,8 @@
 Three formats, each quantising the LAST dim in contiguous blocks with one scale byte per block:
 
 * ``kv_fp4`` (main KV): E2M1 values, E4M3 scale per 16 values, scale = e4m3(amax / 6).
-* ``mxfp4`` (indexer q/k): E2M1 values, E8M0 (power-of-two) scale per 32 values, scale = 2^ceil(log2(amax / 6)).
+* ``mxfp4`` (indexer q/k): E2M1 values, E8M0 (power-of-two) scale per 32 values,
+  scale = 2^ceil(log2(amax / 6)).
 * ``fp8`` (window KV): E4M3 values, E8M0 scale per 32 values, scale = 2^ceil(log2(amax / 448)).
 
 Packed layout: E2M1 codes go two per byte, element ``2i`` in the LOW nibble and ``2i + 1`` in the high nibble;
@@ -108,7 +109,8 @@ def _e8m0_from_amax(amax: Tensor, max_code: float) -> Tensor:
     return (exp + 127).to(torch.uint8)
 
 
-# --- per-format encoders: fp32 blocks [..., nb, block] -> (codes uint8 [..., nb, block], scale byte [..., nb]) ---
+# --- per-format encoders: fp32 blocks [..., nb, block] -> (codes uint8 [..., nb, block],
+# scale byte [..., nb]) ---
 
 
 def _amax(xb: Tensor, floor: float) -> Tensor:
@@ -179,7 +181,8 @@ def _quant_dequant(name: str, x: Tensor) -> Tensor:
 class _FakeQuantSTE(torch.autograd.Function):
     """Forward: quantise-dequantise. Backward: identity (straight-through estimator).
 
-    An autograd.Function rather than ``x + (q - x).detach()``: the latter re-rounds and need not equal q bitwise.
+    An autograd.Function rather than ``x + (q - x).detach()``: the latter re-rounds and need not equal q
+    bitwise.
     """
 
     @staticmethod

@@ -36,7 +36,8 @@ class SequenceShard:
     parts               how many slices the sequence is cut into
     """
 
-    def __init__(self, offset: int = 0, total_len: Optional[int] = None, doc_start: Optional[torch.Tensor] = None,
+    def __init__(self, offset: int = 0, total_len: Optional[int] = None,
+                 doc_start: Optional[torch.Tensor] = None,
                  history: Optional[torch.Tensor] = None, parts: int = 1):
         self.offset, self.total_len, self.doc_start, self.history, self.parts = (
             offset, total_len, doc_start, history, parts)
@@ -129,7 +130,8 @@ class AttentionRuntime:
             self.doc_start = document_starts(doc_ids) + offset
         self.with_indexer_loss = with_indexer_loss
         self.indexer_mode, self.collect_recall = indexer_mode, collect_recall
-        self.recall: dict[str, list[torch.Tensor]] = {"topk": ForwardList(), "pool": ForwardList()}  # per-layer means
+        # per-layer means
+        self.recall: dict[str, list[torch.Tensor]] = {"topk": ForwardList(), "pool": ForwardList()}
         self.kv: dict[int, torch.Tensor] = ForwardDict()  # owner layer -> compressed latent [B, S, C]
         self.index_k: dict[int, torch.Tensor] = ForwardDict()  # owner layer -> index keys [B, S, Di]
         self.topk: dict[int, torch.Tensor] = ForwardDict()  # Full/Reindex layer -> entry ids [B, T, k]

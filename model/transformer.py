@@ -59,7 +59,8 @@ class Block(nn.Module):
         self.moe = MoE(cfg.dim, cfg.n_routed_experts, cfg.n_shared_experts, cfg.n_activated_experts,
                        cfg.moe_inter_dim, cfg.route_scale, cfg.swiglu_limit, cfg.seq_aux_alpha)
 
-    def forward(self, h: torch.Tensor, pre: torch.Tensor, rt: AttentionRuntime) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, h: torch.Tensor, pre: torch.Tensor,
+                rt: AttentionRuntime) -> tuple[torch.Tensor, torch.Tensor]:
         """h [B, T, n, D] streams, pre [B, T, n] this layer's input mix -> (h', the next layer's pre)."""
         post, comb, ffn_pre = self.attn_hc(h)
         h = self.update_streams(h, self.attention(self.mix_streams(pre, h), rt), post, comb)
@@ -171,9 +172,10 @@ class Transformer(nn.Module):
         "sparse" | "dense" for this call (None: model.indexer_mode)."""
         B, T = input_ids.shape
         rt = AttentionRuntime(B, T, input_ids.device, doc_ids,
-                              with_indexer_loss=labels is not None and self.training and self.cfg.indexer_loss_coef > 0,
-                              indexer_mode=indexer_mode or self.cfg.indexer_mode, collect_recall=collect_recall,
-                              shard=shard)
+                              with_indexer_loss=(labels is not None and self.training
+                                                 and self.cfg.indexer_loss_coef > 0),
+                              indexer_mode=indexer_mode or self.cfg.indexer_mode,
+                              collect_recall=collect_recall, shard=shard)
         x = self.hidden(input_ids, rt)  # [B, T, D]
         rt.seal()  # what an activation-checkpoint recomputation writes later is dropped
         if labels is None:
@@ -182,8 +184,9 @@ class Transformer(nn.Module):
         balance = torch.stack(rt.aux_losses).sum() if rt.aux_losses else lm.new_zeros(())
         indexer = torch.stack(rt.indexer_losses).mean() if rt.indexer_losses else lm.new_zeros(())
         recall = {k: torch.stack(v).mean() for k, v in rt.recall.items() if v}
-        return ModelOutput(loss=lm + balance + indexer, lm_loss=lm, balance_loss=balance, indexer_loss=indexer,
-                           topk_recall=recall.get("topk"), pool_recall=recall.get("pool"))
+        return ModelOutput(loss=lm + balance + indexer, lm_loss=lm, balance_loss=balance,
+                           indexer_loss=indexer, topk_recall=recall.get("topk"),
+                           pool_recall=recall.get("pool"))
 
     def lm_loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy of x [B, T, D] against labels [B, T] (`loss_chunk_tokens`:
@@ -224,9 +227,10 @@ class Transformer(nn.Module):
             history = self.lookup_map[history]
         return lookup, history
 
-    def forward_ced(self, input_ids: torch.Tensor, replay: int, shard: Optional[SequenceShard] = None) -> torch.Tensor:
-        """CED prefill with bounded replay (docs/ARCHITECTURE.md §2) -> logits [B, R, V] of the last R = min(replay, N)
-        positions of input_ids [B, N] (one document).
+    def forward_ced(self, input_ids: torch.Tensor, replay: int,
+                    shard: Optional[SequenceShard] = None) -> torch.Tensor:
+        """CED prefill with bounded replay (docs/ARCHITECTURE.md §2) -> logits [B, R, V] of the last R =
+        min(replay, N) positions of input_ids [B, N] (one document).
 
         The encoder layers run over all N tokens. The decoder's global KV comes from the encoder
         output, for all N tokens, through the first decoder layer's KV writer. The decoder layers
@@ -247,5 +251,6 @@ class Transformer(nn.Module):
                 (owner.spec.layer_id, "index_k"): rt.index_k[owner.spec.layer_id]}
         replay_shard = rt.shard.replay(N - R, N, keys, input_ids)
         rt_dec = AttentionRuntime(B, R, input_ids.device, shard=replay_shard)
-        h, pre = self.run_layers(h[:, N - R:], pre[:, N - R:], input_ids[:, N - R:], rt_dec, self.layers[n_enc:])
+        h, pre = self.run_layers(h[:, N - R:], pre[:, N - R:], input_ids[:, N - R:], rt_dec,
+                                 self.layers[n_enc:])
         return wide(self.head(self.norm(self.mix_streams(pre, h))))

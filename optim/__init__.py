@@ -13,7 +13,8 @@ from optim.composite import CompositeOptimizer, Replicas
 from optim.routing import route_parameters, routing_table
 from optim.schedule import lr_multiplier
 
-__all__ = ["CompositeOptimizer", "Replicas", "build_optimizer", "lr_multiplier", "route_parameters", "routing_table"]
+__all__ = ["CompositeOptimizer", "Replicas", "build_optimizer", "lr_multiplier", "route_parameters",
+           "routing_table"]
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, zero_stage: int = 0, rank: int = 0,

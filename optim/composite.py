@@ -100,7 +100,8 @@ class CompositeOptimizer(torch.optim.Optimizer):
         """Give Engram tables routed to Sinkhorn sparse row gradients, so a step costs the rows a
         batch touched rather than a pass over the whole table. Returns how many tables."""
         sinkhorn = {id(r.param) for r in self.routes if r.optimizer == "sinkhorn"}
-        tables = [m for m in model.modules() if type(m).__name__ == "EngramTable" and id(m.weight) in sinkhorn]
+        tables = [m for m in model.modules()
+                  if type(m).__name__ == "EngramTable" and id(m.weight) in sinkhorn]
         for table in tables:
             table.sparse_grad = True
         return len(tables)

@@ -40,8 +40,9 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, eps: float = 1e-7,
     """[..., A, B] -> [..., A, B], each matrix mapped to approximately its polar factor U V^T.
 
     The coefficients trade convergence for speed: singular values end up roughly in [0.7, 1.2],
-    which is all Muon needs (ones below ~1e-3 of the Frobenius norm stay short after 5 steps). `compute_dtype` defaults to bfloat16 on CUDA, float32 elsewhere;
-    the result has G's dtype. An all-zero matrix maps to zeros.
+    which is all Muon needs (ones below ~1e-3 of the Frobenius norm stay short after 5 steps). `compute_dtype`
+    defaults to bfloat16 on CUDA, float32 elsewhere; the result has G's dtype. An all-zero matrix maps to
+    zeros.
     """
     if G.dim() < 2:
         raise ValueError(f"newton_schulz needs [..., A, B], got shape {tuple(G.shape)}")

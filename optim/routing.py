@@ -64,7 +64,8 @@ def route_parameters(model: nn.Module, cfg: OptimConfig) -> list[Route]:
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        rule = next((r for r in rules if r.min_dim <= p.dim() <= r.max_dim and re.search(r.pattern, name)), None)
+        rule = next((r for r in rules if r.min_dim <= p.dim() <= r.max_dim and re.search(r.pattern, name)),
+                    None)
         if rule is None:
             raise ConfigError(f"optim.rules: no rule matches parameter {name} {tuple(p.shape)}")
         wd = _default_weight_decay(cfg, rule.optimizer) if rule.weight_decay is None else rule.weight_decay

@@ -126,7 +126,8 @@ class Sinkhorn(CheckedOptimizer):
             w.mul_(1.0 - lr * group["weight_decay"])
         return w.add_(sinkhorn_balance(u, group["iters"], group["tau"]), alpha=-lr * group["gamma"])
 
-    def _sparse_step(self, p: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor, group: dict[str, Any]) -> None:
+    def _sparse_step(self, p: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor,
+                     group: dict[str, Any]) -> None:
         """The dense step restricted to the rows a sparse COO gradient touches; other rows are not read."""
         grad = grad.coalesce()  # F.embedding repeats a row once per lookup; coalescing sums the repeats
         if grad.sparse_dim() != 1:

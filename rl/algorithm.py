@@ -36,7 +36,8 @@ def shaped_reward(task_reward: torch.Tensor, length: torch.Tensor, effort: torch
     return task_reward.double() * (1 - coef * length.double() / max_len)
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, std_floor: float = 0.0, eps: float = 1e-6) -> torch.Tensor:
+def group_advantages(rewards: torch.Tensor, group_size: int, std_floor: float = 0.0,
+                     eps: float = 1e-6) -> torch.Tensor:
     """rewards [G * n] in groups of n samples of one prompt -> (r - group mean) / max(group std,
     std_floor) (+ eps). A group whose samples all score alike carries no signal: advantages 0.
     The floor keeps tiny differences (two right answers a token apart in length) from being
@@ -63,9 +64,9 @@ class FlatRewardWatch:
         if self.steps <= 0 or self.run < self.steps or self.warned:
             return None
         self.warned = True
-        return (f"flashtrain rl: warning: for {self.run} steps every sample scored the same as the rest of its "
-                f"group (mean task reward {task_reward:.3g}): advantages and policy loss are 0 and the policy "
-                "does not change; check rl.task's rewards, rl.max_new_tokens and the starting policy")
+        return (f"flashtrain rl: warning: for {self.run} steps every sample scored the same as the rest of "
+                f"its group (mean task reward {task_reward:.3g}): advantages and policy loss are 0 and the "
+                "policy does not change; check rl.task's rewards, rl.max_new_tokens and the starting policy")
 
 
 def stale_mask(versions: torch.Tensor, current: int, max_staleness: int) -> torch.Tensor:
@@ -96,7 +97,8 @@ def policy_loss(logp: torch.Tensor, behaviour: torch.Tensor, advantages: torch.T
     loss = -(surrogate * m).sum() / n
     with torch.no_grad():
         was_clipped = ((ratio * adv) != surrogate) & mask
-        stats = {"clip_frac": float(was_clipped.sum() / n), "truncated_frac": float((truncated & mask).sum() / n),
+        stats = {"clip_frac": float(was_clipped.sum() / n),
+                 "truncated_frac": float((truncated & mask).sum() / n),
                  "ratio_mean": float((ratio * m).sum() / n)}
     return loss, stats
 

@@ -55,18 +55,19 @@ class Coordinator:
         rl = self.rl
         if rl.steps <= 0 or rl.prompts_per_step <= 0 or rl.group_size < 2 or rl.max_staleness < 0:
             from conf.errors import ConfigError
-            raise ConfigError(f"rl: need steps > 0, prompts_per_step > 0, group_size >= 2, max_staleness >= 0; got "
-                              f"{rl.steps}, {rl.prompts_per_step}, {rl.group_size}, {rl.max_staleness}")
+            raise ConfigError("rl: need steps > 0, prompts_per_step > 0, group_size >= 2, max_staleness >= 0;"
+                              f" got {rl.steps}, {rl.prompts_per_step}, {rl.group_size}, {rl.max_staleness}")
         per_rank = rl.prompts_per_step * rl.group_size // max(rl.trainer_workers, 1)
         if rl.ppo_epochs < 1 or not 1 <= rl.minibatches <= per_rank:
             from conf.errors import ConfigError
-            raise ConfigError(f"rl: need ppo_epochs >= 1 and 1 <= minibatches <= the {per_rank} samples a trainer "
-                              f"rank gets per step; got {rl.ppo_epochs}, {rl.minibatches}")
+            raise ConfigError(f"rl: need ppo_epochs >= 1 and 1 <= minibatches <= the {per_rank} samples a "
+                              f"trainer rank gets per step; got {rl.ppo_epochs}, {rl.minibatches}")
         chat = ChatFormat(TextTokenizer.from_file(tokenizer_path))
         self.task = load_task(rl.task, **dict(rl.task_kwargs))
         self.source = PromptSource(self.task, chat, list(rl.efforts), list(rl.effort_weights), rl.seed)
         self.eval_source = PromptSource(self.task, chat, [50], [1.0], rl.seed + 7919)  # held-out problems
-        Rollout = ray.remote(num_cpus=1, num_gpus=rl.rollout_gpus, max_restarts=-1, max_task_retries=0)(RolloutWorker)
+        Rollout = ray.remote(num_cpus=1, num_gpus=rl.rollout_gpus, max_restarts=-1,
+                             max_task_retries=0)(RolloutWorker)
         Reward = ray.remote(num_cpus=1, max_restarts=-1, max_task_retries=0)(RewardWorker)
         Trainer = ray.remote(num_cpus=1, num_gpus=rl.trainer_gpus, max_restarts=0)(PolicyTrainer)
         port, W = free_port(), rl.trainer_workers
@@ -147,10 +148,12 @@ class Coordinator:
             for pid in batch:
                 self.admitted[pid] = "gen"
             self.busy_rollout.add(i)
-            self._call(self.rollouts[i].generate.remote([self.prompts[p] for p in batch]), _Call("gen", i, batch))
+            self._call(self.rollouts[i].generate.remote([self.prompts[p] for p in batch]),
+                       _Call("gen", i, batch))
 
     def _dispatch_training(self) -> None:
-        if any(c.kind in ("train", "save") for c in self.pending.values()) or len(self.ready) < self.rl.prompts_per_step:
+        if (any(c.kind in ("train", "save") for c in self.pending.values())
+                or len(self.ready) < self.rl.prompts_per_step):
             return
         pids = sorted(self.ready)[:self.rl.prompts_per_step]
         groups = [self.ready.pop(pid) for pid in pids]
@@ -198,7 +201,8 @@ class Coordinator:
         if call.kind == "gen":
             self.busy_rollout.discard(call.actor)
             if self.weights_ref is not None:  # a restarted worker starts without weights
-                self._call(self.rollouts[call.actor].set_weights.remote(self.weights_ref), _Call("weights", call.actor))
+                self._call(self.rollouts[call.actor].set_weights.remote(self.weights_ref),
+                           _Call("weights", call.actor))
 
     def _done(self, call: _Call, result: Any) -> Optional[dict]:
         if call.kind == "gen" and result.get("no_weights"):  # restarted since its last call
@@ -251,8 +255,10 @@ class Coordinator:
                                "trainer_idle_frac": max(0.0, 1 - self.train_s / wall),
                                "stale_samples": sum(s["stale_samples"] for s in stats),
                                "stale_tokens": sum(s["stale_tokens"] for s in stats),
-                               "version_lag_mean": sum(self.version - 1 - s["version"] for s in samples) / len(samples),
-                               "restarts_rollout": self.restarts["rollout"], "restarts_reward": self.restarts["reward"]}
+                               "version_lag_mean": (sum(self.version - 1 - s["version"] for s in samples)
+                                                    / len(samples)),
+                               "restarts_rollout": self.restarts["rollout"],
+                               "restarts_reward": self.restarts["reward"]}
         stale_lengths = [n for s in stats for n in s["stale_lengths"]]
         if stale_lengths:
             row["stale_len_mean"] = sum(stale_lengths) / len(stale_lengths)
@@ -278,8 +284,10 @@ class Coordinator:
                 p = {"id": -1 - i, "effort": effort, "ids": self.source.chat.prompt(problem.prompt, effort)}
                 prompts.append(p)
                 problems[p["id"]] = problem
-            out = self.ray.get(self.rollouts[0].generate.remote(prompts, greedy=True), timeout=self.rl.timeout_s)
-            scored = self.ray.get(self.rewards[0].score.remote(out["samples"], problems), timeout=self.rl.timeout_s)
+            out = self.ray.get(self.rollouts[0].generate.remote(prompts, greedy=True),
+                               timeout=self.rl.timeout_s)
+            scored = self.ray.get(self.rewards[0].score.remote(out["samples"], problems),
+                                  timeout=self.rl.timeout_s)
             row[f"eval/effort_{effort}/accuracy"] = sum(s["task_reward"] >= 1.0 for s in scored) / len(scored)
             row[f"eval/effort_{effort}/len_mean"] = sum(s["length"] for s in scored) / len(scored)
         return row
@@ -291,7 +299,8 @@ class Coordinator:
     # ------------------------------------------------------------------ the loop
     def run(self) -> dict[str, Any]:
         rl, ray = self.rl, self.ray
-        states = ray.get([t.resume.remote(self.cfg.trainer.resume) for t in self.trainers], timeout=rl.timeout_s)
+        states = ray.get([t.resume.remote(self.cfg.trainer.resume) for t in self.trainers],
+                         timeout=rl.timeout_s)
         if states[0] is not None:
             self.restore(states[0])
             print(f"flashtrain rl: resumed at version {self.version}, cursor {self.cursor}, "
@@ -337,9 +346,11 @@ class Coordinator:
             for ref, call in list(self.pending.items()):
                 if now > call.deadline:
                     if call.kind not in self.RETRYABLE:
-                        raise TimeoutError(f"rl: a {call.kind} call took longer than rl.timeout_s={rl.timeout_s}")
+                        raise TimeoutError(f"rl: a {call.kind} call took longer than "
+                                           f"rl.timeout_s={rl.timeout_s}")
                     del self.pending[ref]
-                    ray.kill(self._actor_of(call), no_restart=False)  # restarted by Ray; its prompts go back to the queue
+                    # restarted by Ray; its prompts go back to the queue
+                    ray.kill(self._actor_of(call), no_restart=False)
                     self._failed(call, TimeoutError(f"{call.kind} call over {rl.timeout_s}s"))
         self.save()
         self._drain_weights()

@@ -66,7 +66,8 @@ class PolicyTrainer:
         self.optimizer = build_optimizer(self.model, cfg.optim, cfg.trainer.zero_stage, self.dist.rank,
                                          self.dist.world_size, verbose=False)
         self.own_optimizer_state = isinstance(self.optimizer, CompositeOptimizer)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_multiplier(cfg.optim, self.rl.steps * self.rl.ppo_epochs * self.rl.minibatches))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_multiplier(
+            cfg.optim, self.rl.steps * self.rl.ppo_epochs * self.rl.minibatches))
         self.engine, _ = build_engine(self.model, self.optimizer, self.scheduler, cfg.trainer, self.dist,
                                       whole_param_optimizer=self.own_optimizer_state)
         self.ckpts = CheckpointManager(Path(run_dir) / "checkpoints", cfg.trainer.keep_last, self.dist.rank)
@@ -80,10 +81,12 @@ class PolicyTrainer:
     # ------------------------------------------------------------------ weights out
     def weights(self) -> tuple[int, dict[str, torch.Tensor]]:
         """(version, a CPU copy of the model's state dict) for the rollout workers."""
-        return self.version, {k: v.detach().to("cpu", copy=True) for k, v in self.engine.module.state_dict().items()}
+        return self.version, {k: v.detach().to("cpu", copy=True)
+                              for k, v in self.engine.module.state_dict().items()}
 
     # ------------------------------------------------------------------ one update
-    def train_step(self, samples: list[dict], heads: Optional[dict[str, torch.Tensor]] = None) -> dict[str, Any]:
+    def train_step(self, samples: list[dict],
+                   heads: Optional[dict[str, torch.Tensor]] = None) -> dict[str, Any]:
         """One policy version from this rank's share of the batch (all ranks get the same list):
         rl.ppo_epochs x rl.minibatches optimizer steps.
         Tokens more than rl.max_staleness versions old are masked out of the loss. Distillation
@@ -116,12 +119,14 @@ class PolicyTrainer:
         self.version += 1
         took = time.perf_counter() - start
         stale = [len(s["response"]) for s, ok in zip(mine, fresh.tolist()) if not ok]
-        return {"loss": loss_sum / updates, **stats, "behaviour_kl": behaviour_kl, "version": self.version, "updates": updates,
-                "train_s": took, "stale_samples": len(stale), "stale_tokens": sum(stale),
-                "stale_lengths": stale, "trained_tokens": sum(len(s["response"]) for s, ok in zip(mine, fresh.tolist()) if ok)}
+        return {"loss": loss_sum / updates, **stats, "behaviour_kl": behaviour_kl, "version": self.version,
+                "updates": updates, "train_s": took, "stale_samples": len(stale), "stale_tokens": sum(stale),
+                "stale_lengths": stale,
+                "trained_tokens": sum(len(s["response"]) for s, ok in zip(mine, fresh.tolist()) if ok)}
 
     def _policy_update(self, batch: list[dict], fresh: torch.Tensor) -> tuple[float, dict[str, float], float]:
-        """One optimizer step of the clipped surrogate on `batch` -> (loss, stats, KL(behaviour || policy))."""
+        """One optimizer step of the clipped surrogate on `batch` -> (loss, stats,
+        KL(behaviour || policy))."""
         rl = self.rl
         logp, mask = response_logprobs(self.engine, batch, self.tokenizer.pad_id)
         behaviour = torch.zeros_like(logp)
@@ -146,15 +151,16 @@ class PolicyTrainer:
 
         self.teacher_heads.update(heads or {})
         fetch_teacher_outputs(mine, self.teacher_heads)
-        loss, stats = distill_objective(self.engine.module, mine, fresh, self.teacher_heads, self.tokenizer.pad_id,
-                                        self.distill, self.rl)
+        loss, stats = distill_objective(self.engine.module, mine, fresh, self.teacher_heads,
+                                        self.tokenizer.pad_id, self.distill, self.rl)
         self.engine.backward(loss)
         if self.own_optimizer_state:
             self._reduce_and_clip()
         self._step(loss)
         self.version += 1
         stale = [len(s["response"]) for s, ok in zip(mine, fresh.tolist()) if not ok]
-        return {"loss": float(loss.detach()), **stats, "version": self.version, "train_s": time.perf_counter() - start,
+        return {"loss": float(loss.detach()), **stats, "version": self.version,
+                "train_s": time.perf_counter() - start,
                 "stale_samples": len(stale), "stale_tokens": sum(stale), "stale_lengths": stale,
                 "trained_tokens": sum(len(s["response"]) for s, ok in zip(mine, fresh.tolist()) if ok)}
 
@@ -168,7 +174,8 @@ class PolicyTrainer:
         self.nonfinite.record(self.version + 1, skipped, f"policy loss {float(loss.detach()):g}")
 
     @torch.no_grad()
-    def kl_eval(self, samples: list[dict], heads: Optional[dict[str, torch.Tensor]] = None) -> dict[str, list[float]]:
+    def kl_eval(self, samples: list[dict],
+                heads: Optional[dict[str, torch.Tensor]] = None) -> dict[str, list[float]]:
         """Reverse KL to the teachers on `samples` without an update: {domain: [KL sum, tokens]}."""
         from rl.distill.student import distill_objective, fetch_teacher_outputs
 
@@ -177,8 +184,8 @@ class PolicyTrainer:
         self.engine.eval()
         fresh = torch.ones(len(samples), dtype=torch.bool)
         kl_only = dataclasses.replace(self.distill, kl_weight=1.0, reward_weight=0.0)
-        _, stats = distill_objective(self.engine.module, samples, fresh, self.teacher_heads, self.tokenizer.pad_id,
-                                     kl_only, self.rl)
+        _, stats = distill_objective(self.engine.module, samples, fresh, self.teacher_heads,
+                                     self.tokenizer.pad_id, kl_only, self.rl)
         return stats["kl_by_domain"]
 
     def _reduce_and_clip(self) -> None:
@@ -217,7 +224,8 @@ class PolicyTrainer:
         from trainer.init_weights import checkpoint_attachments
 
         self.ckpts.attachments = checkpoint_attachments(self.tokenizer, ckpt)
-        trainer_state, rank_state = self.ckpts.load(self.engine, ckpt, load_optimizer_states=not self.own_optimizer_state)
+        trainer_state, rank_state = self.ckpts.load(self.engine, ckpt,
+                                                    load_optimizer_states=not self.own_optimizer_state)
         if self.own_optimizer_state:
             shards = [s["optimizer"] for s in self.ckpts.all_rank_states(ckpt)]
             self.optimizer.load_state_dict(CompositeOptimizer.merge_state_dicts(shards))

@@ -56,7 +56,8 @@ def actor_demand(rl, extra_actors: int = 0) -> dict[str, float]:
             "GPU": rl.trainer_workers * rl.trainer_gpus + rl.rollout_workers * rl.rollout_gpus}
 
 
-def resource_shortfall(have: dict[str, float], need: dict[str, float], rl, extra_actors: int = 0) -> Optional[str]:
+def resource_shortfall(have: dict[str, float], need: dict[str, float], rl,
+                       extra_actors: int = 0) -> Optional[str]:
     """What the cluster `have` lacks for the actors, in one line (None: enough). Ray would leave
     the actors pending until a call's timeout, and that error names neither."""
     short = [f"{need[k]:g} {k}s but the cluster has {have.get(k, 0.0):g}" for k in ("CPU", "GPU")
@@ -87,8 +88,8 @@ def run_rl(cfg, run_dir: Path, config_yaml: str, builtin_sft=None, make_coordina
     rl = cfg.rl
     need = actor_demand(rl, extra_actors)
     if rl.ray_address is None and rl.ray_num_cpus:  # a local cluster of that size: known before any work
-        problem = resource_shortfall({"CPU": float(rl.ray_num_cpus), "GPU": float(torch.cuda.device_count())}, need,
-                                     rl, extra_actors)
+        problem = resource_shortfall({"CPU": float(rl.ray_num_cpus), "GPU": float(torch.cuda.device_count())},
+                                     need, rl, extra_actors)
         if problem:
             raise ConfigError(problem)
     run_dir = Path(run_dir)
@@ -104,23 +105,25 @@ def run_rl(cfg, run_dir: Path, config_yaml: str, builtin_sft=None, make_coordina
     needed = int(need["CPU"])
     started_ray = not ray.is_initialized()
     if started_ray:
-        ray.init(address=rl.ray_address, num_cpus=None if rl.ray_address else (rl.ray_num_cpus or max(needed, os.cpu_count() or 1)),
+        ray.init(address=rl.ray_address,
+                 num_cpus=None if rl.ray_address else (rl.ray_num_cpus or max(needed, os.cpu_count() or 1)),
                  include_dashboard=False, log_to_driver=True, configure_logging=False)
     problem = resource_shortfall(ray.cluster_resources(), need, rl, extra_actors)
     if problem and rl.ray_address is None:
         raise ConfigError(problem)
     if problem:  # an external cluster may still grow (autoscaling): say it, then wait as configured
-        print(f"flashtrain: warning: {problem}; the actors wait up to rl.timeout_s={rl.timeout_s:g} s", flush=True)
+        print(f"flashtrain: warning: {problem}; the actors wait up to rl.timeout_s={rl.timeout_s:g} s",
+              flush=True)
     id_file = run_dir / "wandb_run_id"
     resuming = (run_dir / "checkpoints" / "latest").exists() and cfg.trainer.resume != "none"
     container = OmegaConf.to_container(OmegaConf.create(config_yaml), resolve=True)
-    tracker = build_tracker(cfg.logger, run_dir, container, id_file.read_text().strip() if resuming and id_file.exists()
-                            else None, 0)
+    tracker = build_tracker(cfg.logger, run_dir, container,
+                            id_file.read_text().strip() if resuming and id_file.exists() else None, 0)
     if tracker.run_id:
         id_file.write_text(tracker.run_id)
     latest = run_dir / "checkpoints" / "latest"
-    metrics = MetricsLog(run_dir / "metrics.jsonl", resume_step=_checkpoint_step(latest.read_text()) if resuming else None,
-                         enabled=True)
+    metrics = MetricsLog(run_dir / "metrics.jsonl",
+                         resume_step=_checkpoint_step(latest.read_text()) if resuming else None, enabled=True)
     if resuming:  # what a killed run logged but W&B never received
         tracker.restore(metrics.rows())
 
@@ -130,11 +133,14 @@ def run_rl(cfg, run_dir: Path, config_yaml: str, builtin_sft=None, make_coordina
         if console is not None:
             print(console(row), flush=True)
         elif "loss" in row:
-            efforts = "  ".join(f"e{k.split('/')[0][7:]} len {v:.1f}" for k, v in row.items() if k.endswith("/len_mean"))
+            efforts = "  ".join(f"e{k.split('/')[0][7:]} len {v:.1f}" for k, v in row.items()
+                                if k.endswith("/len_mean"))
             print(f"rl step {row['step']}: task_reward {row['task_reward']:.3f} reward {row['reward']:+.3f} "
-                  f"samples/s {row['samples_per_s']:.2f} idle {row['trainer_idle_frac']:.2f}  {efforts}", flush=True)
+                  f"samples/s {row['samples_per_s']:.2f} idle {row['trainer_idle_frac']:.2f}  {efforts}",
+                  flush=True)
         else:
-            print(f"rl eval at {row['step']}: " + "  ".join(f"{k[5:]} {v:.3f}" for k, v in row.items() if k != "step"),
+            print(f"rl eval at {row['step']}: "
+                  + "  ".join(f"{k[5:]} {v:.3f}" for k, v in row.items() if k != "step"),
                   flush=True)
 
     coordinator = (make_coordinator or Coordinator)(cfg, run_dir, str(tokenizer_path), policy, log)

@@ -59,7 +59,8 @@ def _worked(a: int, b: int, op: str, result: int) -> list[str]:
     if op == "+":
         k = 10 - a % 10  # what takes a to the next ten
         if 0 < k < b:
-            return [f"{a} + {b} = {a} + {k} + {b - k} = {a + k} + {b - k} = {result}", f"check: {result} - {b} = {a}"]
+            return [f"{a} + {b} = {a} + {k} + {b - k} = {a + k} + {b - k} = {result}",
+                    f"check: {result} - {b} = {a}"]
         return [f"{a} + {b} = {result}", f"check: {result} - {b} = {a}"]
     if op == "-":
         step = f"{a} - {b} = -({b} - {a}) = {result}" if a < b else f"{a} - {b} = {result}"
@@ -69,7 +70,8 @@ def _worked(a: int, b: int, op: str, result: int) -> list[str]:
         return [f"{a} * {b} = {result}", f"check: {small} * {big} = {result}"]
     if big >= 10:
         tens, units = big - big % 10, big % 10
-        return [f"{a} * {b} = {tens} * {small} + {units} * {small} = {tens * small} + {units * small} = {result}"]
+        return [f"{a} * {b} = {tens} * {small} + {units} * {small} = {tens * small} + {units * small} = "
+                f"{result}"]
     return [f"{a} * {b} = {' + '.join([str(big)] * small)} = {result}"]
 
 
@@ -83,7 +85,8 @@ class Algebra(Task):
         self.max_coef = _check_int(self.name, "max_coef", max_coef, 2)
 
     def sample(self, rng: random.Random) -> Problem:
-        a, x, b = rng.randint(2, self.max_coef), rng.randint(0, self.max_coef), rng.randint(-self.max_coef, self.max_coef)
+        a, x, b = (rng.randint(2, self.max_coef), rng.randint(0, self.max_coef),
+                   rng.randint(-self.max_coef, self.max_coef))
         c = a * x + b
         lhs = f"{a}x" if b == 0 else f"{a}x {'+' if b > 0 else '-'} {abs(b)}"
         return self.problem(f"Solve for x: {lhs} = {c}", x, a=a, b=b, c=c)

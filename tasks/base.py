@@ -76,8 +76,8 @@ def load_task(spec: str, **kwargs: Any) -> Task:
     if not sep:
         module_name, _, attr = target.rpartition(".")
     if not module_name or not attr:
-        raise ValueError(f"task {spec!r}: not a built-in task ({', '.join(BUILTIN_TASKS)}) and not a dotted path "
-                         "'package.module:ClassName'")
+        raise ValueError(f"task {spec!r}: not a built-in task ({', '.join(BUILTIN_TASKS)}) and not a dotted "
+                         "path 'package.module:ClassName'")
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:

@@ -100,7 +100,8 @@ class DomainMixture(Task):
     def __init__(self, domains: dict[str, Optional[str]]):
         if not domains:
             raise ValueError("domains: need at least one domain")
-        self.domains = {d: TransformDomain(d) if spec is None else load_task(spec) for d, spec in domains.items()}
+        self.domains = {d: TransformDomain(d) if spec is None else load_task(spec)
+                        for d, spec in domains.items()}
         self.names = sorted(self.domains)
 
     def sample_domain(self, domain: str, rng: random.Random) -> Problem:

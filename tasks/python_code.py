@@ -40,20 +40,25 @@ FUNCTIONS = (
     Function("add(a, b)", "returns the sum of a and b", "return a + b",
              "def add(a, b):\n    return a + b\n", (([1, 2], 3), ([-5, 5], 0), ([100, 23], 123))),
     Function("reverse_string(s)", "returns the string s reversed", "slice with step -1",
-             "def reverse_string(s):\n    return s[::-1]\n", ((["abc"], "cba"), ([""], ""), (["ab c"], "c ba"))),
-    Function("max_of_list(xs)", "returns the largest number in the non-empty list xs", "keep the largest seen",
+             "def reverse_string(s):\n    return s[::-1]\n",
+             ((["abc"], "cba"), ([""], ""), (["ab c"], "c ba"))),
+    Function("max_of_list(xs)", "returns the largest number in the non-empty list xs",
+             "keep the largest seen",
              "def max_of_list(xs):\n    return max(xs)\n", (([[3, 1, 2]], 3), ([[-5, -2]], -2), ([[7]], 7))),
-    Function("min_of_list(xs)", "returns the smallest number in the non-empty list xs", "keep the smallest seen",
+    Function("min_of_list(xs)", "returns the smallest number in the non-empty list xs",
+             "keep the smallest seen",
              "def min_of_list(xs):\n    return min(xs)\n", (([[3, 1, 2]], 1), ([[-5, -2]], -5), ([[7]], 7))),
     Function("is_even(n)", "returns True if the integer n is even, else False", "n % 2 == 0",
-             "def is_even(n):\n    return n % 2 == 0\n", (([4], True), ([7], False), ([0], True), ([-3], False))),
+             "def is_even(n):\n    return n % 2 == 0\n",
+             (([4], True), ([7], False), ([0], True), ([-3], False))),
     Function("factorial(n)", "returns n! for an integer n >= 0", "multiply 1..n, 0! = 1",
-             "def factorial(n):\n    result = 1\n    for i in range(2, n + 1):\n        result *= i\n    return result\n",
+             "def factorial(n):\n    result = 1\n    for i in range(2, n + 1):\n        result *= i\n"
+             "    return result\n",
              (([0], 1), ([1], 1), ([5], 120), ([10], 3628800))),
     Function("fizzbuzz(n)", 'returns "FizzBuzz" if n is divisible by 15, "Fizz" if by 3, "Buzz" if by 5, '
              "else str(n)", "test 15 first, then 3, then 5",
-             'def fizzbuzz(n):\n    if n % 15 == 0:\n        return "FizzBuzz"\n    if n % 3 == 0:\n        return "Fizz"\n'
-             '    if n % 5 == 0:\n        return "Buzz"\n    return str(n)\n',
+             'def fizzbuzz(n):\n    if n % 15 == 0:\n        return "FizzBuzz"\n    if n % 3 == 0:\n'
+             '        return "Fizz"\n    if n % 5 == 0:\n        return "Buzz"\n    return str(n)\n',
              (([3], "Fizz"), ([5], "Buzz"), ([15], "FizzBuzz"), ([7], "7"))),
     Function("count_vowels(s)", "returns how many letters of s are vowels (a, e, i, o, u, either case)",
              "count letters in 'aeiou' after lower()",
@@ -66,14 +71,16 @@ FUNCTIONS = (
              ((["racecar"], True), (["abc"], False), ([""], True), (["abba"], True))),
     Function("fibonacci(n)", "returns the n-th Fibonacci number, with fibonacci(0) = 0 and fibonacci(1) = 1",
              "iterate a, b = b, a + b n times",
-             "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n",
+             "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n"
+             "    return a\n",
              (([0], 0), ([1], 1), ([10], 55), ([20], 6765))),
     Function("square(n)", "returns n times n", "return n * n",
              "def square(n):\n    return n * n\n", (([3], 9), ([-4], 16), ([0], 0))),
     Function("absolute(n)", "returns the absolute value of the integer n", "negate it if negative",
              "def absolute(n):\n    return -n if n < 0 else n\n", (([-3], 3), ([0], 0), ([5], 5))),
-    Function("count_char(s, c)", "returns how many times the character c occurs in the string s", "s.count(c)",
-             "def count_char(s, c):\n    return s.count(c)\n", ((["banana", "a"], 3), (["", "x"], 0), (["aaa", "b"], 0))),
+    Function("count_char(s, c)", "returns how many times the character c occurs in the string s",
+             "s.count(c)", "def count_char(s, c):\n    return s.count(c)\n",
+             ((["banana", "a"], 3), (["", "x"], 0), (["aaa", "b"], 0))),
     Function("unique_sorted(xs)", "returns the distinct values of the list xs in increasing order",
              "sorted(set(xs))", "def unique_sorted(xs):\n    return sorted(set(xs))\n",
              (([[3, 1, 3, 2]], [1, 2, 3]), ([[]], []), ([[5, 5]], [5]))),
@@ -92,7 +99,8 @@ class PythonFunctions(Task):
 
     def __init__(self, wall_s: float = 5.0, cpu_s: float = 2.0, memory_mb: int = 256):
         if not (wall_s > 0 and cpu_s > 0 and memory_mb >= 32):
-            raise ValueError(f"python: need wall_s > 0, cpu_s > 0, memory_mb >= 32; got {wall_s}, {cpu_s}, {memory_mb}")
+            raise ValueError(f"python: need wall_s > 0, cpu_s > 0, memory_mb >= 32; got {wall_s}, {cpu_s}, "
+                             f"{memory_mb}")
         self.limits = {"wall_s": wall_s, "cpu_s": cpu_s, "memory_mb": memory_mb}
 
     def sample(self, rng: random.Random) -> Problem:

@@ -88,7 +88,8 @@ _LL_CREATE, _LL_ADD_RULE, _LL_RESTRICT = 444, 445, 446  # Landlock syscalls: sam
 _LL_VERSION, _LL_PATH_BENEATH = 1, 1
 _LL_WRITE_FILE, _LL_TRUNCATE, _LL_REFER = 1 << 1, 1 << 14, 1 << 13
 _LL_READ_FILE, _LL_READS = 1 << 2, 1 << 2 | 1 << 3  # READ_FILE, READ_DIR
-_LL_WRITES = 1 << 1 | 1 << 4 | 1 << 5 | 1 << 6 | 1 << 7 | 1 << 8 | 1 << 9 | 1 << 10 | 1 << 11 | 1 << 12  # write, rm, mk*
+# write, rm, mk*
+_LL_WRITES = 1 << 1 | 1 << 4 | 1 << 5 | 1 << 6 | 1 << 7 | 1 << 8 | 1 << 9 | 1 << 10 | 1 << 11 | 1 << 12
 # System calls no other layer covers and no checked program needs, refused with EPERM by a seccomp
 # filter (libseccomp): another process's memory, kernel attack surface that unprivileged code can
 # reach (BPF, perf, io_uring, userfaultfd, keyrings), new namespaces, and administration calls
@@ -127,8 +128,9 @@ def run_python(source: str, tests: str, *, wall_s: float = 5.0, cpu_s: float = 2
                         f"{type(tests).__name__}")
     if not (0 < wall_s < math.inf and 0 < cpu_s < math.inf and memory_mb >= 32 and max_output_bytes >= 0
             and max_procs >= 1):
-        raise ValueError(f"run_python: need finite wall_s > 0 and cpu_s > 0, memory_mb >= 32, max_output_bytes >= 0, "
-                         f"max_procs >= 1; got {wall_s}, {cpu_s}, {memory_mb}, {max_output_bytes}, {max_procs}")
+        raise ValueError("run_python: need finite wall_s > 0 and cpu_s > 0, memory_mb >= 32, "
+                         f"max_output_bytes >= 0, max_procs >= 1; got {wall_s}, {cpu_s}, {memory_mb}, "
+                         f"{max_output_bytes}, {max_procs}")
     try:
         compile(tests, "tests.py", "exec")
     except (SyntaxError, ValueError) as e:
@@ -190,16 +192,20 @@ def _execute(tmp: str, limits: dict, wall_s: float, cap: int) -> SandboxResult:
     os.close(key_w)
     cgroup = _pids_cgroup(limits["max_procs"] + 2) if os.geteuid() == 0 else None  # + warden, supervisor
     config = {**limits, "tmp": tmp, "ctl_fd": ctl_w, "life_fd": life_r, "key_fd": key_r, "cgroup": cgroup}
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": tmp, "TMPDIR": tmp, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": tmp, "TMPDIR": tmp, "LANG": "C.UTF-8",
+           "LC_ALL": "C.UTF-8"}
     try:
-        proc = subprocess.Popen([sys.executable, "-I", "-S", "-B", "-c", _boot_source(), BOOT_ARG, json.dumps(config)],
+        proc = subprocess.Popen([sys.executable, "-I", "-S", "-B", "-c", _boot_source(), BOOT_ARG,
+                                 json.dumps(config)],
                                 cwd=tmp, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, pass_fds=(ctl_w, life_r, key_r), start_new_session=True)
+                                stderr=subprocess.PIPE, pass_fds=(ctl_w, life_r, key_r),
+                                start_new_session=True)
     except OSError as e:  # e.g. no process slots left
         os.close(ctl_r)
         os.close(life_w)
         _remove_cgroup(cgroup)
-        return SandboxResult(False, "error", None, "", f"the sandbox could not start: {e}", time.monotonic() - start)
+        return SandboxResult(False, "error", None, "", f"the sandbox could not start: {e}",
+                             time.monotonic() - start)
     finally:
         for fd in (ctl_w, life_r, key_r):
             os.close(fd)
@@ -212,7 +218,8 @@ def _execute(tmp: str, limits: dict, wall_s: float, cap: int) -> SandboxResult:
     return _result(out, err, ctl, how, nonce, limits["cpu_s"], time.monotonic() - start)
 
 
-def _collect(proc: subprocess.Popen, ctl_fd: int, deadline: float, cap: int) -> tuple[bytes, bytes, bytes, str]:
+def _collect(proc: subprocess.Popen, ctl_fd: int, deadline: float,
+             cap: int) -> tuple[bytes, bytes, bytes, str]:
     """Read stdout, stderr and the control pipe until they close -> (stdout, stderr, control,
     "done" | "timeout" | "output_limit"). Never holds more than `cap` bytes of either stream."""
     out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
@@ -272,7 +279,8 @@ def _kill(proc: subprocess.Popen, cgroup: Optional[str]) -> None:
     _remove_cgroup(cgroup)
 
 
-def _result(out: bytes, err: bytes, ctl: bytes, how: str, nonce: str, cpu_s: int, wall: float) -> SandboxResult:
+def _result(out: bytes, err: bytes, ctl: bytes, how: str, nonce: str, cpu_s: int,
+            wall: float) -> SandboxResult:
     info, end, exit_msg = {}, {}, None
     for line in ctl.splitlines():
         try:
@@ -613,19 +621,21 @@ def _landlock(writable: str) -> int:
     ruleset = syscall(ctypes.c_long(_LL_CREATE), ctypes.byref(attr), ctypes.c_long(size), ctypes.c_long(0))
     if ruleset < 0:
         return 0
-    rules = [(writable, writes | _LL_READS), ("/dev/null", _LL_WRITE_FILE | _LL_READ_FILE | (_LL_TRUNCATE if abi >= 3 else 0))]
+    rules = [(writable, writes | _LL_READS),
+             ("/dev/null", _LL_WRITE_FILE | _LL_READ_FILE | (_LL_TRUNCATE if abi >= 3 else 0))]
     rules += [(path, _LL_READS if os.path.isdir(path) else _LL_READ_FILE) for path in _readable_paths()]
     try:
         for path, access in rules:
             fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
             try:
                 rule = ctypes.create_string_buffer(struct.pack("=Qi", access, fd), 12)
-                if syscall(ctypes.c_long(_LL_ADD_RULE), ctypes.c_long(ruleset), ctypes.c_long(_LL_PATH_BENEATH),
-                           rule, ctypes.c_long(0)) != 0:
+                if syscall(ctypes.c_long(_LL_ADD_RULE), ctypes.c_long(ruleset),
+                           ctypes.c_long(_LL_PATH_BENEATH), rule, ctypes.c_long(0)) != 0:
                     return 0
             finally:
                 os.close(fd)
-        return abi if syscall(ctypes.c_long(_LL_RESTRICT), ctypes.c_long(ruleset), ctypes.c_long(0)) == 0 else 0
+        return (abi if syscall(ctypes.c_long(_LL_RESTRICT), ctypes.c_long(ruleset), ctypes.c_long(0)) == 0
+                else 0)
     finally:
         os.close(ruleset)
 
@@ -636,7 +646,8 @@ def _readable_paths() -> list[str]:
     the system's shared-library directories and the dynamic linker's cache (extension modules
     load their libraries by name). Not /etc, /home, /root, /proc or /tmp: no credentials, no
     other process's state, no other run's files."""
-    paths = {*sys.path, sys.base_prefix, sys.base_exec_prefix, os.path.dirname(os.path.realpath(sys.executable)),
+    paths = {*sys.path, sys.base_prefix, sys.base_exec_prefix,
+             os.path.dirname(os.path.realpath(sys.executable)),
              "/usr/lib", "/usr/lib64", "/lib", "/lib64", "/usr/local/lib", "/etc/ld.so.cache"}
     return sorted(p for p in paths if p and os.path.isabs(p) and os.path.exists(p))
 

@@ -18,8 +18,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 # Under pytest-xdist (pyproject's addopts) each worker, and every CLI process it starts, gets one
 # intra-op thread: two workers on two cores with torch's default of one thread per core ran the
-# suite only ~10% faster than one process, with one thread each about 2x (bench/reports/2026-12-06-design-history.md). Set
-# before torch is imported, as torch reads it when its thread pool starts.
+# suite only ~10% faster than one process, with one thread each about 2x
+# (bench/reports/2026-12-06-design-history.md). Set before torch is imported, as torch reads it when its
+# thread pool starts.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -83,8 +84,9 @@ def cli_env(port: int, single_process: bool = True) -> dict[str, str]:
 
 @pytest.fixture(scope="session")
 def cli_zygote():
-    """CLI runs fork from a process that has imported torch, DeepSpeed and datasets once (tests/cli_zygote.py: ~7 s less a run on a 2-core machine); None where CUDA is present
-    (a fork cannot use CUDA after DeepSpeed's import probed it) or FLASHTRAIN_TEST_FORK=0."""
+    """CLI runs fork from a process that has imported torch, DeepSpeed and datasets once (tests/cli_zygote.py:
+    ~7 s less a run on a 2-core machine); None where CUDA is present (a fork cannot use CUDA after DeepSpeed's
+    import probed it) or FLASHTRAIN_TEST_FORK=0."""
     if torch_has_cuda or os.environ.get("FLASHTRAIN_TEST_FORK") == "0":
         yield None
         return

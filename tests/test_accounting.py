@@ -10,7 +10,8 @@ from tests.conftest import cli_env, run_cli
 
 
 def test_inspect_flash_matches_spec(port_base, cli_zygote):
-    p = run_cli(cli_zygote, ["inspect", "model=flash", "inspect.json=true"], cli_env(port_base()), timeout=300)
+    p = run_cli(cli_zygote, ["inspect", "model=flash", "inspect.json=true"], cli_env(port_base()),
+                timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     s = json.loads(p.stdout.strip().splitlines()[-1])
     assert abs(s["total_params"] / 552e9 - 1) < 0.02, s

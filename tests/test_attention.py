@@ -40,13 +40,16 @@ def test_tiny_plan_has_every_mode():
 
 
 def test_explicit_plan_and_bad_plans():
-    plan = build_layer_plan(tiny(n_layers=8, layer_modes=["swa", "full", "reuse", "full", "reindex", "reuse", "full", "reuse"],
+    plan = build_layer_plan(tiny(n_layers=8, layer_modes=["swa", "full", "reuse", "full", "reindex", "reuse",
+                                                          "full", "reuse"],
                                  compress_ratios=[0, 2, 2, 1, 1, 1, 2, 2]))
     assert plan.kv_sources == [1, 3, 6] and plan.pool_builders == [3]
     with pytest.raises(ValueError, match="before any full layer"):
-        build_layer_plan(tiny(n_layers=8, layer_modes=["swa", "reuse"] + ["full"] * 6, compress_ratios=[0] + [2] * 7))
+        build_layer_plan(tiny(n_layers=8, layer_modes=["swa", "reuse"] + ["full"] * 6,
+                              compress_ratios=[0] + [2] * 7))
     with pytest.raises(ValueError, match="compress ratio"):
-        build_layer_plan(tiny(n_layers=8, layer_modes=["swa", "full", "reuse"] + ["full"] * 5, compress_ratios=[0, 2, 1] + [2] * 5))
+        build_layer_plan(tiny(n_layers=8, layer_modes=["swa", "full", "reuse"] + ["full"] * 5,
+                              compress_ratios=[0, 2, 1] + [2] * 5))
 
 
 # ---------------------------------------------------------------- sparse == dense
@@ -107,7 +110,8 @@ def test_attention_is_one_softmax_over_window_selection_and_sink():
     q, win, glob, idx, doc_start, sink, window = _random_case(B=1, T=30, H=2, C=4, k=3, window=5)
     out, _ = sparse_attention(q, win, glob, idx, doc_start, sink, 0.5, window)
     t = 29
-    keys = [win[0, s] for s in range(t - window + 1, t + 1)] + [glob[0, j] for j in idx[0, t].tolist() if j >= 0]
+    keys = ([win[0, s] for s in range(t - window + 1, t + 1)]
+            + [glob[0, j] for j in idx[0, t].tolist() if j >= 0])
     K = torch.stack(keys)  # [n, C]
     for h in range(2):
         logits = torch.cat((K @ q[0, t, h] * 0.5, sink[h].double().view(1)))
@@ -467,7 +471,8 @@ def test_topk_ties_go_to_the_lowest_ids_whatever_the_width():
     assert torch.equal(select_topk(narrow, 16), select_topk(wide, 16))
     few = narrow[..., :10].clone()
     few[..., 3:] = float("-inf")  # fewer visible entries than k: the rest is -1
-    assert (select_topk(few, 8)[..., 3:] == -1).all() and (select_topk(few, 8)[..., :3] == torch.arange(3)).all()
+    assert ((select_topk(few, 8)[..., 3:] == -1).all()
+            and (select_topk(few, 8)[..., :3] == torch.arange(3)).all())
 
 
 @pytest.mark.gpu
@@ -558,7 +563,8 @@ YARN_CASES = [
 ]
 
 
-@pytest.mark.parametrize("theta, factor, original, ramp", YARN_CASES, ids=["factor16", "factor1", "wide-ramp"])
+@pytest.mark.parametrize("theta, factor, original, ramp", YARN_CASES,
+                         ids=["factor16", "factor1", "wide-ramp"])
 def test_yarn_frequencies_follow_the_inference_formula(theta, factor, original, ramp):
     """Pair i keeps theta^(-2i/dim) where ramp is 0 and is divided by `factor` where it is 1."""
     from model.rope import yarn_frequencies
@@ -643,7 +649,8 @@ def test_index_keys_come_from_the_latent_before_rope_and_fp4(qat):
     angles = (torch.arange(S) * m).float().unsqueeze(-1) * attn.rotary.inv_freq  # fp32, as the model
     angles = angles.double()
     k = latent @ attn.index_key.wk.weight.double().T
-    k = k * torch.rsqrt(k.square().mean(-1, keepdim=True) + cfg.norm_eps) * attn.index_key.k_norm.weight.double()
+    k = (k * torch.rsqrt(k.square().mean(-1, keepdim=True) + cfg.norm_eps)
+         * attn.index_key.k_norm.weight.double())
     k = _rotate(k, angles, R).float()
     kv = _rotate(latent, angles, R).float()
     if qat:

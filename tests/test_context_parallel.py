@@ -40,7 +40,8 @@ def test_cp2_equals_one_process(flashtrain, tmp_path):
     args = [*EXACT, "trainer.max_steps=4", "trainer.eval_every=2", "trainer.micro_batch_size=2"]
     p = flashtrain("pretrain", *args, f"hydra.run.dir={tmp_path / 'one'}")
     assert p.returncode == 0, p.stderr[-3000:]
-    p = flashtrain("pretrain", *args, "launcher.nproc=2", "trainer.context_parallel=2", f"hydra.run.dir={tmp_path / 'cp'}")
+    p = flashtrain("pretrain", *args, "launcher.nproc=2", "trainer.context_parallel=2",
+                   f"hydra.run.dir={tmp_path / 'cp'}")
     assert p.returncode == 0, p.stderr[-3000:]
     assert "CP 2" in p.stdout + p.stderr
     _compare(tmp_path / "one", tmp_path / "cp")
@@ -51,7 +52,8 @@ def test_cp_composes_with_dp_and_ep(flashtrain, tmp_path):
     args = [*EXACT, "trainer.max_steps=2", "trainer.eval_every=2"]
     p = flashtrain("pretrain", *args, "trainer.micro_batch_size=2", f"hydra.run.dir={tmp_path / 'one'}")
     assert p.returncode == 0, p.stderr[-3000:]
-    p = flashtrain("pretrain", *args, "trainer.micro_batch_size=1", "launcher.nproc=4", "trainer.context_parallel=2",
+    p = flashtrain("pretrain", *args, "trainer.micro_batch_size=1", "launcher.nproc=4",
+                   "trainer.context_parallel=2",
                    "trainer.expert_parallel=2", f"hydra.run.dir={tmp_path / 'dp_cp_ep'}", timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "DP 2 x CP 2, EP 2" in p.stdout + p.stderr

@@ -365,7 +365,8 @@ def test_resume_with_another_world_size_keeps_the_sample_order(numbered: PackedD
 
 
 def test_eval_batches_are_fixed_sharded_and_leave_training_alone(numbered: PackedDataset) -> None:
-    loaders = [DistributedBatchLoader(numbered, micro_batch_size=2, rank=r, world_size=2, seed=1) for r in (0, 1)]
+    loaders = [DistributedBatchLoader(numbered, micro_batch_size=2, rank=r, world_size=2, seed=1)
+               for r in (0, 1)]
     loader = loaders[1]
     loader.next_batch()
     state = loader.state_dict()
@@ -461,8 +462,9 @@ def test_a_cache_lock_wait_has_a_deadline_and_a_killed_holder_frees_it(tmp_path:
     try:
         assert holder.stdout.readline().strip() == "held"
         start = time.monotonic()
-        with pytest.raises(DataError, match=r"waited 0.5 s for .*abc\.json\.lock: another process holds it while it "
-                                            r"builds the tokenizer"):
+        with pytest.raises(DataError,
+                           match=r"waited 0.5 s for .*abc\.json\.lock: another process holds it while it "
+                                 r"builds the tokenizer"):
             with cache_lock(entry, 0.5, "tokenizer"):
                 pass
         assert time.monotonic() - start < 5

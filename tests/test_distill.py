@@ -41,10 +41,11 @@ def setup(tmp_path_factory, data_cache):
 
     conf.register({n: s.config for n, s in all_stages().items()})
     cfg, _ = compose("distill", ["logger=none", "trainer.torch_threads=1", f"data.cache_dir={data_cache}",
-                                 "rl.steps=4", "rl.prompts_per_step=4", "rl.group_size=2", "rl.max_new_tokens=6",
-                                 "rl.prompts_per_request=2", "rl.save_every=0", "rl.timeout_s=120",
-                                 "distill.eval_prompts=1", "distill.domain_block=2", "distill.teacher_batch=4",
-                                 "distill.max_resident=1", "distill.cpu_cache=1", "distill.teacher_workers=1"])
+                                 "rl.steps=4", "rl.prompts_per_step=4", "rl.group_size=2",
+                                 "rl.max_new_tokens=6", "rl.prompts_per_request=2", "rl.save_every=0",
+                                 "rl.timeout_s=120", "distill.eval_prompts=1", "distill.domain_block=2",
+                                 "distill.teacher_batch=4", "distill.max_resident=1", "distill.cpu_cache=1",
+                                 "distill.teacher_workers=1"])
     cfg = OmegaConf.to_object(cfg)
     root = tmp_path_factory.mktemp("distill")
     _, _, tok = build_datasets(cfg.data)
@@ -59,8 +60,9 @@ def setup(tmp_path_factory, data_cache):
     domains = {d: TeacherConfig(checkpoint=name if name == "hf" else f"{name}/checkpoints",
                                 arch="hf" if name == "hf" else "flashtrain")
                for name, ds in REGISTRY.items() for d in ds}
-    cfg = dataclasses.replace(cfg, distill=dataclasses.replace(cfg.distill, teacher_root=str(root / "teachers"),
-                                                               domains=domains))
+    cfg = dataclasses.replace(cfg,
+                              distill=dataclasses.replace(cfg.distill, teacher_root=str(root / "teachers"),
+                                                          domains=domains))
     return cfg, root, tok
 
 
@@ -71,7 +73,8 @@ def test_registry_dedupes_by_checkpoint_and_names_a_missing_teacher(setup, tmp_p
     cfg, root, _ = setup
     routes, specs = resolve_teachers(cfg.distill)
     assert len(specs) == 3 and set(routes) == {"reverse", "add7", "upper", "length"}
-    assert routes["add7"] == routes["upper"] == str((root / "teachers/small_b/checkpoints/step_00000001").resolve())
+    assert routes["add7"] == routes["upper"] == str(
+        (root / "teachers/small_b/checkpoints/step_00000001").resolve())
     assert {s.arch for s in specs if s.key == routes["length"]} == {"hf"}
     hosted = place_teachers(specs, 2)
     assert sorted(s.key for h in hosted for s in h) == sorted(s.key for s in specs)  # each once (1 replica)
@@ -79,7 +82,8 @@ def test_registry_dedupes_by_checkpoint_and_names_a_missing_teacher(setup, tmp_p
     assert two[0] == two[1] == [dataclasses.replace(specs[0], replicas=2)]
     default = DistillLoopConfig().domains  # the default registry: 42 domains, 41 distinct teachers
     assert len(default) >= 40 and len({t.checkpoint for t in default.values()}) == len(default) - 1
-    broken = dataclasses.replace(cfg.distill, domains={**cfg.distill.domains, "rot1": TeacherConfig(checkpoint="gone")})
+    broken = dataclasses.replace(cfg.distill,
+                                 domains={**cfg.distill.domains, "rot1": TeacherConfig(checkpoint="gone")})
     with pytest.raises(TeacherError, match="teacher 'gone' \\(domain rot1\\) fails to load"):
         resolve_teachers(broken)
 
@@ -91,16 +95,18 @@ def test_vocabulary_mismatch_is_refused_by_name(setup):
 
     cfg, root, tok = setup
     V = tok.vocab_size
-    model, mcfg = flashtrain_model(small_config(V + 64), tok, 5)  # a padded vocabulary: still not the student's
+    # a padded vocabulary: still not the student's
+    model, mcfg = flashtrain_model(small_config(V + 64), tok, 5)
     save_flashtrain(model, mcfg, root / "teachers" / "wide")
     hf_llama(V - 96, 6).save_pretrained(root / "teachers" / "hf_narrow")
-    domains = {"rot1": TeacherConfig(checkpoint="wide/checkpoints"), "rot2": TeacherConfig(checkpoint="hf_narrow", arch="hf"),
+    domains = {"rot1": TeacherConfig(checkpoint="wide/checkpoints"),
+               "rot2": TeacherConfig(checkpoint="hf_narrow", arch="hf"),
                "reverse": cfg.distill.domains["reverse"]}
     _, specs = resolve_teachers(dataclasses.replace(cfg.distill, domains=domains))
     errors = TeacherWorker(specs, str(root / "tokenizer.json"), V, 1, 1).check()
     assert len(errors) == 2
-    assert any(f"teacher 'wide/checkpoints' (domains rot1) has a {V + 64}-token vocabulary, the student {V}" in e
-               for e in errors)
+    assert any(f"teacher 'wide/checkpoints' (domains rot1) has a {V + 64}-token vocabulary, the student "
+               f"{V}" in e for e in errors)
     assert any(f"teacher 'hf_narrow' (domains rot2) has a {V - 96}-token vocabulary" in e for e in errors)
 
 
@@ -128,7 +134,8 @@ def test_same_size_other_tokenizer_is_refused(setup):
                "rot2": TeacherConfig(checkpoint="hf_swapped", arch="hf")}
     _, specs = resolve_teachers(dataclasses.replace(cfg.distill, domains=domains))
     errors = TeacherWorker(specs, str(root / "tokenizer.json"), V, 1, 1).check()
-    assert len(errors) == 1 and "teacher 'hf_swapped' (domains rot2) has another tokenizer" in errors[0], errors
+    assert (len(errors) == 1
+            and "teacher 'hf_swapped' (domains rot2) has another tokenizer" in errors[0]), errors
     assert "2 tokens differ" in errors[0]
 
 
@@ -156,11 +163,13 @@ def test_public_layout_and_imported_teachers_load_by_their_model_preset(setup, t
     (tmp_path / "tokenizer.json").write_text("not this teacher's")
     distill = lambda domains: dataclasses.replace(cfg.distill, teacher_root=str(teachers), domains=domains)  # noqa: E731
     for name in ("public", "imported/checkpoints"):
-        with pytest.raises(TeacherError, match=f"teacher '{name}' \\(domain rot1\\) fails to load: .* records no model "
-                                               "config; name its architecture with distill.domains.rot1.model=tiny"):
+        with pytest.raises(TeacherError,
+                           match=f"teacher '{name}' \\(domain rot1\\) fails to load: .* records no model "
+                                 "config; name its architecture with distill.domains.rot1.model=tiny"):
             resolve_teachers(distill({"rot1": TeacherConfig(checkpoint=name)}))
     routes, specs = resolve_teachers(distill({"rot1": TeacherConfig(checkpoint="public", model="tiny"),
-                                             "rot2": TeacherConfig(checkpoint="imported/checkpoints", model="tiny")}))
+                                             "rot2": TeacherConfig(checkpoint="imported/checkpoints",
+                                                                   model="tiny")}))
     assert routes["rot2"] == str(ckpt.resolve()) and [s.model for s in specs] == ["tiny", "tiny"]
     ids = torch.randint(0, V, (1, 24), generator=torch.Generator().manual_seed(0))
     logits = []
@@ -171,17 +180,19 @@ def test_public_layout_and_imported_teachers_load_by_their_model_preset(setup, t
         with torch.no_grad():
             logits.append(teacher(ids).logits)
     torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)
-    with pytest.raises(ConfigError, match="distill.domains.rot1.model='huge': expected one of tiny, small, flash"):
+    with pytest.raises(ConfigError,
+                       match="distill.domains.rot1.model='huge': expected one of tiny, small, flash"):
         resolve_teachers(distill({"rot1": TeacherConfig(checkpoint="public", model="huge")}))
     with pytest.raises(ConfigError, match="distill.domains.rot1.model='tiny': only for arch=flashtrain"):
         resolve_teachers(distill({"rot1": TeacherConfig(checkpoint="public", arch="hf", model="tiny")}))
 
 
 def test_cli_reports_a_missing_teacher_by_name(flashtrain, tmp_path):
-    p = flashtrain("distill", "logger=none", f"distill.teacher_root={tmp_path}", "distill.only=[reverse,add7]",
-                   f"hydra.run.dir={tmp_path / 'run'}", timeout=120)
+    p = flashtrain("distill", "logger=none", f"distill.teacher_root={tmp_path}",
+                   "distill.only=[reverse,add7]", f"hydra.run.dir={tmp_path / 'run'}", timeout=120)
     assert p.returncode == 2
-    assert "teacher 'add7/checkpoints' (domain add7) fails to load" in p.stderr and len(p.stderr.splitlines()) == 1
+    assert ("teacher 'add7/checkpoints' (domain add7) fails to load" in p.stderr
+            and len(p.stderr.splitlines()) == 1)
     p = flashtrain("distill", "logger=none", f"distill.teacher_root={tmp_path}", "distill.kl_mean=sample",
                    f"hydra.run.dir={tmp_path / 'run2'}", timeout=120)
     assert p.returncode == 2 and "distill.kl_mean='sample': expected one of token, domain" in p.stderr
@@ -322,8 +333,8 @@ def test_routing_teacher_crash_recovery_and_resume(setup):
     ray.init(num_cpus=6, include_dashboard=False, configure_logging=False)
     rows = []
     try:
-        coord = Recording(cfg, root / "run", str(root / "tokenizer.json"), (root / "student").read_text(), rows.append,
-                          tok.vocab_size, teachers)
+        coord = Recording(cfg, root / "run", str(root / "tokenizer.json"), (root / "student").read_text(),
+                          rows.append, tok.vocab_size, teachers)
         worker, result = _run_in_thread(coord)
         deadline = time.time() + 300
         while coord.restarts["teacher"] == 0 and worker.is_alive() and time.time() < deadline:
@@ -335,7 +346,8 @@ def test_routing_teacher_crash_recovery_and_resume(setup):
         worker.join(timeout=600)
         assert not worker.is_alive() and "error" not in result, result.get("error")
         assert coord.restarts["teacher"] >= 1 and result["duplicates"] == 0
-        assert len(coord.trained) == 4 * 4 and set(coord.trained) | set(coord.admitted) == set(range(coord.cursor))
+        assert (len(coord.trained) == 4 * 4
+                and set(coord.trained) | set(coord.admitted) == set(range(coord.cursor)))
 
         samples = coord.trained_samples
         assert len(samples) == 4 * 4 * 2
@@ -366,8 +378,8 @@ def test_routing_teacher_crash_recovery_and_resume(setup):
 
         resumed_cfg = dataclasses.replace(cfg, rl=dataclasses.replace(cfg.rl, steps=5))
         rows.clear()
-        coord = DistillCoordinator(resumed_cfg, root / "run", str(root / "tokenizer.json"), (root / "student").read_text(),
-                                   rows.append, tok.vocab_size, teachers)
+        coord = DistillCoordinator(resumed_cfg, root / "run", str(root / "tokenizer.json"),
+                                   (root / "student").read_text(), rows.append, tok.vocab_size, teachers)
         coord.run()
         assert coord.version == 5 and [r["step"] for r in rows if "loss" in r] == [5]
         assert coord.trained and not coord.trained & first_trained  # nothing trained twice across the resume
@@ -378,9 +390,11 @@ def test_routing_teacher_crash_recovery_and_resume(setup):
         from trainer.checkpoint import model_state, resolve_checkpoint
 
         ckpt = resolve_checkpoint(root / "run")
-        student = load_teacher(TeacherSpec(str(ckpt), "student", "flashtrain", 1, ("add7",)), tok, tok.vocab_size)
+        student = load_teacher(TeacherSpec(str(ckpt), "student", "flashtrain", 1, ("add7",)), tok,
+                               tok.vocab_size)
         saved = model_state(ckpt)
-        assert ckpt.name.endswith("5") and all(torch.equal(v, saved[k]) for k, v in student.state_dict().items())
+        assert ckpt.name.endswith("5") and all(torch.equal(v, saved[k])
+                                               for k, v in student.state_dict().items())
     finally:
         ray.shutdown()
 
@@ -423,8 +437,8 @@ def test_a_hung_teacher_is_restarted_and_its_samples_retried(setup, tmp_path):
     ray.init(num_cpus=6, include_dashboard=False, configure_logging=False)
     rows = []
     try:
-        coord = HungTeacher(cfg, tmp_path / "run", str(root / "tokenizer.json"), (root / "student").read_text(),
-                            rows.append, tok.vocab_size, teachers)
+        coord = HungTeacher(cfg, tmp_path / "run", str(root / "tokenizer.json"),
+                            (root / "student").read_text(), rows.append, tok.vocab_size, teachers)
         worker, result = _run_in_thread(coord)
         while coord.version < 1 and worker.is_alive():  # arm once the start-of-run eval is done
             time.sleep(0.05)
@@ -459,12 +473,13 @@ def test_student_objective_matches_the_model_logits_and_the_rl_loss(setup):
     for i, (p, r) in enumerate([(5, 3), (7, 1), (4, 4)]):
         samples.append({"prompt": torch.randint(5, V, (p,), generator=g).tolist(),
                         "response": torch.randint(5, V, (r,), generator=g).tolist(),
-                        "behaviour": (-torch.rand(r, generator=g) * 5).tolist(), "advantage": [1.0, -0.5, 0.25][i],
+                        "behaviour": (-torch.rand(r, generator=g) * 5).tolist(),
+                        "advantage": [1.0, -0.5, 0.25][i],
                         "domain": "add7" if i < 2 else "reverse", "teacher": "t", "teacher_kind": "logprobs",
                         "teacher_out": torch.log_softmax(torch.randn(r, V, generator=g), -1)})
     fresh = torch.tensor([True, True, False])  # the third is stale: out of both terms
-    kl_only = dataclasses.replace(cfg.distill, kl_weight=1.0, reward_weight=0.0, token_chunk=3, vocab_chunk=1000,
-                                  kl_mean="token")
+    kl_only = dataclasses.replace(cfg.distill, kl_weight=1.0, reward_weight=0.0, token_chunk=3,
+                                  vocab_chunk=1000, kl_mean="token")
     loss_kl, stats = distill_objective(model, samples, fresh, {}, tok.pad_id, kl_only, cfg.rl)
     logits, targets = [], []
     for s in samples[:2]:
@@ -496,8 +511,8 @@ def test_student_objective_matches_the_model_logits_and_the_rl_loss(setup):
     behaviour = torch.zeros_like(logp)
     for i, s in enumerate(samples):
         behaviour[i, :len(s["behaviour"])] = torch.tensor(s["behaviour"])
-    pg, _ = policy_loss(logp, behaviour, torch.tensor([s["advantage"] for s in samples]), mask & fresh[:, None],
-                        cfg.rl.clip_low, cfg.rl.clip_high, cfg.rl.is_cap)
+    pg, _ = policy_loss(logp, behaviour, torch.tensor([s["advantage"] for s in samples]),
+                        mask & fresh[:, None], cfg.rl.clip_low, cfg.rl.clip_high, cfg.rl.is_cap)
     assert torch.allclose(loss_mix, want + 0.5 * pg, rtol=1e-4, atol=1e-5)
     loss_mix.backward()
     assert model.head.weight.grad is not None and model.embed.weight.grad.abs().sum() > 0

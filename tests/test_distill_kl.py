@@ -43,7 +43,8 @@ def _reference(h, w, th, tw, mask, temperature=1.0):
 def test_chunked_matches_reference(kind, dtype, tol, temperature):
     h, w, th, tw, mask = _case(dtype)
     hc, wc = h.clone().requires_grad_(), w.clone().requires_grad_()
-    got = chunked_reverse_kl(hc, wc, _teacher(kind, th, tw, temperature), mask, token_chunk=TC, vocab_chunk=VC)
+    got = chunked_reverse_kl(hc, wc, _teacher(kind, th, tw, temperature), mask, token_chunk=TC,
+                             vocab_chunk=VC)
     got.backward()
     hr, wr = h.clone().requires_grad_(), w.clone().requires_grad_()
     want = _reference(hr, wr, th, tw, mask, temperature)
@@ -93,7 +94,8 @@ def test_empty_mask_is_zero_with_zero_grads():
     loss = chunked_reverse_kl(hc, wc, TeacherHidden(th, tw), torch.zeros(N, dtype=torch.bool))
     loss.backward()
     assert loss.item() == 0 and not hc.grad.any() and not wc.grad.any()
-    assert reverse_kl_reference(h @ w.T, torch.zeros(N, V, dtype=h.dtype), torch.zeros(N, dtype=torch.bool)) == 0
+    assert reverse_kl_reference(h @ w.T, torch.zeros(N, V, dtype=h.dtype),
+                                torch.zeros(N, dtype=torch.bool)) == 0
 
 
 @pytest.mark.parametrize("kind", ["logprobs", "hidden"])
@@ -122,7 +124,8 @@ def test_teacher_minus_inf_where_student_has_zero_probability():
     h, w, _, _, mask = _case(torch.float64, seed=3)
     h[:, 0], w[0] = 1.0, 0.0
     w[0, 0] = -1e4
-    lp = torch.log_softmax(torch.randn(N, V, dtype=torch.float64, generator=torch.Generator().manual_seed(4)), -1)
+    lp = torch.log_softmax(torch.randn(N, V, dtype=torch.float64, generator=torch.Generator().manual_seed(4)),
+                           -1)
     lp[:, 0] = float("-inf")
     lp = torch.log_softmax(lp, -1)
     hc, wc = h.clone().requires_grad_(), w.clone().requires_grad_()
@@ -176,7 +179,8 @@ def test_never_allocates_tokens_by_vocab(kind):
     # The probe does see [N, V] allocations: the reference makes them.
     hr, wr = h.clone().requires_grad_(), w.clone().requires_grad_()
     with _LargestAllocation() as ref_mode:
-        reverse_kl_reference(hr @ wr.T, teacher.logprobs if kind == "logprobs" else torch.log_softmax(th @ tw.T, -1),
+        reverse_kl_reference(hr @ wr.T,
+                             teacher.logprobs if kind == "logprobs" else torch.log_softmax(th @ tw.T, -1),
                              mask).backward()
     assert ref_mode.largest >= int(mask.sum()) * v
 

@@ -224,7 +224,8 @@ def test_slot_decoding_at_different_lengths_equals_the_whole_sequence(model):
     got = slots.extract(0)
     assert got.length == ref.length and got.nbytes()["global"] == ref.nbytes()["global"]
     for key, store in ref.entries.items():
-        torch.testing.assert_close(got.entries[key].read(torch.float64), store.read(torch.float64), rtol=0, atol=1e-12)
+        torch.testing.assert_close(got.entries[key].read(torch.float64), store.read(torch.float64), rtol=0,
+                                   atol=1e-12)
 
 
 def test_continuous_batching_gives_each_prompt_what_it_gets_alone(model):
@@ -248,6 +249,7 @@ def test_continuous_batching_gives_each_prompt_what_it_gets_alone(model):
     with_stop = generate(model, prompts, temperature=1.0, seed=3, max_batch=3, stop=stop, **kw)
     for a, b in zip(with_stop, batched):
         cut = next((k + 1 for k, t in enumerate(b.tokens) if t in stop), len(b.tokens))
-        assert a.tokens == b.tokens[:cut] and a.finish == ("stop" if cut < len(b.tokens) or b.tokens[-1] in stop else "length")
+        assert (a.tokens == b.tokens[:cut]
+                and a.finish == ("stop" if cut < len(b.tokens) or b.tokens[-1] in stop else "length"))
     with pytest.raises(ValueError, match="max_batch"):
         generate(model, prompts, max_new_tokens=1, max_batch=0)

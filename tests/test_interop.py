@@ -109,7 +109,8 @@ def test_independent_reader_decodes_the_model(exported):
         assert err < bound, f"{name}: relative error {err:.3g} after export"
         covered.add(name)
     assert sum(".experts." in n for n in covered) == CFG.n_layers * CFG.n_routed_experts * 3
-    n_public = sum(1 for k in original.state_dict() if not k.endswith(("lookup_map", ".multipliers", ".load")))
+    n_public = sum(1 for k in original.state_dict()
+                   if not k.endswith(("lookup_map", ".multipliers", ".load")))
     n_public += CFG.n_layers * 3 * (CFG.n_routed_experts - 1)  # stacked experts are one tensor each
     assert len(covered) == n_public
 
@@ -144,7 +145,8 @@ def test_without_an_origin_the_values_survive_but_not_always_the_bytes(exported,
     first_bytes = load_file(str(next((root / "first").glob("model-00002-*"))))
     bare_bytes = load_file(str(next((tmp_path / "bare").glob("model-00002-*"))))
     scales = [n for n in first_bytes if ".experts." in n and n.endswith(".scale")]
-    moved = sum(not torch.equal(first_bytes[n].view(torch.uint8), bare_bytes[n].view(torch.uint8)) for n in scales)
+    moved = sum(not torch.equal(first_bytes[n].view(torch.uint8), bare_bytes[n].view(torch.uint8))
+                for n in scales)
     assert moved > 0  # FP4 experts: a quarter of Gaussian blocks have the two forms
 
 
@@ -228,7 +230,8 @@ def test_tensors_flashtrain_does_not_train_are_named_once_and_carried_through(ex
     out = {n: v for f in (tmp_path / "out").glob("*.safetensors") for n, v in load_file(str(f)).items()}
     assert sorted(out) == sorted(source)
     for name, value in source.items():  # every tensor, carried or trained-and-untouched, byte for byte
-        assert value.dtype == out[name].dtype and torch.equal(value.view(torch.uint8), out[name].view(torch.uint8)), name
+        assert (value.dtype == out[name].dtype
+                and torch.equal(value.view(torch.uint8), out[name].view(torch.uint8))), name
     exported_config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert exported_config == config
 
@@ -259,7 +262,8 @@ def corpus(tmp_path_factory) -> list[str]:
     root = tmp_path_factory.mktemp("corpus")
     rng = random.Random(0)
     for d in range(8):
-        lines = [f"{a} + {b} = {a + b}." for a, b in ((rng.randint(0, 99), rng.randint(0, 99)) for _ in range(150))]
+        lines = [f"{a} + {b} = {a + b}."
+                 for a, b in ((rng.randint(0, 99), rng.randint(0, 99)) for _ in range(150))]
         (root / f"doc{d}.txt").write_text("\n".join(lines))
     return ["data=files", f"data.path={root}", f"data.vocab_size={VOCAB}", "data.val_fraction=0.1",
             f"model.vocab_size={VOCAB}"]
@@ -267,7 +271,8 @@ def corpus(tmp_path_factory) -> list[str]:
 
 def test_imported_checkpoint_then_cli_export_is_byte_identical(exported, flashtrain, tmp_path):
     root, _, imported = exported
-    import_checkpoint(root / "first", tmp_path / "imp" / "checkpoints", CFG, log=QUIET)  # what `convert import=` runs
+    # what `convert import=` runs
+    import_checkpoint(root / "first", tmp_path / "imp" / "checkpoints", CFG, log=QUIET)
     model = _model(6)
     load_model_weights(model, tmp_path / "imp" / "checkpoints" / "step_00000000")
     for name, value in imported.state_dict().items():
@@ -321,16 +326,19 @@ def _other_form(t, wm, _):
         t[weight], t[name] = other[""], other["scale"]
 
 
-def test_weights_in_another_quantisers_form_import_and_reexport_byte_identical(exported, flashtrain, tmp_path):
+def test_weights_in_another_quantisers_form_import_and_reexport_byte_identical(exported, flashtrain,
+                                                                               tmp_path):
     root, _, imported = exported
     _rewrite(root / "first", tmp_path / "pub", _other_form)
     top = next((tmp_path / "pub").glob("model-00001-*"))
     tensors = load_file(str(top))
     tensors["head.weight"] = tensors["head.weight"].float()  # a source that keeps its head in fp32
     save_file(tensors, str(top), metadata={"format": "pt"})
-    layer1 = json.loads((root / "first" / "model.safetensors.index.json").read_text())["weight_map"]["layers.1.attn.wq_a.weight"]
+    layer1 = json.loads((root / "first" / "model.safetensors.index.json").read_text())["weight_map"][
+        "layers.1.attn.wq_a.weight"]
     changed, original = load_file(str(tmp_path / "pub" / layer1)), load_file(str(root / "first" / layer1))
-    assert sum(not torch.equal(changed[n].view(torch.uint8), original[n].view(torch.uint8)) for n in changed) > 10
+    assert sum(not torch.equal(changed[n].view(torch.uint8), original[n].view(torch.uint8))
+               for n in changed) > 10
     model = _model(8)
     import_into_model(model, tmp_path / "pub", log=QUIET)  # the same values
     for name, value in imported.state_dict().items():
@@ -353,7 +361,8 @@ def test_an_export_without_its_origin_says_how_to_go_on(exported, flashtrain, tm
     shutil.rmtree(run / "public")
     (run / "origin.json").write_text(json.dumps({"origin": str(tmp_path / "gone")}))
     write_manifest(run, 1)
-    args = ("convert", "model=tiny", f"export={tmp_path / 'out'}", f"checkpoint={run}", f"hydra.run.dir={tmp_path / 'e'}")
+    args = ("convert", "model=tiny", f"export={tmp_path / 'out'}", f"checkpoint={run}",
+            f"hydra.run.dir={tmp_path / 'e'}")
     p = flashtrain(*args, cache=False)
     errors = [ln for ln in p.stderr.splitlines() if ln.startswith("flashtrain: error:")]
     assert p.returncode == 2 and len(errors) == 1 and "origin=none" in errors[0], p.stderr[-2000:]
@@ -369,15 +378,15 @@ def test_an_export_without_its_origin_says_how_to_go_on(exported, flashtrain, tm
 # ------------------------------------------------------------------ config.json
 # The reference ModelArgs' field names (inference/model.py): the public code builds ModelArgs(**config).
 REFERENCE_FIELDS = {
-    "max_batch_size", "max_seq_len", "temperature", "dtype", "expert_dtype", "vocab_size", "dim", "moe_inter_dim",
-    "n_layers", "n_mtp_layers", "n_heads", "n_routed_experts", "n_shared_experts", "n_activated_experts",
-    "score_func", "gate_temp", "norm_topk_prob", "route_scale", "swiglu_limit", "q_lora_rank", "head_dim",
-    "rope_head_dim", "norm_eps", "o_groups", "o_lora_rank", "window_size", "compress_ratios", "kv_source_layers",
-    "index_source_layers", "compress_rope_theta", "original_seq_len", "rope_theta", "rope_factor", "beta_fast",
-    "beta_slow", "index_n_heads", "index_head_dim", "index_topk", "candidate_source_layer",
-    "candidate_topk_blocks", "candidate_block_size", "hc_mult", "hc_sinkhorn_iters", "hc_eps", "engram_layer_ids",
-    "engram_num_embeddings", "engram_max_ngram_size", "engram_vocab_size", "engram_n_heads", "engram_head_dim",
-    "engram_pad_id", "engram_compressed_vocab_size",
+    "max_batch_size", "max_seq_len", "temperature", "dtype", "expert_dtype", "vocab_size", "dim",
+    "moe_inter_dim", "n_layers", "n_mtp_layers", "n_heads", "n_routed_experts", "n_shared_experts",
+    "n_activated_experts", "score_func", "gate_temp", "norm_topk_prob", "route_scale", "swiglu_limit",
+    "q_lora_rank", "head_dim", "rope_head_dim", "norm_eps", "o_groups", "o_lora_rank", "window_size",
+    "compress_ratios", "kv_source_layers", "index_source_layers", "compress_rope_theta", "original_seq_len",
+    "rope_theta", "rope_factor", "beta_fast", "beta_slow", "index_n_heads", "index_head_dim", "index_topk",
+    "candidate_source_layer", "candidate_topk_blocks", "candidate_block_size", "hc_mult", "hc_sinkhorn_iters",
+    "hc_eps", "engram_layer_ids", "engram_num_embeddings", "engram_max_ngram_size", "engram_vocab_size",
+    "engram_n_heads", "engram_head_dim", "engram_pad_id", "engram_compressed_vocab_size",
 }
 
 
@@ -399,7 +408,8 @@ def test_config_has_the_public_fields_and_meanings(exported):
     primes = _primes_from(config["engram_vocab_size"], 12)
     assert primes[0] > CFG.engram_min_rows
     assert config["engram_num_embeddings"] == [sum(primes[:6]), sum(primes[6:])]
-    assert config["engram_max_ngram_size"] == 4 and config["engram_n_heads"] == 2 and config["engram_head_dim"] == 32
+    assert (config["engram_max_ngram_size"] == 4 and config["engram_n_heads"] == 2
+            and config["engram_head_dim"] == 32)
     assert config["engram_compressed_vocab_size"] == VOCAB  # the identity map of a model built without one
     assert config["norm_eps"] == CFG.norm_eps and config["original_seq_len"] == CFG.original_seq_len
 
@@ -479,7 +489,8 @@ def test_zero3_and_zero0_checkpoints_of_the_same_weights_export_alike(flashtrain
                        f"trainer.zero_stage={stage}", "trainer.max_steps=1", "trainer.torch_threads=1",
                        f"hydra.run.dir={run}")
         assert p.returncode == 0, p.stderr[-3000:]
-        p = flashtrain("convert", "model=tiny", f"model.vocab_size={VOCAB}", f"export={tmp_path / f'out{stage}'}",
+        p = flashtrain("convert", "model=tiny", f"model.vocab_size={VOCAB}",
+                       f"export={tmp_path / f'out{stage}'}",
                        f"checkpoint={run}", f"hydra.run.dir={tmp_path / f'e{stage}'}", cache=False)
         assert p.returncode == 0, p.stderr[-3000:]
     assert _digests(tmp_path / "out3") == _digests(tmp_path / "out0")

@@ -74,7 +74,8 @@ def test_addresses_context_parallel_slice():
         assert torch.equal(want, eng.addresses(full, doc)[:, off:])  # the reference agrees with itself
         assert torch.equal(addresses_of(eng, ids, doc_start=doc[:, off:], positions=p, history=hist), want)
     # history without doc starts
-    assert torch.equal(addresses_of(eng, ids, positions=pos, history=hist), eng.addresses(ids, None, pos, hist))
+    assert torch.equal(addresses_of(eng, ids, positions=pos, history=hist),
+                       eng.addresses(ids, None, pos, hist))
 
 
 def test_addresses_bit_exact_when_products_wrap():
@@ -155,7 +156,8 @@ def test_other_widths_and_narrow_table_gradient(width, dtype):
     ids, doc = batch(B=2, T=40, high=50, seed=9)  # few distinct ids: rows hit many times
     addr = eng.addresses(ids, doc)
     n_rows = int(eng.offsets[-1] + eng.primes[-1])
-    table = torch.randn(n_rows, width, generator=torch.Generator().manual_seed(9)).to(DEV, dtype).requires_grad_()
+    table = torch.randn(n_rows, width,
+                        generator=torch.Generator().manual_seed(9)).to(DEV, dtype).requires_grad_()
     got = engram_gather_triton(ids, table, eng.multipliers, eng.orders, eng.primes, eng.offsets, doc)
     assert torch.equal(got, F.embedding(addr, table))
     # integers < 2^8: exact in bf16, fp32 sums exact, but sums of several often need > 8 significant bits

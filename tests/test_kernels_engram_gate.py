@@ -113,15 +113,16 @@ def test_clamped_gate_passes_no_gradient_to_the_dot():
 
 
 def test_module_forward_uses_the_kernels_with_kernels_on(monkeypatch):
-    """Engram.forward under the kernel policy (model.kernels): the lookup and the gated add go through the kernels
-    (counted), and give the reference module's output."""
+    """Engram.forward under the kernel policy (model.kernels): the lookup and the gated add go through the
+    kernels (counted), and give the reference module's output."""
     import model.kernels.engram as lookup_mod
     import model.kernels.engram_gate as gate_mod
 
     calls = []
     for mod, name in ((lookup_mod, "engram_lookup_triton"), (gate_mod, "engram_gate_triton")):
         fn = getattr(mod, name)
-        monkeypatch.setattr(mod, name, lambda *a, _fn=fn, _name=name, **k: (calls.append(_name), _fn(*a, **k))[1])
+        monkeypatch.setattr(mod, name,
+                            lambda *a, _fn=fn, _name=name, **k: (calls.append(_name), _fn(*a, **k))[1])
     eng = _engram(64)
     ker = KernelPolicy(["engram_lookup", "engram_gate"]).apply(_engram(64))  # after the counting patches
     ker.load_state_dict(eng.state_dict())

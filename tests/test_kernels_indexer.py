@@ -72,7 +72,8 @@ def test_index_scores_fused_visibility(m, offset, rows):
     assert_scores(got, want)
 
 
-@pytest.mark.parametrize("B,T,S,P,H,Di", [(2, 6, 50, 24, 4, 32), (1, 3, 40, 40, 16, 16), (1, 4, 20, 7, 5, 24)])
+@pytest.mark.parametrize("B,T,S,P,H,Di",
+                         [(2, 6, 50, 24, 4, 32), (1, 3, 40, 40, 16, 16), (1, 4, 20, 7, 5, 24)])
 def test_index_scores_at_matches_reference(B, T, S, P, H, Di):
     q, w, k = inputs(B, T, S, H, Di)
     cand = candidates(B, T, P, S)

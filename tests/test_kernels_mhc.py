@@ -120,7 +120,8 @@ def test_chain_matches_block_composition():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
     g = torch.Generator().manual_seed(7)
     cot = [torch.randn(o.shape, generator=g).to(DEV) for o in ref]
-    for name, a, b in zip(NAMES[:5] + ["fn", "base", "scale"], grads(fused, leaves, cot), grads(ref, leaves, cot)):
+    for name, a, b in zip(NAMES[:5] + ["fn", "base", "scale"], grads(fused, leaves, cot),
+                          grads(ref, leaves, cot)):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=f"grad {name}")
 
 

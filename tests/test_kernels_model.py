@@ -108,7 +108,8 @@ def test_kernels_match_the_reference_model_on_gpu(fp32_residual):
         assert abs(a - b) <= 2e-2 * abs(a) + 1e-4, (key, a.item(), b.item())
     err_ref = ((grad_ref - exact).norm() / exact.norm()).item()
     err_ker = ((grad_ker - exact).norm() / exact.norm()).item()
-    print(f"fp32_residual={fp32_residual}: gradient relative L2 from fp32, reference {err_ref:.4f}, kernels {err_ker:.4f}")
+    print(f"fp32_residual={fp32_residual}: gradient relative L2 from fp32, reference {err_ref:.4f}, kernels "
+          f"{err_ker:.4f}")
     assert err_ker < 1.5 * err_ref, (err_ker, err_ref)
 
 

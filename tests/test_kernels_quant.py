@@ -44,7 +44,8 @@ def assert_same(got: torch.Tensor, want: torch.Tensor) -> None:
     if not torch.equal(g, w):
         bad = (g != w).nonzero()
         i = tuple(bad[0].tolist())
-        raise AssertionError(f"{bad.shape[0]} of {g.numel()} differ; first at {i}: got {got[i]!r}, want {want[i]!r}")
+        raise AssertionError(f"{bad.shape[0]} of {g.numel()} differ; first at {i}: got {got[i]!r}, want "
+                             f"{want[i]!r}")
 
 
 def check(name: str, x: torch.Tensor, out_dtypes=(torch.float32, torch.bfloat16)) -> None:
@@ -93,7 +94,8 @@ def cases(name: str, device: torch.device | str = "cpu") -> dict[str, torch.Tens
         amax = _nudged(6 * torch.cat([mids, E4M3_POS[1:], torch.tensor([464.0, 480.0, 1e4])]))
         out["scale_ties"] = _rows_with_anchor(amax, torch.randn(block - 1, generator=g), block)
     elif name == "mxfp4":
-        out["ties"] = _tie_rows(torch.cat([e2m1, -e2m1]), 2.0 ** torch.tensor([0.0, -10.0, 20.0, -120.0]), block)
+        out["ties"] = _tie_rows(torch.cat([e2m1, -e2m1]), 2.0 ** torch.tensor([0.0, -10.0, 20.0, -120.0]),
+                                block)
         # amax / 6 exactly a power of two, or one ulp either side: where ceil(log2) changes.
         out["scale_ties"] = _rows_with_anchor(_nudged(6 * 2.0 ** torch.arange(-126.0, 126.0, 7.0)),
                                               torch.randn(block - 1, generator=g), block)
@@ -259,7 +261,8 @@ def test_reference_is_the_same_on_cuda_and_cpu(name: str) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name, dtype", [pytest.param(n, d, id=f"{n}-{i}")
-                                         for n in NAMES for d, i in ((torch.float32, "fp32"), (torch.bfloat16, "bf16"))])
+                                         for n in NAMES
+                                         for d, i in ((torch.float32, "fp32"), (torch.bfloat16, "bf16"))])
 def test_matches_reference_on_cuda(name: str, dtype: torch.dtype) -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(4096, 512, generator=g, device="cuda")

@@ -28,7 +28,8 @@ def run(rotary, x, angles, inverse, cot):
 @pytest.mark.parametrize("shape,heads", [((2, 37, 48), False), ((2, 19, 3, 48), True), ((3, 7, 16), False)],
                          ids=["rows", "heads-share-angles", "rope-only"])
 def test_matches_reference(shape, heads, inverse):
-    """Forward and gradient; 74 / 114 / 21 rows: partial last row blocks; "rope-only": no pass-through dims."""
+    """Forward and gradient; 74 / 114 / 21 rows: partial last row blocks; "rope-only": no pass-through
+    dims."""
     g = torch.Generator().manual_seed(0)
     ref, fast = pair()
     x = torch.randn(shape, generator=g).to(DEV)

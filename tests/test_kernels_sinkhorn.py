@@ -54,7 +54,8 @@ def test_other_stream_counts(n):
 def test_iters_zero_is_one_round_and_empty_input():
     """range(iters - 1) is empty for iters <= 1: the reference does the first round only."""
     x = logits_of((3, 4, 4), seed=4)
-    torch.testing.assert_close(sinkhorn_comb_triton(x, 0, EPS), sinkhorn_comb(x, 0, EPS), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(sinkhorn_comb_triton(x, 0, EPS), sinkhorn_comb(x, 0, EPS), rtol=1e-6,
+                               atol=1e-6)
     empty = torch.zeros(0, 4, 4, device=DEV, requires_grad=True)
     out = sinkhorn_comb_triton(empty, 20, EPS)
     assert out.shape == (0, 4, 4)
@@ -70,8 +71,8 @@ def test_gradcheck_fp64():
     assert torch.autograd.gradcheck(lambda t: sinkhorn_comb_triton(t, 2, EPS), (small,))
     x = logits_of((2, 5, 4, 4), seed=5, dtype=torch.float64)
     for iters in (1, 20):
-        assert torch.autograd.gradcheck(lambda t, iters=iters: sinkhorn_comb_triton(t, iters, EPS, block_t=8), (x,),
-                                        fast_mode=True)
+        assert torch.autograd.gradcheck(lambda t, iters=iters: sinkhorn_comb_triton(t, iters, EPS, block_t=8),
+                                        (x,), fast_mode=True)
     # and against the fp64 reference
     cot = torch.randn(x.shape, generator=torch.Generator().manual_seed(6), dtype=torch.float64).to(DEV)
     out, g = forward_and_grad(sinkhorn_comb_triton, x, 20, cot)
@@ -93,7 +94,8 @@ def test_low_precision_input_computes_in_fp32():
 
 
 # hand-picked logits (one token, and a second with sharper rows) and an eps large enough to matter
-GOLDEN_LOGITS = [[[0.5, -1.0, 2.0, 0.0], [1.5, 0.25, -0.5, 1.0], [-2.0, 0.0, 0.75, -0.25], [0.0, 3.0, -1.5, 0.5]],
+GOLDEN_LOGITS = [[[0.5, -1.0, 2.0, 0.0], [1.5, 0.25, -0.5, 1.0], [-2.0, 0.0, 0.75, -0.25],
+                  [0.0, 3.0, -1.5, 0.5]],
                  [[4.0, -4.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0], [-3.0, 2.0, 2.5, -1.0], [1.0, -2.0, 0.5, 3.5]]]
 GOLDEN_EPS = 1e-2
 
@@ -163,7 +165,8 @@ def test_all_sinkhorn_gradients_match_the_definition(iters):
     (got,) = torch.autograd.grad(sinkhorn_comb_triton(xd, iters, GOLDEN_EPS), [xd], cot.to(DEV))
     torch.testing.assert_close(got.cpu(), want, rtol=1e-7, atol=1e-8)  # fp32 eps, as above
     # fast mode (a random projection of the Jacobian): the interpreter spends ~0.3 s a forward
-    assert torch.autograd.gradcheck(lambda t: sinkhorn_comb_triton(t, iters, GOLDEN_EPS), (xd,), fast_mode=True)
+    assert torch.autograd.gradcheck(lambda t: sinkhorn_comb_triton(t, iters, GOLDEN_EPS), (xd,),
+                                    fast_mode=True)
     x32 = x.detach().float().to(DEV).requires_grad_()
     (got,) = torch.autograd.grad(sinkhorn_comb_triton(x32, iters, GOLDEN_EPS), [x32], cot.float().to(DEV))
     torch.testing.assert_close(got.double().cpu(), want, rtol=1e-5, atol=1e-6)
@@ -211,7 +214,8 @@ def test_fp32_on_gpu(scale):
 def test_decode_shape_and_bf16_on_gpu():
     """One token (a decode step), and bf16 logits (fp32 math inside)."""
     x = logits_of((1, 1, 4, 4), seed=11, device="cuda")
-    torch.testing.assert_close(sinkhorn_comb_triton(x, 20, EPS), sinkhorn_comb(x, 20, EPS), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(sinkhorn_comb_triton(x, 20, EPS), sinkhorn_comb(x, 20, EPS), rtol=1e-6,
+                               atol=1e-6)
     xb = logits_of((2, 333, 4, 4), seed=12, dtype=torch.bfloat16, device="cuda")
     out = sinkhorn_comb_triton(xb, 20, EPS)
     truth = sinkhorn_comb(xb.detach().float(), 20, EPS)

@@ -201,8 +201,8 @@ def test_window_gradient_reads_only_what_the_backward_wrote(monkeypatch, H, halo
     H = 4 puts 4 queries in each GEMM step of the interpreter's K = 16."""
     import model.kernels.sparse_attention as sa
 
-    nan_scratch = lambda shape, dtype, device: tuple(torch.full(shape, float("nan"), dtype=dtype, device=device)
-                                                      for _ in range(2))
+    nan_scratch = lambda shape, dtype, device: tuple(torch.full(shape, float("nan"), dtype=dtype,
+                                                                device=device) for _ in range(2))
     monkeypatch.setattr(sa, "_window_scratch", nan_scratch)
     _check(_inputs(H=H, k=20, W=24, offset=offset, halo=halo))
     _check(_inputs(H=H, W=8, glob=False, halo=halo, offset=offset))

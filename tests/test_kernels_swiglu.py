@@ -36,7 +36,8 @@ def _run(fn, gate_up, limit, dh):
 
 
 @pytest.mark.parametrize("limit", [7.0, 0.0], ids=["clamped", "no-clamp"])
-@pytest.mark.parametrize("shape", [(3, 37), (2, 5, 1100), (9, 256)], ids=["small", "several-blocks", "whole-tiles"])
+@pytest.mark.parametrize("shape", [(3, 37), (2, 5, 1100), (9, 256)],
+                         ids=["small", "several-blocks", "whole-tiles"])
 def test_matches_reference(limit, shape):
     gate_up = _inputs(shape, limit)
     dh = torch.randn(shape, generator=torch.Generator().manual_seed(1))

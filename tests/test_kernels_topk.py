@@ -84,7 +84,8 @@ def test_gpu_training_shape(ties):
 @pytest.mark.parametrize("T,S,k", [(1024, 1024, 64), (1024, 128, 8)], ids=["entries", "pool-blocks"])
 def test_gpu_compiled_reference_matches_eager(T, S, k):
     """trainer.compile with model.kernels=false traces select_topk: inductor's version must pick
-    the same ids (torch 2.11 miscompiled `topk_ids` on the H200: see bench/reports/2026-12-06-design-history.md)."""
+    the same ids (torch 2.11 miscompiled `topk_ids` on the H200: see
+    bench/reports/2026-12-06-design-history.md)."""
     scores = _scores(2, T, S, ties=True, device="cuda")
     try:
         got = torch.compile(select_topk)(scores, k)

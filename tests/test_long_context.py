@@ -95,8 +95,8 @@ def _stage_losses(run: Path, stage: str) -> dict[int, float]:
             if "loss" in r}
 
 
-SCHEDULE = ("schedule.stages=[{name:warm,seq_len:128,tokens:2560,micro_batch_size:4,lr:0.01,indexer:dense_warmup},"
-            "{name:sparse,seq_len:256,tokens:5120,micro_batch_size:4,lr:0.003}]")
+SCHEDULE = ("schedule.stages=[{name:warm,seq_len:128,tokens:2560,micro_batch_size:4,lr:0.01,"
+            "indexer:dense_warmup},{name:sparse,seq_len:256,tokens:5120,micro_batch_size:4,lr:0.003}]")
 
 
 @pytest.mark.chaos
@@ -139,7 +139,8 @@ def test_bad_schedules(flashtrain, tmp_path, bad, needle):
 LATER_STAGE_ERRORS = [
     (["launcher.nproc=2", "trainer.context_parallel=2",
       "schedule.stages=[{name:long,seq_len:256,tokens:5120,micro_batch_size:4,indexer:dense_warmup},"
-      "{name:short,seq_len:200,tokens:5120,micro_batch_size:4}]"], "schedule stage short: a context-parallel slice"),
+      "{name:short,seq_len:200,tokens:5120,micro_batch_size:4}]"],
+     "schedule stage short: a context-parallel slice"),
     (["schedule.stages.1.indexer=fancy"], "schedule stage sparse_512: indexer='fancy'"),
 ]
 
@@ -158,11 +159,12 @@ def test_a_later_stage_error_comes_before_any_training(flashtrain, tmp_path, ove
 
 def test_eval_long_cli_writes_the_table(flashtrain, tmp_path):
     run = tmp_path / "eval"
-    p = flashtrain("eval_long", "eval.lengths=[256,512]", "eval.depths=[0.5]", "eval.samples=2", "eval.kv_pairs=3",
-                   f"hydra.run.dir={run}")
+    p = flashtrain("eval_long", "eval.lengths=[256,512]", "eval.depths=[0.5]", "eval.samples=2",
+                   "eval.kv_pairs=3", f"hydra.run.dir={run}")
     assert p.returncode == 0, p.stderr[-3000:]
     table = json.loads((run / "eval_long.json").read_text())
-    assert [(r["task"], r["length"]) for r in table] == [("needle", 256), ("needle", 512), ("kv", 256), ("kv", 512)]
+    assert [(r["task"], r["length"]) for r in table] == [("needle", 256), ("needle", 512), ("kv", 256),
+                                                         ("kv", 512)]
     for row in table:
         assert 0.0 <= row["correct"] <= 1.0 and row["samples"] == 2
         assert {k for k in row if k.startswith("topk_hit/")} == {"topk_hit/L1", "topk_hit/L3", "topk_hit/L5"}

@@ -80,12 +80,14 @@ def test_compiled_blocks_keep_loss_and_gradients():
                 torch.testing.assert_close(ga[name], gb[name], rtol=1e-5, atol=1e-6, msg=name)
         assert counters["stats"]["unique_graphs"] > 0  # dynamo captured graphs, not all frames fell back
         # the blocks' settings (errors suppressed, higher recompile limits) did not leak into the process
-        assert (dynamo.suppress_errors, dynamo.recompile_limit, dynamo.accumulated_recompile_limit) == process_wide
+        assert (dynamo.suppress_errors, dynamo.recompile_limit,
+                dynamo.accumulated_recompile_limit) == process_wide
     finally:
         torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("impl, indexer_mode", [("sparse", "sparse"), ("dense", "sparse"), ("sparse", "dense")])
+@pytest.mark.parametrize("impl, indexer_mode",
+                         [("sparse", "sparse"), ("dense", "sparse"), ("sparse", "dense")])
 def test_query_chunked_attention_equals_whole_sequence(impl, indexer_mode):
     """Query chunks (uneven: 64 = 24 + 24 + 16) give the same losses, gradients, recall, top-k and
     pool. A small window, top-k and pool make every chunk boundary matter: window rows cross it,

@@ -137,7 +137,8 @@ def test_moe_dispatch_gradient():
     assert torch.autograd.gradcheck(lambda a, b: moe.dispatch(a, chosen, b), (x, weights))
     out = moe.dispatch(x, chosen, weights)
     (g_w1,) = torch.autograd.grad(out.square().sum(), [w1])
-    assert g_w1[3].abs().max() == 0 and (g_w1[:3].flatten(1).norm(dim=1) > 0).all()  # the idle one gets nothing
+    # the idle one gets nothing
+    assert g_w1[3].abs().max() == 0 and (g_w1[:3].flatten(1).norm(dim=1) > 0).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -215,8 +216,9 @@ def test_clamped_swiglu():
     up = torch.tensor([50.0, -40.0, 2.0])
     out = clamped_swiglu(gate, up, 10.0)
     silu = lambda v: v / (1 + torch.exp(-v))
-    torch.testing.assert_close(out, torch.stack([silu(torch.tensor(10.0)) * 10, silu(torch.tensor(-3.0)) * -10,
-                                                 silu(torch.tensor(1.0)) * 2]))
+    torch.testing.assert_close(out,
+                               torch.stack([silu(torch.tensor(10.0)) * 10, silu(torch.tensor(-3.0)) * -10,
+                                            silu(torch.tensor(1.0)) * 2]))
 
 
 def test_sequence_balance_loss_formula():
@@ -242,7 +244,8 @@ def test_comb_is_doubly_stochastic():
     assert err[0] > err[1] > err[2]
 
 
-@pytest.mark.parametrize("shape, iters", [((8, 64, 4, 4), 20), ((3, 5, 4, 4), 1), ((2, 4, 4), 0), ((7, 3, 3), 2)])
+@pytest.mark.parametrize("shape, iters",
+                         [((8, 64, 4, 4), 20), ((3, 5, 4, 4), 1), ((2, 4, 4), 0), ((7, 3, 3), 2)])
 def test_explicit_backward_sinkhorn_equals_autograd_through_the_reference(shape, iters):
     """The default path's hand-written backward against autograd through `sinkhorn_comb`, fp64;
     the logits arrive non-contiguous, as HyperConnection's slice of the mixing logits does."""
@@ -309,7 +312,8 @@ def test_hyper_connection_normalises_with_norm_eps_and_shifts_pre_by_hc_eps():
     flat = [float(v) for v in h[b, t].flatten()]
     rms = (sum(v * v for v in flat) / len(flat) + norm_eps) ** 0.5
     fn = hc.fn.detach()
-    want = torch.tensor([sum(fn[j, i].item() * flat[i] / rms for i in range(n * dim)) for j in range(fn.shape[0])],
+    want = torch.tensor([sum(fn[j, i].item() * flat[i] / rms for i in range(n * dim))
+                         for j in range(fn.shape[0])],
                         dtype=torch.float64)
     mix = hc.project(h)
     torch.testing.assert_close(mix[b, t], want, rtol=1e-12, atol=1e-12)

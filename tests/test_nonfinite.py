@@ -43,7 +43,8 @@ def test_a_nan_step_leaves_weights_and_schedule_and_the_next_step_updates(port_b
     rows = [tuple(map(int, ln.split())) for ln in p.stdout.splitlines() if ln[:1].isdigit()]
     driven_as_is = 1 if stage == 0 else 0
     # step, engine drives the client optimizer, skipped so far, parameters moved, finite, schedule position
-    assert rows == [(1, driven_as_is, 0, 1, 1, 1), (2, driven_as_is, 1, 0, 1, 1), (3, driven_as_is, 1, 1, 1, 2)]
+    assert rows == [(1, driven_as_is, 0, 1, 1, 1), (2, driven_as_is, 1, 0, 1, 1),
+                    (3, driven_as_is, 1, 1, 1, 2)]
 
 
 def test_skipped_steps_in_a_row_stop_the_run_and_a_finite_one_resets_the_count(capsys):
@@ -52,7 +53,8 @@ def test_skipped_steps_in_a_row_stop_the_run_and_a_finite_one_resets_the_count(c
         steps.record(step, skipped, "loss nan")
     assert (steps.in_a_row, steps.total) == (2, 4)
     assert capsys.readouterr().err.count("its update was skipped") == 4
-    with pytest.raises(RunFailure, match=r"step 7: loss nan, for 3 steps in a row \(trainer.max_nonfinite_steps=3\)"):
+    with pytest.raises(RunFailure,
+                       match=r"step 7: loss nan, for 3 steps in a row \(trainer.max_nonfinite_steps=3\)"):
         steps.record(7, True, "loss nan")
     unlimited = NonFiniteSteps(limit=0, is_main=False)
     for step in range(100):

@@ -82,7 +82,8 @@ def test_residual_streams_in_the_autocast_dtype_keep_the_gradient_accuracy(monke
     seen = []
     mix = tr.mix_streams
     for cls in (tr.Block, tr.Transformer):  # every stream mix: the blocks' and the final one
-        monkeypatch.setattr(cls, "mix_streams", staticmethod(lambda pre, h: seen.append(h.dtype) or mix(pre, h)))
+        monkeypatch.setattr(cls, "mix_streams",
+                            staticmethod(lambda pre, h: seen.append(h.dtype) or mix(pre, h)))
     cfg = dataclasses.replace(TinyModelConfig(vocab_size=97), engram_min_rows=50, window=16, index_topk=8,
                               pool_block=2, pool_blocks=4, attn_impl="sparse")
     ids = torch.randint(0, 97, (2, 129), generator=torch.Generator().manual_seed(0))

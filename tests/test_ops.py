@@ -20,20 +20,23 @@ SITES = {RMSNorm: "rms_norm", Block: "fused_mhc", CSA2Attention: "select", Trans
 
 def _overridden(model) -> dict[type, int]:
     """Per site class: how many of its modules carry their own op (set by a policy)."""
-    return {cls: sum(isinstance(m, cls) and name in vars(m) for m in model.modules()) for cls, name in SITES.items()}
+    return {cls: sum(isinstance(m, cls) and name in vars(m) for m in model.modules())
+            for cls, name in SITES.items()}
 
 
 def test_kernels_off_leaves_the_reference_model_as_built():
     model = Transformer(CFG)
     KernelPolicy.from_config(CFG).apply(model)
     assert set(_overridden(model).values()) == {0}
-    assert KernelPolicy.from_config(CFG).describe() == "model.kernels: off (every op runs its PyTorch reference)"
+    assert (KernelPolicy.from_config(CFG).describe()
+            == "model.kernels: off (every op runs its PyTorch reference)")
 
 
 def test_kernels_on_swaps_every_site():
     model = KernelPolicy.from_config(dataclasses.replace(CFG, kernels=True)).apply(Transformer(CFG))
     counts = _overridden(model)
-    assert counts[Transformer] == 1 and counts[Block] == CFG.n_layers and counts[CSA2Attention] == CFG.n_layers
+    assert (counts[Transformer] == 1 and counts[Block] == CFG.n_layers
+            and counts[CSA2Attention] == CFG.n_layers)
     assert counts[RMSNorm] == sum(isinstance(m, RMSNorm) for m in model.modules())
     assert all(layer.attn.attend_rotates for layer in model.layers)
     only_norms = KernelPolicy(["rms_norm"]).apply(Transformer(CFG))
@@ -48,7 +51,8 @@ def test_an_unknown_op_is_named():
 def test_the_startup_line_names_the_fallbacks():
     line = KernelPolicy(OPS).describe(compile=True, zero_stage=3)
     assert line.startswith("model.kernels: Triton for rms_norm, rotary, stream_mix")
-    assert "under trainer.compile the reference for rms_norm, swiglu, moe_combine, engram_lookup, engram_gate" in line
+    assert ("under trainer.compile the reference for rms_norm, swiglu, moe_combine, engram_lookup, "
+            "engram_gate" in line)
     assert "under ZeRO-3 the reference for engram_lookup, cross_entropy" in line
     assert "compile" not in KernelPolicy(["attention"]).describe(compile=True)
 

@@ -59,7 +59,8 @@ def skewed(rows: int, cols: int, seed: int) -> torch.Tensor:
     return torch.randn(rows, cols, generator=g) * row_scale[:, None] * col_scale
 
 
-def run_steps(opt: torch.optim.Optimizer, params: list[torch.Tensor], grads: list[list[torch.Tensor]]) -> None:
+def run_steps(opt: torch.optim.Optimizer, params: list[torch.Tensor],
+              grads: list[list[torch.Tensor]]) -> None:
     for step_grads in grads:
         for p, g in zip(params, step_grads):
             p.grad = g.clone()
@@ -169,9 +170,11 @@ def test_per_expert_muon_equals_loop():
 
 
 def test_same_shape_batches_group_by_block_shape_and_bound_size():
-    ps = [torch.zeros(6, 10), torch.zeros(2, 6, 10), torch.zeros(10, 6), torch.zeros(12, 10), torch.zeros(6, 10)]
+    ps = [torch.zeros(6, 10), torch.zeros(2, 6, 10), torch.zeros(10, 6), torch.zeros(12, 10),
+          torch.zeros(6, 10)]
     assert same_shape_batches(ps, heads=1) == [[0, 1, 4], [2], [3]]
-    assert same_shape_batches(ps, heads=1, max_numel=120) == [[0], [1], [4], [2], [3]]  # [2, 6, 10] alone is 120
+    # [2, 6, 10] alone is 120
+    assert same_shape_batches(ps, heads=1, max_numel=120) == [[0], [1], [4], [2], [3]]
     assert same_shape_batches(ps, heads=1, max_numel=180) == [[0, 1], [4], [2], [3]]
     with pytest.raises(ValueError, match="not divisible by heads=4"):
         same_shape_batches(ps, heads=4)
@@ -373,7 +376,8 @@ def test_sinkhorn_state_dict_resume_is_bitwise():
              for i in range(5)]
 
     def make(params):
-        return Sinkhorn([{"params": [params[0]]}, {"params": [params[1]], "weight_decay": 0.1, "nesterov": False}],
+        return Sinkhorn([{"params": [params[0]]},
+                         {"params": [params[1]], "weight_decay": 0.1, "nesterov": False}],
                         lr=0.3)
 
     straight = [E0.clone().requires_grad_(), H0.clone().requires_grad_()]

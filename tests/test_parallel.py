@@ -79,10 +79,10 @@ def test_resume_at_another_ep_degree(base_runs, flashtrain, tmp_path, saved, res
 def test_two_node_run_on_one_machine(tmp_path, data_cache, port_base):
     run = tmp_path / "run"
     port = port_base()
-    cmd = [sys.executable, "-m", "launch", "pretrain", *FAST, "trainer.micro_batch_size=2", "trainer.max_steps=3",
-           "trainer.save_every=3", "launcher=multinode", "launcher.nnodes=2", "launcher.nproc=1",
-           "launcher.master_addr=127.0.0.1", f"launcher.master_port={port}", f"hydra.run.dir={run}",
-           f"data.cache_dir={data_cache}"]
+    cmd = [sys.executable, "-m", "launch", "pretrain", *FAST, "trainer.micro_batch_size=2",
+           "trainer.max_steps=3", "trainer.save_every=3", "launcher=multinode", "launcher.nnodes=2",
+           "launcher.nproc=1", "launcher.master_addr=127.0.0.1", f"launcher.master_port={port}",
+           f"hydra.run.dir={run}", f"data.cache_dir={data_cache}"]
     env = cli_env(0, single_process=False)
     nodes = [subprocess.Popen([*cmd, f"launcher.node_rank={r}"], cwd=REPO, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
@@ -125,7 +125,8 @@ def test_slurm_dry_run_prints_a_valid_sbatch_script(flashtrain, tmp_path):
 def test_ray_launcher_runs_two_workers(flashtrain, tmp_path):
     pytest.importorskip("ray")
     run = tmp_path / "run"
-    p = flashtrain("pretrain", *FAST, "trainer.micro_batch_size=2", "trainer.max_steps=2", "trainer.save_every=2",
+    p = flashtrain("pretrain", *FAST, "trainer.micro_batch_size=2", "trainer.max_steps=2",
+                   "trainer.save_every=2",
                    "launcher=ray", "launcher.num_workers=2", f"hydra.run.dir={run}", timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "2 Ray workers" in p.stderr
@@ -149,11 +150,13 @@ def test_bad_layouts(flashtrain, tmp_path, overrides, needle):
 def test_multinode_deepspeed_backend_dry_run(flashtrain, tmp_path):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("node-a slots=8\nnode-b slots=8\n")
-    p = flashtrain("pretrain", "launcher=multinode", "launcher.backend=deepspeed", f"launcher.hostfile={hostfile}",
-                   "launcher.nnodes=2", "launcher.nproc=8", "launcher.dry_run=true", f"hydra.run.dir={tmp_path}")
+    p = flashtrain("pretrain", "launcher=multinode", "launcher.backend=deepspeed",
+                   f"launcher.hostfile={hostfile}", "launcher.nnodes=2", "launcher.nproc=8",
+                   "launcher.dry_run=true", f"hydra.run.dir={tmp_path}")
     assert p.returncode == 0, p.stderr[-2000:]
     line = next(ln for ln in p.stderr.splitlines() if "runs:" in ln)
-    assert f"deepspeed --hostfile={hostfile} --num_nodes=2 --num_gpus=8" in line and "--module launch pretrain" in line
+    assert (f"deepspeed --hostfile={hostfile} --num_nodes=2 --num_gpus=8" in line
+            and "--module launch pretrain" in line)
     p = flashtrain("pretrain", "launcher=multinode", "launcher.backend=deepspeed", "launcher.dry_run=true",
                    f"hydra.run.dir={tmp_path}")
     assert p.returncode == 2 and "launcher.hostfile" in p.stderr
@@ -174,7 +177,8 @@ def _ep_dispatch_worker(rank: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     torch.manual_seed(0)
-    moe = MoE(dim=32, n_routed=4, n_shared=0, topk=2, inter_dim=16, route_scale=1.0, limit=0.0, seq_aux_alpha=0.0)
+    moe = MoE(dim=32, n_routed=4, n_shared=0, topk=2, inter_dim=16, route_scale=1.0, limit=0.0,
+              seq_aux_alpha=0.0)
     for p in moe.parameters():
         nn.init.normal_(p, std=0.2)
     torch.manual_seed(1 + rank)  # each rank routes its own tokens
@@ -232,7 +236,8 @@ def test_expert_parallel_dispatch_sends_autocast_rows_and_matches_local(tmp_path
 @pytest.mark.parametrize("fields, needle", [
     (dict(nproc=0), "launcher.nproc=0"), (dict(nnodes=0), "launcher.nnodes=0"),
     (dict(name="ray", num_workers=0), "launcher.num_workers=0"),
-    (dict(name="multinode", nnodes=2, node_rank=2), "launcher.node_rank=2: expected 0 .. launcher.nnodes-1 (1)"),
+    (dict(name="multinode", nnodes=2, node_rank=2),
+     "launcher.node_rank=2: expected 0 .. launcher.nnodes-1 (1)"),
     (dict(name="multinode", nnodes=2, node_rank=-1), "launcher.node_rank=-1"),
 ])
 def test_launcher_counts_a_launch_cannot_start_are_refused(fields, needle):
@@ -269,8 +274,8 @@ def test_a_rank_that_stops_responding_fails_the_run_within_the_deadline(tmp_path
     import signal
 
     run, timeout_s = tmp_path / "run", 5
-    cmd = [sys.executable, "-m", "launch", "pretrain", *FAST, "trainer.micro_batch_size=2", "trainer.max_steps=500",
-           "trainer.save_every=0", "trainer.save_at_end=false", "launcher.nproc=2",
+    cmd = [sys.executable, "-m", "launch", "pretrain", *FAST, "trainer.micro_batch_size=2",
+           "trainer.max_steps=500", "trainer.save_every=0", "trainer.save_at_end=false", "launcher.nproc=2",
            f"launcher.master_port={port_base()}", f"trainer.collective_timeout_s={timeout_s}",
            f"hydra.run.dir={run}", f"data.cache_dir={data_cache}"]
     proc = subprocess.Popen(cmd, cwd=REPO, env=cli_env(0, single_process=False), stdout=subprocess.PIPE,

@@ -23,8 +23,10 @@ def doc_commands() -> list[str]:
 
 def test_the_page_has_the_four_steps():
     stages = [(c.split()[1], next(a.split("=")[0] for a in c.split()[2:] if a.split("=")[0] in
-                                  ("import", "export", "model.init_from", "rl.policy"))) for c in doc_commands()]
-    assert stages == [("convert", "import"), ("sft", "model.init_from"), ("rl", "rl.policy"), ("convert", "export")]
+                                  ("import", "export", "model.init_from", "rl.policy")))
+              for c in doc_commands()]
+    assert stages == [("convert", "import"), ("sft", "model.init_from"), ("rl", "rl.policy"),
+                      ("convert", "export")]
 
 
 @pytest.mark.slow
@@ -40,16 +42,18 @@ def test_the_post_training_walkthrough_runs_as_written(flashtrain, tmp_path):
     chats = tmp_path / "chats.jsonl"
     chats.write_text("".join(json.dumps({"messages": [
         {"role": "user", "content": f"What is {a} plus {b}?"},
-        {"role": "assistant", "content": f"{a + b}", "reasoning": f"{a} + {b} = {a + b}"}], "effort": 50}) + "\n"
+        {"role": "assistant", "content": f"{a + b}", "reasoning": f"{a} + {b} = {a + b}"}],
+        "effort": 50}) + "\n"
         for a, b in ((rng.randint(0, 99), rng.randint(0, 99)) for _ in range(200))))
 
     # the stand-in release: a tiny model pretrained for a few steps, in the public layout
     pre = tmp_path / "pre"
-    p = flashtrain("pretrain", *FAST, *data, "trainer.max_steps=2", "trainer.torch_threads=1", f"hydra.run.dir={pre}")
+    p = flashtrain("pretrain", *FAST, *data, "trainer.max_steps=2", "trainer.torch_threads=1",
+                   f"hydra.run.dir={pre}")
     assert p.returncode == 0, p.stderr[-3000:]
     release = tmp_path / "release"
-    p = flashtrain("convert", "model=tiny", f"export={release}", f"checkpoint={pre}", f"hydra.run.dir={tmp_path / 'e'}",
-                   cache=False)
+    p = flashtrain("convert", "model=tiny", f"export={release}", f"checkpoint={pre}",
+                   f"hydra.run.dir={tmp_path / 'e'}", cache=False)
     assert p.returncode == 0, p.stderr[-3000:]
 
     # what a tiny stand-in needs on top of each step as written: its data and a few steps of it
@@ -64,7 +68,8 @@ def test_the_post_training_walkthrough_runs_as_written(flashtrain, tmp_path):
     for command in doc_commands():
         args = []
         for a in command.split()[1:]:
-            a = a.replace("model=flash", "model=tiny").replace(RELEASE, str(release)).replace(EXPORT, str(tmp_path / "out"))
+            a = a.replace("model=flash", "model=tiny").replace(RELEASE, str(release)).replace(
+                EXPORT, str(tmp_path / "out"))
             a = a.replace("=runs/", f"={tmp_path}/runs/").replace("=chats.jsonl", f"={chats}")
             args.append(a)
         p = flashtrain(*args, *extra[args[0]], timeout=900, cache=args[0] != "convert")
@@ -76,6 +81,7 @@ def test_the_post_training_walkthrough_runs_as_written(flashtrain, tmp_path):
     # the RL policy's checkpoints name the import's public folder as their origin, through SFT
     rl_ckpt = sorted((tmp_path / "runs" / "rl" / "checkpoints").glob("step_*"))[-1]
     origin = json.loads((rl_ckpt / "origin.json").read_text())["origin"]
-    assert origin == str((tmp_path / "runs" / "released" / "checkpoints" / "step_00000000" / "public").resolve())
+    assert origin == str(
+        (tmp_path / "runs" / "released" / "checkpoints" / "step_00000000" / "public").resolve())
     assert json.loads((out / "config.json").read_text()) == {
         **json.loads((release / "config.json").read_text())}  # the same model, the same public config

@@ -114,7 +114,8 @@ def run_with_checkpoint(tmp_path_factory):
 
 def _checkpoint_files(run: Path) -> dict[str, int]:
     root = run / "checkpoints"
-    return {str(p.relative_to(root)): p.stat().st_size for p in root.rglob("*") if p.is_file()} if root.exists() else {}
+    return ({str(p.relative_to(root)): p.stat().st_size for p in root.rglob("*") if p.is_file()}
+            if root.exists() else {})
 
 
 @pytest.mark.parametrize("override, needles", [
@@ -124,13 +125,15 @@ def _checkpoint_files(run: Path) -> dict[str, int]:
     ("data.seq_len=???", ["missing required value", "data.seq_len"]),
     ("data=files", ["data.path"]),
     ("data=files data.path=/nonexistent/corpus", ["/nonexistent/corpus"]),
-    ("trainer.compile=true trainer.activation_checkpointing=true", ["trainer.compile", "activation_checkpointing"]),
+    ("trainer.compile=true trainer.activation_checkpointing=true",
+     ["trainer.compile", "activation_checkpointing"]),
     ("data.path=/elsewhere/corpus.jsonl", ["data.path", "stdlib", "data=files"]),  # was ignored
     ("trainer.micro_batch_size=0", ["trainer.micro_batch_size=0"]),  # was DeepSpeed's assertion
     ("optim.lr=-1", ["optim", "lr"]),  # was the optimiser's traceback
     ("launcher.nproc=0", ["launcher.nproc=0"]),  # was one process
     ("trainer.log_every=0", ["trainer.log_every=0"]),  # was a crash at the first step
-    ("model=doesnotexist", ["model/doesnotexist", "(available: flash, small, tiny)"]),  # was Hydra's search path too
+    # was Hydra's search path too
+    ("model=doesnotexist", ["model/doesnotexist", "(available: flash, small, tiny)"]),
 ])
 def test_bad_input_one_line_and_nothing_lost(flashtrain, tmp_path, override, needles):
     run = tmp_path / "run"
@@ -147,7 +150,8 @@ def test_empty_corpus(flashtrain, tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     (corpus / "empty.txt").write_text("")
-    p = flashtrain("pretrain", *FAST, f"hydra.run.dir={tmp_path / 'run'}", "data=files", f"data.path={corpus}")
+    p = flashtrain("pretrain", *FAST, f"hydra.run.dir={tmp_path / 'run'}", "data=files",
+                   f"data.path={corpus}")
     _one_line_error(p, str(corpus))
 
 
@@ -180,12 +184,14 @@ def test_a_diverged_run_skips_nonfinite_steps_then_stops_with_one_line(flashtrai
     assert p.returncode == 1, (p.returncode, p.stderr[-3000:])
     errors = [ln for ln in p.stderr.splitlines() if ln.startswith("flashtrain: error:")]
     assert len(errors) == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
-    assert errors[0].startswith("flashtrain: error: step 4: loss nan") and "max_nonfinite_steps=3" in errors[0]
+    assert (errors[0].startswith("flashtrain: error: step 4: loss nan")
+            and "max_nonfinite_steps=3" in errors[0])
     assert [ln.split(":")[2].strip() for ln in p.stderr.splitlines() if "its update was skipped" in ln] == [
         "step 2", "step 3"]
     logged = [r for r in rows(run) if "loss" in r]
     assert [(r["step"], r["skipped_steps"]) for r in logged] == [(1, 0), (2, 1), (3, 2)]
-    assert logged[0]["loss"] == logged[0]["loss"] and logged[1]["loss"] != logged[1]["loss"]  # finite, then NaN
+    # finite, then NaN
+    assert logged[0]["loss"] == logged[0]["loss"] and logged[1]["loss"] != logged[1]["loss"]
     assert (run / "checkpoints" / "latest").read_text() == "step_00000001"
     assert sorted(d.name for d in (run / "checkpoints").glob("step_*")) == ["step_00000001"]
 
@@ -200,7 +206,8 @@ def test_two_process_data_parallel_matches_one_process(flashtrain, tmp_path):
     p = flashtrain("pretrain", *common, f"hydra.run.dir={one}", "trainer.micro_batch_size=4")
     assert p.returncode == 0, p.stderr[-3000:]
     two = tmp_path / "two"
-    p = flashtrain("pretrain", *common, f"hydra.run.dir={two}", "trainer.micro_batch_size=2", "launcher.nproc=2")
+    p = flashtrain("pretrain", *common, f"hydra.run.dir={two}", "trainer.micro_batch_size=2",
+                   "launcher.nproc=2")
     assert p.returncode == 0, p.stderr[-3000:]
     a, b = train_losses(one), train_losses(two)
     assert sorted(a) == sorted(b) == [1, 2, 3]
@@ -211,7 +218,8 @@ def test_two_process_data_parallel_matches_one_process(flashtrain, tmp_path):
 
 
 @pytest.mark.parametrize("field, value, needle", [
-    ("micro_batch_size", 0, "at least 1"), ("grad_accum_steps", 0, "at least 1"), ("log_every", 0, "at least 1"),
+    ("micro_batch_size", 0, "at least 1"), ("grad_accum_steps", 0, "at least 1"),
+    ("log_every", 0, "at least 1"),
     ("keep_last", 0, "at least 1"), ("save_every", -1, ">= 0"), ("eval_every", -1, ">= 0"),
     ("grad_clip", -0.5, ">= 0"), ("max_nonfinite_steps", -1, ">= 0"),
 ])
@@ -239,8 +247,8 @@ def test_a_run_needs_no_compiler_and_no_lock_a_killed_build_left(data_cache, por
     lock = tmp_path / "ext" / "deepspeed_shm_comm" / "lock"
     lock.parent.mkdir(parents=True)
     lock.write_text("")
-    env = {**cli_env(port_base()), "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"), "CXX": str(tmp_path / "no-c++"),
-           "CC": str(tmp_path / "no-cc")}
+    env = {**cli_env(port_base()), "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"),
+           "CXX": str(tmp_path / "no-c++"), "CC": str(tmp_path / "no-cc")}
     p = subprocess.run([sys.executable, "-m", "launch", "pretrain", *FAST, "trainer.max_steps=1",
                         f"data.cache_dir={data_cache}", f"hydra.run.dir={tmp_path / 'run'}"],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)

@@ -63,7 +63,8 @@ def test_e2m1_negative_zero_is_encoded_as_plus_zero() -> None:
 
 
 def test_e4m3_round() -> None:
-    # [1, 2) has 3 mantissa bits -> step 1/8; [16, 32) step 2; 2^-10 is half the smallest subnormal -> tie to 0.
+    # [1, 2) has 3 mantissa bits -> step 1/8; [16, 32) step 2; 2^-10 is half the smallest subnormal
+    # -> tie to 0.
     x = torch.tensor([1.0833, 1.05, 100 / 6, 2.0**-10, 1000.0])
     assert torch.equal(e4m3_round(x), torch.tensor([1.125, 1.0, 16.0, 0.0, 448.0]))
 

@@ -130,14 +130,16 @@ def test_two_trainer_ranks_stay_in_sync(rl_setup):
     from rl.coordinator import Coordinator
 
     cfg, run = rl_setup
-    cfg = dataclasses.replace(cfg, rl=dataclasses.replace(cfg.rl, steps=1, trainer_workers=2, rollout_workers=1,
-                                                          reward_workers=1, ppo_epochs=2, minibatches=2))
+    cfg = dataclasses.replace(cfg,
+                              rl=dataclasses.replace(cfg.rl, steps=1, trainer_workers=2, rollout_workers=1,
+                                                     reward_workers=1, ppo_epochs=2, minibatches=2))
     ray.init(num_cpus=5, include_dashboard=False, configure_logging=False)
     try:
         coord = Coordinator(cfg, run / "two_ranks", str(run / "tokenizer.json"), None, lambda row: None)
         coord.run()
         before = ray.get(coord.trainers[0].weights.remote())[1]
-        samples = ray.get(coord.rollouts[0].generate.remote([coord.source.get(i)[0] for i in range(2)]))["samples"]
+        samples = ray.get(coord.rollouts[0].generate.remote([coord.source.get(i)[0]
+                                                             for i in range(2)]))["samples"]
         for k, s in enumerate(samples):
             s.update(version=coord.version, advantage=1.0 if k % 2 else -1.0)
         stats = ray.get([t.train_step.remote(samples) for t in coord.trainers], timeout=120)
@@ -157,7 +159,8 @@ def test_a_bad_trainer_batch_fails_before_the_built_in_sft(flashtrain, tmp_path)
     only when the trainer actors built their engine, minutes later)."""
     run = tmp_path / "run"
     p = flashtrain("rl", *RL_FAST, "trainer.micro_batch_size=0", f"hydra.run.dir={run}")
-    assert p.returncode == 2 and "trainer.micro_batch_size=0: must be at least 1" in p.stderr, p.stderr[-2000:]
+    assert (p.returncode == 2
+            and "trainer.micro_batch_size=0: must be at least 1" in p.stderr), p.stderr[-2000:]
     assert not (run / "sft").exists()
 
 
@@ -166,7 +169,8 @@ def test_actors_the_local_cluster_cannot_place_are_one_line_before_any_work(flas
     p = flashtrain("rl", "logger=none", "rl.ray_num_cpus=2", f"hydra.run.dir={tmp_path / 'rl'}", timeout=120)
     errors = [ln for ln in p.stderr.splitlines() if ln.startswith("flashtrain: error:")]
     assert p.returncode == 2 and len(errors) == 1, p.stderr[-2000:]
-    assert "1 trainer, 2 rollout and 1 reward actors need 4 CPUs but the cluster has 2" in errors[0], errors[0]
+    assert ("1 trainer, 2 rollout and 1 reward actors need 4 CPUs but the cluster has 2"
+            in errors[0]), errors[0]
     assert not (tmp_path / "rl" / "sft").exists()  # refused before the built-in SFT
 
 
@@ -175,7 +179,8 @@ def test_resource_shortfall_names_cpus_and_gpus():
 
     from rl.run import actor_demand, resource_shortfall
 
-    rl = SimpleNamespace(trainer_workers=2, rollout_workers=1, reward_workers=1, trainer_gpus=1.0, rollout_gpus=0.5)
+    rl = SimpleNamespace(trainer_workers=2, rollout_workers=1, reward_workers=1, trainer_gpus=1.0,
+                         rollout_gpus=0.5)
     need = actor_demand(rl, extra_actors=2)
     assert need == {"CPU": 6.0, "GPU": 2.5}
     assert resource_shortfall({"CPU": 8.0, "GPU": 4.0}, need, rl, 2) is None

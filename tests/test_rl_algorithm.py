@@ -75,7 +75,8 @@ def test_on_policy_loss_is_the_policy_gradient():
     loss, grad, stats = _grads(logp, logp.clone(), adv, mask, clip_low=0.2, clip_high=0.28, is_cap=2.0)
     want = -adv[:, None].expand(3, 5) / mask.sum() * mask
     torch.testing.assert_close(grad, want)
-    assert stats["clip_frac"] == 0 and stats["truncated_frac"] == 0 and stats["ratio_mean"] == pytest.approx(1.0)
+    assert (stats["clip_frac"] == 0 and stats["truncated_frac"] == 0
+            and stats["ratio_mean"] == pytest.approx(1.0))
 
 
 def test_clipping_and_truncation_stop_the_gradient():
@@ -83,7 +84,8 @@ def test_clipping_and_truncation_stop_the_gradient():
     # ratios 1.1 (inside), 1.5 (above 1 + clip_high), 3.0 (above the IS cap), 0.5 (below 1 - clip_low)
     logp = torch.log(torch.tensor([[1.1, 1.5, 3.0, 0.5]], dtype=torch.float64))
     mask = torch.ones(1, 4, dtype=torch.bool)
-    _, g_pos, stats = _grads(logp, behaviour, torch.tensor([1.0]), mask, clip_low=0.2, clip_high=0.28, is_cap=2.0)
+    _, g_pos, stats = _grads(logp, behaviour, torch.tensor([1.0]), mask, clip_low=0.2, clip_high=0.28,
+                             is_cap=2.0)
     # A > 0: clipped above 1.28 and truncated at 2.0 pass nothing; 0.5 (below) still learns
     assert g_pos[0, 1] == 0 and g_pos[0, 2] == 0
     assert g_pos[0, 0] == pytest.approx(-1.1 / 4) and g_pos[0, 3] == pytest.approx(-0.5 / 4)
@@ -107,7 +109,8 @@ def test_a_run_that_learns_nothing_is_said_once():
     watch = FlatRewardWatch(steps=3)
     flat = group_advantages(torch.zeros(8), group_size=4)
     learning = group_advantages(torch.tensor([0.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0]), group_size=4)
-    assert [watch.update(a, 0.0) for a in (flat, flat, learning, flat, flat)] == [None] * 5  # the run restarts
+    # the run restarts
+    assert [watch.update(a, 0.0) for a in (flat, flat, learning, flat, flat)] == [None] * 5
     said = watch.update(flat, 0.0)
     assert said is not None and "for 3 steps" in said and "mean task reward 0" in said
     assert watch.update(flat, 0.0) is None  # once

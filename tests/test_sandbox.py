@@ -46,7 +46,8 @@ def can_spawn() -> bool:
     if pid == 0:
         os._exit(7)
     forked = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 7
-    return forked and subprocess.run([sys.executable, "-c", "print(42)"], capture_output=True, text=True).stdout == "42\n"
+    return forked and subprocess.run([sys.executable, "-c", "print(42)"], capture_output=True,
+                                     text=True).stdout == "42\n"
 
 
 def test_right_code_passes():
@@ -63,8 +64,9 @@ def test_wrong_code_fails():
     assert "_run" not in r.stderr  # the sandbox's own frames are left out of the traceback
 
 
-@pytest.mark.parametrize("source", ["def add(a, b) return a", "\x00", "def f():\n\treturn 1\n        return 2",
-                                    "\ud800 = 1"])
+@pytest.mark.parametrize("source",
+                         ["def add(a, b) return a", "\x00", "def f():\n\treturn 1\n        return 2",
+                          "\ud800 = 1"])
 def test_code_that_does_not_compile_is_an_error(source):
     r = run_python(source, "assert True")
     assert (r.passed, r.status) == (False, "error")
@@ -103,7 +105,8 @@ def test_fork_bomb_is_stopped_and_leaves_nothing():
 def test_processes_that_leave_the_session_die_with_the_run():
     """setsid() escapes os.killpg; the PID namespace (or, without one, the subreaper) gets them."""
     name = unique("ftsetsid")
-    code = tag(name) + "import os, time\nfor _ in range(4):\n    if os.fork() == 0:\n        os.setsid()\n        time.sleep(600)\n"
+    code = tag(name) + ("import os, time\nfor _ in range(4):\n    if os.fork() == 0:\n        os.setsid()\n"
+                        "        time.sleep(600)\n")
     r = run_python(code, "assert True")
     assert r.passed
     assert alive(name) == []
@@ -152,7 +155,8 @@ def test_python_level_network_block():
         "a.sendall(b'ok')\n"
         "assert b.recv(2) == b'ok'\n"
         "for attempt in (lambda: socket.create_connection(('127.0.0.1', 9)), lambda: socket.socket(),\n"
-        "                lambda: socket.getaddrinfo('localhost', 80), lambda: __import__('_socket').socket()):\n"
+        "                lambda: socket.getaddrinfo('localhost', 80), lambda: "
+        "__import__('_socket').socket()):\n"
         "    try:\n"
         "        attempt()\n"
         "        print('open')\n"
@@ -169,12 +173,15 @@ def test_fallback_without_namespaces(monkeypatch):
     src = sandbox._boot_source()
     hook = '\nif __name__ == "__main__"'
     assert hook in src
-    monkeypatch.setattr(sandbox, "_boot_source", lambda: src.replace(hook, "\n_unshare = lambda: set()" + hook))
-    r = run_python("import socket\ntry:\n    socket.socket()\nexcept PermissionError:\n    print('blocked')", "")
+    monkeypatch.setattr(sandbox, "_boot_source",
+                        lambda: src.replace(hook, "\n_unshare = lambda: set()" + hook))
+    r = run_python("import socket\ntry:\n    socket.socket()\nexcept PermissionError:\n    print('blocked')",
+                   "")
     assert r.passed and r.stdout == "blocked\n"
     assert (r.isolation["network"], r.isolation["pid_namespace"]) == ("python", False)
     name = unique("ftfallbk")
-    bomb = tag(name) + "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(600)\nwhile True:\n    os.fork()"
+    bomb = tag(name) + ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(600)\n"
+                        "while True:\n    os.fork()")
     r = run_python(bomb, "", wall_s=3.0)
     assert not r.passed
     assert alive(name) == []
@@ -202,7 +209,8 @@ def test_writes_outside_the_directory_are_denied(tmp_path):
     if isolation()["filesystem"] == "none":
         pytest.skip("no Landlock here: the code may write wherever this user may")
     target = tmp_path / "escaped.txt"
-    code = f"try:\n    open({str(target)!r}, 'w').write('x')\n    print('wrote')\nexcept OSError:\n    print('denied')"
+    code = (f"try:\n    open({str(target)!r}, 'w').write('x')\n    print('wrote')\n"
+            "except OSError:\n    print('denied')")
     r = run_python(code, "assert True")
     assert r.stdout == "denied\n" and not target.exists()
 
@@ -254,7 +262,8 @@ def test_ptrace_of_the_caller_fails():
     assert r.passed and r.stdout == "-1 True\n-1 True\n", r.stdout + r.stderr
 
 
-SYSCALLS = ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\nlibc.syscall.restype = ctypes.c_long\n"
+SYSCALLS = ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "libc.syscall.restype = ctypes.c_long\n"
             "def call(name, *args):\n    rc = getattr(libc, name)(*args)\n"
             "    print(name, rc, os.strerror(ctypes.get_errno()) if rc < 0 else '')\n")
 
@@ -285,7 +294,8 @@ def test_kernel_attack_surface_is_refused_by_seccomp():
 def test_the_seccomp_filter_leaves_processes_and_threads_working():
     """fork, threads and subprocess (whose clone3 gets ENOSYS and falls back to clone) still run."""
     code = ("import os, subprocess, sys, threading\npid = os.fork()\nif pid == 0:\n    os._exit(7)\n"
-            "print(os.waitpid(pid, 0)[1] >> 8)\nt = threading.Thread(target=print, args=('thread',))\nt.start(); t.join()\n"
+            "print(os.waitpid(pid, 0)[1] >> 8)\nt = threading.Thread(target=print, args=('thread',))\n"
+            "t.start(); t.join()\n"
             "print(subprocess.run([sys.executable, '-I', '-S', '-c', 'print(6 * 7)'], capture_output=True,"
             " text=True).stdout.strip())\n")
     r = run_python(code, "assert True", wall_s=20.0)
@@ -299,7 +309,8 @@ def test_filling_tmp_stops_at_the_sandbox(tmp_path):
     code = ("import os\ntry:\n    open('/tmp/flashtrain-fill-' + str(os.getpid()), 'wb').write(b'x')\n"
             "    print('tmp written')\nexcept OSError:\n    print('tmp denied')\n"
             "f = open('big', 'wb')\ntry:\n    while True:\n        f.write(b'x' * (1 << 20))\n"
-            f"except OSError as e:\n    print('stopped', e.errno, os.path.getsize('big') <= {sandbox.FILE_BYTES})\n")
+            "except OSError as e:\n"
+            f"    print('stopped', e.errno, os.path.getsize('big') <= {sandbox.FILE_BYTES})\n")
     r = run_python(code, "assert True")
     assert r.passed and r.stdout == "tmp denied\nstopped 27 True\n", r.stdout + r.stderr
     assert not list(Path("/tmp").glob("flashtrain-fill-*"))
@@ -309,7 +320,8 @@ def test_signals_do_not_reach_the_caller():
     received = []
     previous = signal.signal(signal.SIGURG, lambda *_: received.append(1))  # harmless if it leaked
     try:
-        code = ("import os, signal\nfor send in (lambda: os.kill(-1, signal.SIGURG), lambda: os.killpg(0, signal.SIGURG),\n"
+        code = ("import os, signal\n"
+                "for send in (lambda: os.kill(-1, signal.SIGURG), lambda: os.killpg(0, signal.SIGURG),\n"
                 f"             lambda: os.kill({os.getpid()}, signal.SIGURG)):\n"
                 "    try:\n        send()\n    except OSError:\n        pass\n")
         r = run_python(code, "assert True")

@@ -35,7 +35,8 @@ WORDS = ("What is the sum of and plus minus times answer check ones tens carry d
 @pytest.fixture(scope="module")
 def tok() -> TextTokenizer:
     rng = random.Random(0)
-    texts = [" ".join(rng.choice(WORDS) for _ in range(30)) + f" {rng.randint(0, 999)} + {rng.randint(0, 999)}"
+    texts = [" ".join(rng.choice(WORDS) for _ in range(30))
+             + f" {rng.randint(0, 999)} + {rng.randint(0, 999)}"
              for _ in range(300)]
     return TextTokenizer(_train(datasets.Dataset.from_dict({"text": texts}), 400))
 
@@ -109,7 +110,8 @@ def test_loss_mask_is_exactly_assistant_content_and_end_of_turn(tok):
 
 def test_labels_are_the_next_token_where_that_token_is_an_assistant_token(tok):
     chat = ChatFormat(tok)
-    ids, mask = chat.encode([Message("user", "What is 3 + 4?"), Message("assistant", "7", "3 + 4 = 7")], effort=50)
+    ids, mask = chat.encode([Message("user", "What is 3 + 4?"), Message("assistant", "7", "3 + 4 = 7")],
+                            effort=50)
     inputs, labels = example(ids, mask)
     assert inputs.tolist() == ids[:-1]
     for i in range(len(inputs)):
@@ -119,11 +121,13 @@ def test_labels_are_the_next_token_where_that_token_is_an_assistant_token(tok):
     assert labels[a] == tok.token_id("<|think|>") and labels[a - 1] == IGNORE_INDEX
     assert labels[-1] == tok.token_id("<|end_of_turn|>")
 
-    row = encode_split([Conversation([Message("user", "What is 3 + 4?"), Message("assistant", "7", "3 + 4 = 7")],
+    row = encode_split([Conversation([Message("user", "What is 3 + 4?"),
+                                      Message("assistant", "7", "3 + 4 = 7")],
                                      50, "x")], chat, 64, True, "train")
     batch = row.get_batch([0])
     n = len(ids) - 1
-    assert batch["input_ids"][0, :n].tolist() == ids[:-1] and batch["labels"][0, :n].tolist() == labels.tolist()
+    assert (batch["input_ids"][0, :n].tolist() == ids[:-1]
+            and batch["labels"][0, :n].tolist() == labels.tolist())
     assert (batch["input_ids"][0, n:] == tok.pad_id).all() and (batch["labels"][0, n:] == IGNORE_INDEX).all()
     assert row.stats.assistant_tokens == int((labels != IGNORE_INDEX).sum())
 
@@ -150,7 +154,8 @@ def test_packing_keeps_conversations_apart(tok):
         a, b = rng.randint(0, 999), rng.randint(0, 999)
         reasoning = " then ".join(f"{a} plus {b}" for _ in range(rng.randint(0, 6)))
         convs.append(Conversation([Message("user", f"What is {a} + {b}?"),
-                                   Message("assistant", str(a + b), reasoning)], rng.choice([50, 75, 100]), f"c{i}"))
+                                   Message("assistant", str(a + b), reasoning)], rng.choice([50, 75, 100]),
+                                  f"c{i}"))
     ds = encode_split(convs, chat, 256, True, "train")
     assert len(ds) < len(convs) / 2, "conversations are packed several to a row"
     encoded = {tuple(chat.encode(c.messages, c.effort)[0][:-1]) for c in convs}
@@ -178,7 +183,8 @@ def test_packing_keeps_conversations_apart(tok):
 
 def test_long_conversations_are_truncated_and_counted(tok, caplog):
     chat = ChatFormat(tok)
-    long = Conversation([Message("user", "What is 1 + 1?"), Message("assistant", "2", "one plus one " * 200)], 100, "l")
+    long = Conversation([Message("user", "What is 1 + 1?"), Message("assistant", "2", "one plus one " * 200)],
+                        100, "l")
     short = Conversation([Message("user", "What is 1 + 2?"), Message("assistant", "3")], 50, "s")
     with caplog.at_level("WARNING"):
         ds = encode_split([long, short], chat, 48, True, "train")
@@ -208,7 +214,8 @@ def _write_jsonl(path: Path, rows: list) -> Path:
 
 def _chat_row(i: int, **extra) -> dict:
     return {"messages": [{"role": "user", "content": f"What is {i} + {i}?"},
-                         {"role": "assistant", "content": str(2 * i), "reasoning": f"{i} + {i} = {2 * i}"}], **extra}
+                         {"role": "assistant", "content": str(2 * i), "reasoning": f"{i} + {i} = {2 * i}"}],
+            **extra}
 
 
 def test_jsonl_and_parquet_chat_files_load_through_datasets(tok, tmp_path):
@@ -218,7 +225,8 @@ def test_jsonl_and_parquet_chat_files_load_through_datasets(tok, tmp_path):
     src = _write_jsonl(tmp_path / "chat.jsonl", rows)
     cfg = SFTDataConfig(source=str(src), tiers=["max"], val_fraction=0.25)
     convs = load_conversations(cfg, EffortTiers(), str(tmp_path / "hf"))
-    assert [c.effort for c in convs] == [100, 50, 100, None]  # own, tier name, drawn from tiers, own system turn
+    # own, tier name, drawn from tiers, own system turn
+    assert [c.effort for c in convs] == [100, 50, 100, None]
     assert convs[0].messages[1] == Message("assistant", "2", "1 + 1 = 2") and convs[0].where == f"{src} row 1"
     train, val = build_sft_datasets(cfg, EffortTiers(), tok, str(tmp_path / "hf"))
     assert train.stats.conversations == 3 and val.stats.conversations == 1
@@ -254,7 +262,8 @@ def test_invalid_json_line_is_named_once(tmp_path, caplog):
     src.write_text(json.dumps(_chat_row(1)) + "\n{not json\n")
     with pytest.raises(DataError, match=r"chat\.jsonl:2: not valid JSON"):
         load_conversations(SFTDataConfig(source=str(src)), EffortTiers(), str(tmp_path / "hf"))
-    assert not [r for r in caplog.records if r.levelname == "ERROR"]  # not also datasets' own, with its row count
+    # not also datasets' own, with its row count
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
     with pytest.raises(DataError, match="does not exist"):
         load_conversations(SFTDataConfig(source=str(tmp_path / "missing.jsonl")), EffortTiers())
 
@@ -277,7 +286,8 @@ def _rows(run: Path) -> list[dict]:
 
 
 def test_malformed_file_exits_2_with_one_line(flashtrain, corpus, tmp_path):
-    src = _write_jsonl(tmp_path / "chat.jsonl", [_chat_row(1), {"messages": [{"role": "robot", "content": "x"}]}])
+    src = _write_jsonl(tmp_path / "chat.jsonl",
+                       [_chat_row(1), {"messages": [{"role": "robot", "content": "x"}]}])
     p = flashtrain("sft", *FAST, *corpus, f"sft.source={src}", f"hydra.run.dir={tmp_path / 'run'}")
     assert p.returncode == 2, p.stderr[-3000:]
     lines = [ln for ln in p.stderr.splitlines() if ln.startswith("flashtrain: error:")]
@@ -287,17 +297,19 @@ def test_malformed_file_exits_2_with_one_line(flashtrain, corpus, tmp_path):
 
 @pytest.mark.parametrize("fraction, split, hint", [("0.8", "train", "a smaller sft.val_fraction"),
                                                    ("0.2", "validation", "a larger sft.val_fraction")])
-def test_a_split_too_small_says_which_way_to_move_the_fraction(flashtrain, corpus, tmp_path, fraction, split, hint):
+def test_a_split_too_small_says_which_way_to_move_the_fraction(flashtrain, corpus, tmp_path, fraction, split,
+                                                               hint):
     src = _write_jsonl(tmp_path / "chat.jsonl", [_chat_row(i) for i in range(5)])
-    p = flashtrain("sft", *FAST, *corpus, f"sft.source={src}", f"sft.val_fraction={fraction}", "sft.pack=false",
-                   "trainer.micro_batch_size=2", f"hydra.run.dir={tmp_path / 'run'}")
+    p = flashtrain("sft", *FAST, *corpus, f"sft.source={src}", f"sft.val_fraction={fraction}",
+                   "sft.pack=false", "trainer.micro_batch_size=2", f"hydra.run.dir={tmp_path / 'run'}")
     lines = [ln for ln in p.stderr.splitlines() if ln.startswith("flashtrain: error:")]
     assert p.returncode == 2 and len(lines) == 1, p.stderr[-3000:]
     assert f"the SFT {split} split has 1 rows" in lines[0] and hint in lines[0], lines[0]
 
 
-@pytest.mark.parametrize("bad, needle", [("init_from=/nonexistent/run", "init_from=/nonexistent/run: no such"),
-                                         ("sft.tiers=[low,medium]", "unknown tier(s) ['medium']")])
+@pytest.mark.parametrize("bad, needle",
+                         [("init_from=/nonexistent/run", "init_from=/nonexistent/run: no such"),
+                          ("sft.tiers=[low,medium]", "unknown tier(s) ['medium']")])
 def test_bad_settings_exit_2_before_any_work(flashtrain, tmp_path, bad, needle):
     p = flashtrain("sft", *FAST, bad, f"hydra.run.dir={tmp_path / 'run'}")
     assert p.returncode == 2 and needle in p.stderr, p.stderr[-2000:]

@@ -41,7 +41,9 @@ def problems(task: Task, n: int, seed: int = 0) -> list[Problem]:
     return [task.sample(rng) for _ in range(n)]
 
 
-@pytest.mark.parametrize("task", [Arithmetic(), Arithmetic(max_operand=99, ops="+-*"), Algebra(), Algebra(max_coef=20)])
+@pytest.mark.parametrize("task",
+                         [Arithmetic(), Arithmetic(max_operand=99, ops="+-*"), Algebra(),
+                          Algebra(max_coef=20)])
 def test_numeric_tasks_sample_and_verify(task):
     for i, p in enumerate(problems(task, 300)):
         assert p.task == task.name and p.id.startswith(f"{task.name}-")
@@ -114,14 +116,15 @@ def test_arithmetic_reasoning_is_short_for_single_digits():
 def test_python_reference_solutions_pass_and_wrong_ones_fail():
     task = PythonFunctions(wall_s=3.0, cpu_s=1.0)
     for f in FUNCTIONS:
-        p = task.problem(f"Write {f.signature}", {"function": f.name, "cases": [[list(a), e] for a, e in f.cases],
-                                                  "reference": f.reference})
+        p = task.problem(f"Write {f.signature}",
+                         {"function": f.name, "cases": [[list(a), e] for a, e in f.cases],
+                          "reference": f.reference})
         assert task.verify(p, task.answer_text(p)) == 1.0, f.name
     assert len(FUNCTIONS) >= 12
     add = next(p for p in problems(task, 200) if p.answer["function"] == "add")
     assert task.verify(add, "```python\ndef add(a, b):\n    return a + b\n```") == 1.0  # a fenced answer
-    for wrong in ["def add(a, b):\n    return a - b", "def plus(a, b):\n    return a + b", "def add(a, b) return",
-                  "import sys\nsys.exit(0)", "def add(a, b):\n    while True: pass",
+    for wrong in ["def add(a, b):\n    return a - b", "def plus(a, b):\n    return a + b",
+                  "def add(a, b) return", "import sys\nsys.exit(0)", "def add(a, b):\n    while True: pass",
                   # defeats an in-sandbox assert, not the comparison made outside
                   "class Any:\n    def __eq__(self, other): return True\ndef add(a, b):\n    return Any()",
                   "def add(a, b):\n    print('@@flashtrain-results@@[0, 0, 0]')\n    return 0"]:

@@ -79,9 +79,9 @@ def write_manifest(ckpt: Path, step: int) -> None:
 # DeepSpeed's ZeRO optimiser states. DeepSpeed unpickles its files with weights_only=False, so a
 # pickle naming anything else (os.system, a class with a malicious __setstate__) could run code.
 PICKLE_GLOBALS = frozenset({
-    "numpy.ndarray", "numpy.dtype", "numpy._core.multiarray._reconstruct", "numpy.core.multiarray._reconstruct",
-    "deepspeed.utils.tensor_fragment.fragment_address", "deepspeed.runtime.zero.config.ZeroStageEnum",
-    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "numpy.ndarray", "numpy.dtype", "numpy._core.multiarray._reconstruct",
+    "numpy.core.multiarray._reconstruct", "deepspeed.utils.tensor_fragment.fragment_address",
+    "deepspeed.runtime.zero.config.ZeroStageEnum", "deepspeed.runtime.fp16.loss_scaler.LossScaler",
 })
 
 
@@ -103,8 +103,8 @@ def _pickle_problem(ckpt: Path) -> Optional[str]:
         except Exception as e:  # not a torch zip file: torch.load would fall back to plain pickle
             return f"{path.relative_to(ckpt)} is not a torch checkpoint file ({type(e).__name__})"
         if bad:
-            return (f"{path.relative_to(ckpt)} pickles {', '.join(bad[:3])}, which flashtrain never writes and "
-                    "which could run code when loaded: refused")
+            return (f"{path.relative_to(ckpt)} pickles {', '.join(bad[:3])}, which flashtrain never writes "
+                    "and which could run code when loaded: refused")
     return None
 
 
@@ -240,11 +240,12 @@ class CheckpointManager:
         raise CheckpointError(f"{what}={resume}: no such checkpoint or directory")
 
     # ------------------------------------------------------------------ load
-    def load(self, engine, ckpt: Path, load_optimizer_states: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
+    def load(self, engine, ckpt: Path,
+             load_optimizer_states: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
         """Restore DeepSpeed state from `ckpt`; return (trainer_state, this rank's rank_state)."""
         if not (ckpt / TRAINER_STATE).exists():
-            raise CheckpointError(f"{ckpt} holds model weights only (flashtrain convert import): start a run from "
-                                  f"it with model.init_from={ckpt}, not trainer.resume")
+            raise CheckpointError(f"{ckpt} holds model weights only (flashtrain convert import): start a run "
+                                  f"from it with model.init_from={ckpt}, not trainer.resume")
         try:
             load_path, _ = engine.load_checkpoint(str(ckpt.parent), tag=ckpt.name,
                                                   load_optimizer_states=load_optimizer_states,
@@ -304,7 +305,8 @@ def load_model_weights(model: torch.nn.Module, ckpt: Path) -> None:
     missing, unexpected = model.load_state_dict(model_state(ckpt), strict=False)
     missing = [k for k in missing if k != "lookup_map"]
     if missing or unexpected:
-        raise CheckpointError(f"{ckpt} does not fit this model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        raise CheckpointError(f"{ckpt} does not fit this model: missing {missing[:3]}, unexpected "
+                              f"{unexpected[:3]}")
 
 
 def resolve_checkpoint(path: Path, what: str = "checkpoint") -> Path:

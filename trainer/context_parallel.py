@@ -46,7 +46,8 @@ class ContextParallelShard(SequenceShard):
         return _GatherSequence.apply(t, self.group, self.size, self.rank)
 
     def halo(self, t: torch.Tensor, n: int, layer: int = -1) -> Optional[torch.Tensor]:
-        tails = _GatherSequence.apply(t[:, t.shape[1] - n:], self.group, self.size, self.rank)  # [B, size*n, C]
+        tails = _GatherSequence.apply(t[:, t.shape[1] - n:], self.group, self.size,
+                                      self.rank)  # [B, size*n, C]
         if self.rank == 0:  # nothing before the sequence; zeros keep rank 0 in the backward exchange
             return tails[:, :n] * 0
         return tails[:, (self.rank - 1) * n:self.rank * n]
@@ -66,19 +67,23 @@ def check_slices(seq_len: int, cp: int, window: int, max_ratio: int, max_ngram: 
         raise ConfigError(f"trainer.context_parallel={cp} does not divide data.seq_len={seq_len}")
     local = seq_len // cp
     if cp > 1 and local % max_ratio:
-        raise ConfigError(f"a context-parallel slice of {local} tokens must be a multiple of the compress ratio "
-                          f"{max_ratio}")
+        raise ConfigError(f"a context-parallel slice of {local} tokens must be a multiple of the compress "
+                          f"ratio {max_ratio}")
     if cp > 1 and local < window - 1:
-        raise ConfigError(f"a context-parallel slice of {local} tokens is shorter than the window halo {window - 1}")
+        raise ConfigError(f"a context-parallel slice of {local} tokens is shorter than the window halo "
+                          f"{window - 1}")
     return local
 
 
-def slice_batch(batch: dict[str, torch.Tensor], layout) -> tuple[dict[str, torch.Tensor], ContextParallelShard]:
+def slice_batch(batch: dict[str, torch.Tensor],
+                layout) -> tuple[dict[str, torch.Tensor], ContextParallelShard]:
     """This rank's slice of a full-sequence batch and the shard that describes it."""
     T = batch["input_ids"].shape[1]
     n = T // layout.cp
     lo, hi = layout.cp_rank * n, (layout.cp_rank + 1) * n
-    doc_start = document_starts(batch["doc_ids"]) if "doc_ids" in batch else torch.zeros_like(batch["input_ids"])
+    doc_start = (document_starts(batch["doc_ids"]) if "doc_ids" in batch
+                 else torch.zeros_like(batch["input_ids"]))
     history = batch["input_ids"][:, max(lo - HISTORY_TOKENS, 0):lo] if lo > 0 else None
-    shard = ContextParallelShard(layout.cp_group, layout.cp, layout.cp_rank, lo, T, doc_start[:, lo:hi], history)
+    shard = ContextParallelShard(layout.cp_group, layout.cp, layout.cp_rank, lo, T, doc_start[:, lo:hi],
+                                 history)
     return {k: v[:, lo:hi] for k, v in batch.items()}, shard

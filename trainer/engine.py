@@ -32,7 +32,8 @@ def check_trainer_counts(cfg: TrainerConfig) -> None:
             raise ConfigError(f"trainer.{name}={getattr(cfg, name)}: must be >= 0 (0: off / only at the end)")
 
 
-def deepspeed_config(cfg: TrainerConfig, zero_stage: int, bf16_master: bool, clip: bool = True) -> dict[str, Any]:
+def deepspeed_config(cfg: TrainerConfig, zero_stage: int, bf16_master: bool,
+                     clip: bool = True) -> dict[str, Any]:
     check_trainer_counts(cfg)
     if zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"trainer.zero_stage={zero_stage}: expected 0-3")

@@ -59,7 +59,8 @@ def make_sample(tok, filler: list[int], length: int, depth: float, task: str, kv
         raise ConfigError(f"eval.lengths: {length} tokens cannot hold the task ({task})")
     filler_part = list(filler[:room])
     # the asked-for line at `depth`, the other keys (kv) at random depths
-    inserts = sorted([(int(depth * room), 0, target)] + [(rng.randrange(room), i + 1, k) for i, k in enumerate(keys[1:])])
+    inserts = sorted([(int(depth * room), 0, target)] + [(rng.randrange(room), i + 1, k)
+                                                         for i, k in enumerate(keys[1:])])
     context: list[int] = []
     value_positions: list[int] = []
     done = 0
@@ -82,15 +83,16 @@ def score(model, sample: Sample, device: torch.device) -> dict[str, Any]:
     first = sample.answer_start - 1  # the position that predicts the first answer token
     pred = out.logits[0, first:first + sample.answer_len].argmax(-1).tolist()
     rt = out.runtime
-    row: dict[str, Any] = {"correct": pred == sample.tokens[sample.answer_start:sample.answer_start + sample.answer_len]}
+    row: dict[str, Any] = {
+        "correct": pred == sample.tokens[sample.answer_start:sample.answer_start + sample.answer_len]}
     for spec in model.plan.layers:
         if not spec.has_indexer_query:
             continue
         entries = {p // spec.compress_ratio for p in sample.value_positions}
         chosen = set(rt.topk[spec.layer_id][0, first].tolist())
         row[f"topk_hit/L{spec.layer_id}"] = bool(entries & chosen)
-        pool = rt.pool.get(spec.layer_id, rt.pool.get(spec.kv_source)) if spec.mode == "reindex" or spec.builds_pool \
-            else None
+        pool = (rt.pool.get(spec.layer_id, rt.pool.get(spec.kv_source))
+                if spec.mode == "reindex" or spec.builds_pool else None)
         if pool is not None:
             row[f"pool_hit/L{spec.layer_id}"] = bool(entries & set(pool[0, first].tolist()))
     return row
@@ -104,9 +106,11 @@ def run_eval_long(cfg: EvalLongConfig, run_dir: Path) -> list[dict[str, Any]]:
     device = torch.device("cuda" if ev.device == "auto" and torch.cuda.is_available() else
                           (ev.device if ev.device != "auto" else "cpu"))
     _, val, tok = build_datasets(cfg.data)
-    filler = [t for i in range(len(val)) for t in val[i]["input_ids"].tolist() if t not in (tok.bos_id, tok.eos_id)]
+    filler = [t for i in range(len(val)) for t in val[i]["input_ids"].tolist()
+              if t not in (tok.bos_id, tok.eos_id)]
     if len(filler) < max(ev.lengths):
-        raise ConfigError(f"the validation split has {len(filler)} tokens, fewer than eval.lengths max {max(ev.lengths)}")
+        raise ConfigError(f"the validation split has {len(filler)} tokens, fewer than eval.lengths max "
+                          f"{max(ev.lengths)}")
     model_cfg = dataclasses.replace(cfg.model, max_seq_len=max(cfg.model.max_seq_len, max(ev.lengths)))
     model = build_model(dataclasses.replace(cfg, model=model_cfg), tok)
     if ev.checkpoint:

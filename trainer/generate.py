@@ -18,8 +18,9 @@ from trainer.pretrain import build_model
 def run_generate(cfg: GenerateConfig, run_dir: Path) -> dict:
     g = cfg.generate
     if g.max_new_tokens < 0 or not 0 < g.top_p <= 1 or g.temperature < 0 or g.max_batch < 1:
-        raise ConfigError(f"generate: need max_new_tokens >= 0, 0 < top_p <= 1, temperature >= 0, max_batch >= 1; "
-                          f"got {g.max_new_tokens}, {g.top_p}, {g.temperature}, {g.max_batch}")
+        raise ConfigError("generate: need max_new_tokens >= 0, 0 < top_p <= 1, temperature >= 0, "
+                          f"max_batch >= 1; got {g.max_new_tokens}, {g.top_p}, {g.temperature}, "
+                          f"{g.max_batch}")
     device = torch.device("cuda" if g.device == "auto" and torch.cuda.is_available() else
                           (g.device if g.device != "auto" else "cpu"))
     _, _, tok = build_datasets(cfg.data)  # the tokenizer the run trained (cached next to the data)

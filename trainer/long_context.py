@@ -26,7 +26,8 @@ def stage_steps(stage: ContextStage, grad_accum: int, world_size: int) -> int:
 
 def stage_config(cfg: LongContextConfig, stage: ContextStage, world_size: int) -> PretrainConfig:
     if stage.indexer not in INDEXER_REGIMES:
-        raise ConfigError(f"schedule stage {stage.name}: indexer={stage.indexer!r}, expected {INDEXER_REGIMES}")
+        raise ConfigError(f"schedule stage {stage.name}: indexer={stage.indexer!r}, expected "
+                          f"{INDEXER_REGIMES}")
     model = dataclasses.replace(cfg.model, max_seq_len=max(cfg.model.max_seq_len, stage.seq_len),
                                 indexer_mode="dense" if stage.indexer == "dense_warmup" else "sparse")
     if stage.rope_factor is not None:
@@ -54,7 +55,8 @@ def check_schedule(cfg: LongContextConfig, world_size: int) -> None:
         scfg = stage_config(cfg, stage, world_size)
         tc = scfg.trainer
         try:
-            check_training_layout(scfg.model, stage.seq_len, world_size, tc.expert_parallel, tc.context_parallel)
+            check_training_layout(scfg.model, stage.seq_len, world_size, tc.expert_parallel,
+                                  tc.context_parallel)
         except ConfigError as e:
             raise ConfigError(f"schedule stage {stage.name}: {e}") from e
 
@@ -70,7 +72,8 @@ def run_long_context(cfg: LongContextConfig, run_dir: Path, config_yaml: str) ->
         stage_dir = Path(run_dir) / f"stage_{i}_{stage.name}"
         scfg = stage_config(cfg, stage, world_size)
         trainer = Trainer(scfg, stage_dir, OmegaConf.to_yaml(OmegaConf.structured(scfg)), init_from=previous,
-                          init_setting="init_from" if i == 0 else f"the stage before {stage.name} (its checkpoints)",
+                          init_setting=("init_from" if i == 0
+                                        else f"the stage before {stage.name} (its checkpoints)"),
                           train_only_indexer=stage.indexer == "dense_warmup")
         try:
             summaries.append({"stage": stage.name, "seq_len": stage.seq_len, **trainer.fit()})

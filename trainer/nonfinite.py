@@ -42,7 +42,8 @@ def boundary_step(engine, optimizer: torch.optim.Optimizer, not_finite_here: boo
     run."""
     nonfinite = all_reduce_sum_(torch.tensor([float(not_finite_here)], dtype=torch.float64)).item() > 0
     skipped_before = engine.skipped_steps
-    with update_skipped(optimizer) if nonfinite and engine.optimizer is optimizer else contextlib.nullcontext():
+    with (update_skipped(optimizer) if nonfinite and engine.optimizer is optimizer
+          else contextlib.nullcontext()):
         engine.step()
     skipped = engine.skipped_steps > skipped_before
     if nonfinite and not skipped:

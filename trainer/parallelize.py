@@ -102,7 +102,8 @@ def build_layout(rank: int, world_size: int, ep: int, n_experts: int, cp: int = 
     check_degrees(world_size, ep, n_experts, cp)
     if world_size == 1:
         return ParallelLayout(rank, 1, ep, None, [rank], None, [rank], cp, None)
-    ep_pg, ep_ranks = _groups(rank, world_size, [list(range(g * ep, (g + 1) * ep)) for g in range(world_size // ep)])
+    ep_pg, ep_ranks = _groups(rank, world_size,
+                              [list(range(g * ep, (g + 1) * ep)) for g in range(world_size // ep)])
     edp_pg, edp_ranks = _groups(rank, world_size, [list(range(i, world_size, ep)) for i in range(ep)])
     cp_pg, _ = _groups(rank, world_size, [list(range(c * cp, (c + 1) * cp)) for c in range(world_size // cp)])
     return ParallelLayout(rank, world_size, ep, ep_pg, ep_ranks, edp_pg, edp_ranks, cp, cp_pg)
@@ -191,7 +192,8 @@ def checkpoint_blocks(model: nn.Module) -> int:
     which a uniform double count does not change."""
     blocks = list(getattr(model, "layers", []))
     for block in blocks:
-        block.forward = functools.partial(torch.utils.checkpoint.checkpoint, block.forward, use_reentrant=False)
+        block.forward = functools.partial(torch.utils.checkpoint.checkpoint, block.forward,
+                                          use_reentrant=False)
     return len(blocks)
 
 
@@ -204,9 +206,9 @@ def compile_blocks(model: nn.Module, backend: str = "inductor") -> int:
     A frame dynamo fails to compile (torch 2.11 trips a guard assertion on the MoE call) runs
     eagerly with a logged warning (suppress_errors) rather than stopping the run: compiling
     is an optimisation, never a change in what is computed. Those settings hold only while a
-    block runs (`_with_dynamo_config`): the rest of the process keeps dynamo's own. Not combined with checkpoint_blocks
-    (the trainer refuses both): dynamo compiles nothing under a forward that checkpoint already
-    wraps, and checkpointing a compiled forward saves a different set of tensors in the
+    block runs (`_with_dynamo_config`): the rest of the process keeps dynamo's own. Not combined with
+    checkpoint_blocks (the trainer refuses both): dynamo compiles nothing under a forward that checkpoint
+    already wraps, and checkpointing a compiled forward saves a different set of tensors in the
     recomputation than in the forward (torch 2.13: CheckpointError)."""
     import torch._dynamo
 
@@ -326,7 +328,8 @@ def reduce_gradients(model: nn.Module, layout: ParallelLayout, expert_params: se
 
 
 @torch.no_grad()
-def clip_grad_norm(model: nn.Module, layout: ParallelLayout, expert_params: set[int], max_norm: float) -> float:
+def clip_grad_norm(model: nn.Module, layout: ParallelLayout, expert_params: set[int],
+                   max_norm: float) -> float:
     """Global L2 norm of the (reduced) gradient, every expert counted once; clip to max_norm."""
     dense_sq = torch.zeros((), dtype=torch.float64)
     expert_sq = torch.zeros((), dtype=torch.float64)

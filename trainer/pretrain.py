@@ -72,7 +72,8 @@ def build_model(cfg: PretrainConfig, tokenizer) -> Transformer:
     model_cfg = cfg.model
     for name, allowed in (("attn_impl", tuple(ATTENTION_IMPLS)), ("indexer_mode", ("sparse", "dense"))):
         if getattr(model_cfg, name) not in allowed:
-            raise ConfigError(f"model.{name}={getattr(model_cfg, name)!r}: expected one of {', '.join(allowed)}")
+            raise ConfigError(f"model.{name}={getattr(model_cfg, name)!r}: expected one of "
+                              f"{', '.join(allowed)}")
     if model_cfg.vocab_size is None:
         model_cfg = dataclasses.replace(model_cfg, vocab_size=tokenizer.vocab_size)
     elif model_cfg.vocab_size < tokenizer.vocab_size:
@@ -87,7 +88,8 @@ def build_model(cfg: PretrainConfig, tokenizer) -> Transformer:
     policy.apply(model)
     if model_cfg.kernels and int(os.environ.get("RANK", "0")) == 0:
         trainer = getattr(cfg, "trainer", None)
-        print("flashtrain: " + policy.describe(getattr(trainer, "compile", False), getattr(trainer, "zero_stage", 0)),
+        print("flashtrain: " + policy.describe(getattr(trainer, "compile", False),
+                                               getattr(trainer, "zero_stage", 0)),
               flush=True)
     return model
 
@@ -109,8 +111,9 @@ class Trainer:
         if init_from is not None:
             existing_init_source(str(init_from), init_setting)
         if tc.compile and tc.activation_checkpointing:  # the recompute saves other tensors than the forward
-            raise ConfigError("trainer.compile=true with trainer.activation_checkpointing=true is not supported: "
-                              "checkpoint recomputation through the compiled blocks fails; turn one off")
+            raise ConfigError("trainer.compile=true with trainer.activation_checkpointing=true is not "
+                              "supported: checkpoint recomputation through the compiled blocks fails; turn "
+                              "one off")
         self.dist: DistInfo = init_distributed(tc.collective_timeout_s)
         if tc.torch_threads:
             torch.set_num_threads(tc.torch_threads)
@@ -127,7 +130,8 @@ class Trainer:
         d = self.dist
         self.total_params = sum(p.numel() for p in self.model.parameters())
         self.flops_per_token = train_flops_per_token(self.model, cfg.data.seq_len)  # before sharding
-        check_training_layout(self.model.cfg, cfg.data.seq_len, d.world_size, tc.expert_parallel, tc.context_parallel)
+        check_training_layout(self.model.cfg, cfg.data.seq_len, d.world_size, tc.expert_parallel,
+                              tc.context_parallel)
         self.layout = build_layout(d.rank, d.world_size, tc.expert_parallel, self.model.cfg.n_routed_experts,
                                    tc.context_parallel)
         self.expert_params = parallelize(self.model, self.layout)
@@ -151,7 +155,8 @@ class Trainer:
         if self.resumed_from is None and init_from is not None:
             self._load_weights(init_from, init_setting)
         # each checkpoint carries the tokenizer and where the weights came from, for `convert export`
-        self.ckpts.attachments = checkpoint_attachments(self.tokenizer, self.resumed_from or self.initialised_from)
+        self.ckpts.attachments = checkpoint_attachments(self.tokenizer,
+                                                        self.resumed_from or self.initialised_from)
         container = OmegaConf.to_container(OmegaConf.create(config_yaml), resolve=True)
         self.tracker = build_tracker(cfg.logger, self.run_dir, container, run_id, d.rank)
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl",
@@ -184,7 +189,8 @@ class Trainer:
         if self.own_optimizer_state:
             self.optimizer.enable_sparse_table_grads(self.model)
         # DeepSpeed broadcasts every parameter from rank 0 at start; expert shards differ per rank
-        local_experts = [(p, p.detach().clone()) for p in self.model.parameters() if id(p) in self.expert_params]
+        local_experts = [(p, p.detach().clone()) for p in self.model.parameters()
+                         if id(p) in self.expert_params]
         self.engine, self.precision = build_engine(
             self.model, self.optimizer, self.scheduler, tc, d, whole_param_optimizer=self.own_optimizer_state)
         with torch.no_grad():
@@ -197,7 +203,8 @@ class Trainer:
         with full_experts(self.engine.module, self.layout):
             self.initialised_from = load_init_weights(self.engine.module, str(source), what)
         refresh = getattr(self.engine.optimizer, "refresh_fp32_params", None)
-        if callable(refresh):  # a partitioned optimiser keeps its own fp32 copies (as DeepSpeed's own load does)
+        # a partitioned optimiser keeps its own fp32 copies (as DeepSpeed's own load does)
+        if callable(refresh):
             refresh()
 
     def _resume(self, ckpt: Path) -> Optional[str]:
@@ -220,8 +227,8 @@ class Trainer:
         start = (f"resuming from {self.resumed_from}" if self.resumed_from else
                  f"weights from {self.initialised_from}" if self.initialised_from else "starting fresh")
         print(f"flashtrain: run {self.run_dir} | model {m.cfg.name}: {total / 1e6:.2f}M params, "
-              f"{len(m.plan)} layers ({m.plan.describe()}) | {d.world_size} x {d.device.type} {self.precision} "
-              f"({self.layout.describe()}) "
+              f"{len(m.plan)} layers ({m.plan.describe()}) | {d.world_size} x {d.device.type} "
+              f"{self.precision} ({self.layout.describe()}) "
               f"| {self.tokens_per_step} tokens/step | peak {self.peak_flops / 1e12:.3g} TFLOP/s "
               f"({self.peak_source}) | {start} at step {self.step}", flush=True)
 
@@ -244,7 +251,8 @@ class Trainer:
             out = engine(**batch)
             lm = out.lm_loss * self._token_share(batch["labels"])
             engine.backward(lm + out.balance_loss + out.indexer_loss)
-            sums += torch.stack([lm.detach(), out.balance_loss.detach(), out.indexer_loss.detach()]).double().cpu()
+            sums += torch.stack([lm.detach(), out.balance_loss.detach(),
+                                 out.indexer_loss.detach()]).double().cpu()
             if not engine.is_gradient_accumulation_boundary():
                 engine.step()
                 continue
@@ -279,7 +287,8 @@ class Trainer:
 
     def _grad_norm(self) -> float:
         grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
-        return torch.linalg.vector_norm(torch.stack([g.float().norm() for g in grads])).item() if grads else 0.0
+        return (torch.linalg.vector_norm(torch.stack([g.float().norm() for g in grads])).item()
+                if grads else 0.0)
 
     def _device_metrics(self, window_time: float) -> dict[str, float]:
         if self.dist.device.type != "cuda":
@@ -309,7 +318,8 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         self.engine.eval()
-        total = torch.zeros(5, dtype=torch.float64)  # token loss sum, tokens, top-k / pool recall sums, batches
+        # token loss sum, tokens, top-k / pool recall sums, batches
+        total = torch.zeros(5, dtype=torch.float64)
         for batch in self.val_loader.eval_batches(self.cfg.trainer.eval_batches):
             batch = self._batch(batch)
             n = (batch["labels"] != -100).sum()
@@ -370,7 +380,8 @@ class Trainer:
                 progress.note(f"step {self.step}: val_loss {val['val_loss']:.4f}")
                 last.update(val)
                 evaluated_at = self.step
-            due = (tc.save_every and self.step % tc.save_every == 0) or (self.step == tc.max_steps and tc.save_at_end)
+            due = ((tc.save_every and self.step % tc.save_every == 0)
+                   or (self.step == tc.max_steps and tc.save_at_end))
             if due and self.nonfinite.in_a_row == 0:  # `latest` stays at the last step that updated
                 self.save()
                 saved_at = self.step

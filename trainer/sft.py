@@ -27,16 +27,19 @@ class SFTTrainer(Trainer):
     def __init__(self, cfg: SFTConfig, run_dir: Path, config_yaml: str):
         self.sft_cfg = cfg
         if cfg.init_from is not None and cfg.model.init_from is not None:
-            raise ConfigError(f"init_from={cfg.init_from} and model.init_from={cfg.model.init_from}: give one")
+            raise ConfigError(f"init_from={cfg.init_from} and model.init_from={cfg.model.init_from}: "
+                              "give one")
         tier_efforts(cfg.efforts, cfg.sft.tiers)  # bad tiers fail before anything is built
         # The Trainer sizes sequences (FLOPs, tokens/step, context-parallel slices) by
         # data.seq_len; SFT rows are sft.seq_len long. The tokenizer comes from the unchanged
         # cfg.data (build_data below).
         rows = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=cfg.sft.seq_len))
-        # init_from (else model.init_from) is resolved and loaded as model.init_from is (trainer/init_weights.py)
+        # init_from (else model.init_from) is resolved and loaded as model.init_from is
+        # (trainer/init_weights.py)
         super().__init__(rows, run_dir, config_yaml, init_from=cfg.init_from, init_setting="init_from")
         if self.dist.is_main and self.resumed_from is None and self.initialised_from is None:
-            print("flashtrain: warning: sft without init_from: fine-tuning randomly initialised weights", flush=True)
+            print("flashtrain: warning: sft without init_from: fine-tuning randomly initialised weights",
+                  flush=True)
 
     def build_data(self):
         cfg = self.sft_cfg
@@ -54,25 +57,28 @@ class SFTTrainer(Trainer):
                 self.heldout = heldout_problems(self.task, max(0, cfg.eval.problems), cfg.eval.seed)
         exclude = frozenset(p.prompt for p in self.heldout) if cfg.sft.source == "builtin" else frozenset()
         # read (and check) the chat data first: a malformed row fails before the tokenizer is built
-        conversations = load_conversations(cfg.sft, cfg.efforts, str(Path(cfg.data.cache_dir).expanduser() / "hf"),
-                                           exclude)
-        _, _, tokenizer = build_datasets(cfg.data)  # the pretraining tokenizer, exactly as pretraining built it
+        conversations = load_conversations(cfg.sft, cfg.efforts,
+                                           str(Path(cfg.data.cache_dir).expanduser() / "hf"), exclude)
+        # the pretraining tokenizer, exactly as pretraining built it
+        _, _, tokenizer = build_datasets(cfg.data)
         train, val = build_sft_datasets(cfg.sft, cfg.efforts, tokenizer, conversations=conversations)
         tc = cfg.trainer
         global_batch = tc.micro_batch_size * max(1, self.dist.world_size // max(1, tc.context_parallel))
         for name, split in (("train", train), ("validation", val)):
             if len(split) < global_batch:
-                grow = "a larger" if name == "validation" else "a smaller"  # the fraction moves rows between them
-                raise DataError(f"the SFT {name} split has {len(split)} rows, fewer than one global micro-batch "
-                                f"({global_batch}); use more data, {grow} sft.val_fraction or a smaller "
-                                "trainer.micro_batch_size")
+                # the fraction moves rows between them
+                grow = "a larger" if name == "validation" else "a smaller"
+                raise DataError(f"the SFT {name} split has {len(split)} rows, fewer than one global "
+                                f"micro-batch ({global_batch}); use more data, {grow} sft.val_fraction or a "
+                                "smaller trainer.micro_batch_size")
         if self.dist.is_main:
             s, v = train.stats, val.stats
             efforts = ", ".join(f"{e}: {n}" for e, n in sorted(s.efforts.items()))
             print(f"flashtrain sft: {s.conversations} train / {v.conversations} validation conversations -> "
                   f"{len(train)} / {len(val)} rows of {train.seq_len} ({s.fill:.0%} filled), "
-                  f"{s.assistant_tokens} assistant tokens to train on; truncated {s.truncated + v.truncated}, "
-                  f"dropped {s.dropped + v.dropped}; efforts {{{efforts}}}", flush=True)
+                  f"{s.assistant_tokens} assistant tokens to train on; truncated "
+                  f"{s.truncated + v.truncated}, dropped {s.dropped + v.dropped}; efforts {{{efforts}}}",
+                  flush=True)
         return train, val, tokenizer
 
     # ------------------------------------------------------------------ generation eval
@@ -112,7 +118,8 @@ class SFTTrainer(Trainer):
         del model
         lines = " | ".join(f"effort {e}: accuracy {out[f'eval/effort_{e}/accuracy']:.3f}, "
                            f"mean length {out[f'eval/effort_{e}/mean_len']:.1f} tokens" for e in efforts)
-        print(f"flashtrain sft: eval ({len(problems)} held-out {cfg.sft.builtin_task} problems, greedy): {lines}",
+        print(f"flashtrain sft: eval ({len(problems)} held-out {cfg.sft.builtin_task} problems, greedy): "
+              f"{lines}",
               flush=True)
         return out
 

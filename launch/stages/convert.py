@@ -7,7 +7,8 @@ from conf.convert import ConvertConfig
 from launch.stages import register_stage
 
 
-@register_stage("convert", ConvertConfig, help="import / export the public DeepSeek-V4.1-Flash checkpoint layout")
+@register_stage("convert", ConvertConfig,
+                help="import / export the public DeepSeek-V4.1-Flash checkpoint layout")
 def convert(cfg: ConvertConfig, run_dir: Path, config_yaml: str):
     from trainer.interop.run import run_convert
 

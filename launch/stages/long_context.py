@@ -12,7 +12,8 @@ def check_schedule(cfg: LongContextConfig, world_size: int) -> None:
 
 
 @register_stage("long_context", LongContextConfig,
-                help="indexer warm-up, then sparse training at growing sequence lengths", preflight=check_schedule)
+                help="indexer warm-up, then sparse training at growing sequence lengths",
+                preflight=check_schedule)
 def long_context(cfg: LongContextConfig, run_dir: Path, config_yaml: str):
     from trainer.long_context import run_long_context
 

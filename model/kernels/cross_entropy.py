@@ -10,8 +10,8 @@ cost more than the matmuls' own traffic, and four head matmuls per chunk.
 Here, per chunk: logits = x @ W^T in the compute dtype; one kernel takes each row's
 log-sum-exp in fp32 (online, one pass) and overwrites the logits in place with
 d loss / d logits = softmax - onehot (rounded once to the compute dtype); then dx = g @ W and
-dW += g^T @ x (fp32 accumulator, on CUDA inside the GEMM) right away, so the logits die with the chunk. The backward
-only scales the saved dx and dW by the incoming gradient: three head matmuls per chunk, no
+dW += g^T @ x (fp32 accumulator, on CUDA inside the GEMM) right away, so the logits die with the chunk. The
+backward only scales the saved dx and dW by the incoming gradient: three head matmuls per chunk, no
 recomputation. The loss is a summed (not mean) scalar, so the caller's division by the token
 count is an ordinary autograd op. Rows labelled `ignore_index` add 0 and get zero gradients.
 
@@ -109,8 +109,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 
 @torch.compiler.disable  # trainer.compile: a graph break, launched as is (model/kernels/__init__.py)
-def linear_cross_entropy_triton(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int = 4096,
-                                ignore_index: int = -100) -> torch.Tensor:
+def linear_cross_entropy_triton(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                                chunk: int = 4096, ignore_index: int = -100) -> torch.Tensor:
     """Summed next-token cross-entropy of x [N, D] through the head weight [V, D] (module docstring)."""
     V = weight.shape[0]
     bad = (labels != ignore_index) & ((labels < 0) | (labels >= V))
@@ -120,5 +120,5 @@ def linear_cross_entropy_triton(x: torch.Tensor, weight: torch.Tensor, labels: t
     dev = x.device.type
     dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
     with torch.autocast(dev, enabled=False):  # the matmuls run in `dtype` explicitly
-        return _LinearCrossEntropy.apply(x, weight, labels.contiguous(), max(1, int(chunk)), int(ignore_index),
-                                         dtype)
+        return _LinearCrossEntropy.apply(x, weight, labels.contiguous(), max(1, int(chunk)),
+                                         int(ignore_index), dtype)

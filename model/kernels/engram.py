@@ -33,8 +33,8 @@ constants. Magnitudes: the multipliers are odd and below 2^63 / compressed vocab
 1000-id vocab, ~2^47 for ~100k), so an in-range id times one stays below 2^63: products come
 close to it but never wrap, and the XOR of non-negative int64s is non-negative. The modulo is
 still made floor-style (a negative C-style remainder lies in (-prime, 0), so adding the prime
-cannot overflow), so that out-of-range ids, whose products do wrap, also match torch's `%`. The hash kernel's index
-arithmetic (flat row -> b, t, lookup; id offsets) is int32 unless an offset can reach 2^31 (IDX64).
+cannot overflow), so that out-of-range ids, whose products do wrap, also match torch's `%`. The hash kernel's
+index arithmetic (flat row -> b, t, lookup; id offsets) is int32 unless an offset can reach 2^31 (IDX64).
 
 Where the table lives:
 * on the ids' device: the hash kernel, then the row kernel.
@@ -75,7 +75,8 @@ import triton.language as tl
 INTERPRET = bool(triton.knobs.runtime.interpret)
 
 # Tunables (scratch/engram_sweep.py sweeps them on a GPU). No autotune: the interpreter lacks it.
-HASH_BLOCK = 256  # rows per hash program: 4 warps x 32 lanes x 2 rows (~44 registers for sm_90; 8 rows take 154)
+# rows per hash program: 4 warps x 32 lanes x 2 rows (~44 registers for sm_90; 8 rows take 154)
+HASH_BLOCK = 256
 HASH_WARPS = 4
 ROW_TILE_BYTES = 16384  # table bytes per row-kernel program: 32 bf16 / 16 fp32 rows of 256
 ROW_WARPS = 4  # 128 lanes x 8 16-byte vectors each in flight
@@ -161,7 +162,8 @@ def _rows_kernel(src_ptr, dst_ptr, idx_ptr, N, s_row, s_col,
                 tl.store(dst, vals)
 
 
-def _copy_rows(src: torch.Tensor, idx: torch.Tensor, dst: torch.Tensor, scatter: bool = False, add: bool = False,
+def _copy_rows(src: torch.Tensor, idx: torch.Tensor, dst: torch.Tensor, scatter: bool = False,
+               add: bool = False,
                block_r: Optional[int] = None, num_warps: Optional[int] = None) -> torch.Tensor:
     """The row kernel: gather dst[r] = src[idx[r]] (src any strides, dst contiguous [N, E]), or
     with scatter dst[idx[r]] = src[r] (+= with add; src contiguous [N, E]). idx [N] int.
@@ -172,7 +174,8 @@ def _copy_rows(src: torch.Tensor, idx: torch.Tensor, dst: torch.Tensor, scatter:
         return dst
     if not lined.is_contiguous() or lined.shape != (N, E) or not idx.is_contiguous():
         raise ValueError(f"rows {tuple(lined.shape)} must be contiguous [{N}, {E}], idx contiguous")
-    block_e = min(triton.next_power_of_2(E), 64 if INTERPRET else MAX_BLOCK_E)  # interpreter: exercise the chunk loop
+    # interpreter: exercise the chunk loop
+    block_e = min(triton.next_power_of_2(E), 64 if INTERPRET else MAX_BLOCK_E)
     if block_r is None:
         width = max(src.element_size(), dst.element_size())
         block_r = max(1, ROW_TILE_BYTES // (block_e * width))
@@ -237,7 +240,8 @@ def _launch(lookup_ids, mult, primes, offsets, doc_start, positions, history, pa
     # int32 indices unless an offset (the last program's masked rows included) can reach 2^31
     idx64 = max(N + HASH_BLOCK, *(_extent(t) for t in (lookup_ids, doc_start, positions, history))) >= 2**31
     _hash_kernel[(triton.cdiv(N, HASH_BLOCK),)](
-        lookup_ids, doc_start if doc_start is not None else dummy, positions if positions is not None else dummy,
+        lookup_ids, doc_start if doc_start is not None else dummy,
+        positions if positions is not None else dummy,
         history if history is not None else dummy, mult, primes, offsets, addr,
         N, T, L, history.shape[1] if history is not None else 0, int(pad_id),
         *lookup_ids.stride(), *(doc_start.stride() if doc_start is not None else (0, 0)),
@@ -251,7 +255,8 @@ def _launch(lookup_ids, mult, primes, offsets, doc_start, positions, history, pa
 
 
 def engram_addresses_triton(lookup_ids: torch.Tensor, multipliers: torch.Tensor, orders: Sequence[int],
-                            primes: torch.Tensor, offsets: torch.Tensor, doc_start: Optional[torch.Tensor] = None,
+                            primes: torch.Tensor, offsets: torch.Tensor,
+                            doc_start: Optional[torch.Tensor] = None,
                             positions: Optional[torch.Tensor] = None, history: Optional[torch.Tensor] = None,
                             pad_id: int = 0) -> torch.Tensor:
     """`Engram.addresses`: lookup_ids [B, T] int, multipliers [max_n], primes/offsets [O*H],
@@ -295,7 +300,8 @@ def table_grad(shape: torch.Size, device: torch.device, dtype: torch.dtype, addr
     # narrower table: sum the touched rows in a compact fp32 buffer [U, E], round each sum once
     # (in torch: round to nearest even; the interpreter's casts truncate), put the rows in place
     uniq, inverse = torch.unique(flat, return_inverse=True)  # [U], [N]
-    sums = _copy_rows(g, inverse, torch.zeros(uniq.numel(), E, dtype=acc_dtype, device=device), scatter=True, add=True)
+    sums = _copy_rows(g, inverse, torch.zeros(uniq.numel(), E, dtype=acc_dtype, device=device), scatter=True,
+                      add=True)
     return _copy_rows(sums.to(dtype), uniq, torch.zeros(shape, dtype=dtype, device=device), scatter=True)
 
 
@@ -307,7 +313,8 @@ class _EngramGather(torch.autograd.Function):
         if on_ids_device or host_path == "uva":
             if not on_ids_device and not weight.is_pinned():
                 raise ValueError("host_path='uva' needs a table in pinned host memory")
-            addr, rows = _launch(lookup_ids, mult, primes, offsets, doc_start, positions, history, pad_id, weight)
+            addr, rows = _launch(lookup_ids, mult, primes, offsets, doc_start, positions, history, pad_id,
+                                 weight)
         elif host_path == "staged":
             addr = _launch(lookup_ids, mult, primes, offsets, doc_start, positions, history, pad_id)[0]
             rows = host_gather(weight, addr)
@@ -349,4 +356,5 @@ def engram_lookup_triton(engram, lookup_ids: torch.Tensor, doc_start: Optional[t
     engram.table.lookup(engram.addresses(lookup_ids, doc_start, positions, history))."""
     return engram_gather_triton(lookup_ids, engram.table.weight, engram.multipliers, engram.orders,
                                 engram.primes, engram.offsets, doc_start, positions, history,
-                                pad_id=engram.pad_id, sparse_grad=engram.table.sparse_grad, host_path=host_path)
+                                pad_id=engram.pad_id, sparse_grad=engram.table.sparse_grad,
+                                host_path=host_path)

@@ -1,6 +1,6 @@
 """Engram's gated residual add, forward and backward. Reference: `model.engram.Engram.gated_residual`
-(docs/ARCHITECTURE.md §5), applied to the fused key/value projection's output kv [..., S + 1, D] (S stream keys,
-then the value) and the residual streams h [..., S, D], with per-stream weights w_h, w_k [S, D]:
+(docs/ARCHITECTURE.md §5), applied to the fused key/value projection's output kv [..., S + 1, D] (S stream
+keys, then the value) and the residual streams h [..., S, D], with per-stream weights w_h, w_k [S, D]:
 
     rh_s = rsqrt(mean_D h_s^2 + eps)    rk_s = rsqrt(mean_D k_s^2 + eps)
     d_s  = sum_D(h_s w_h,s w_k,s k_s) rh_s rk_s / sqrt(D)

@@ -106,8 +106,10 @@ else:
     _DENSE_FIXED = {}
 
 
-def _check(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if q.dim() != 4 or k.dim() != 3 or w.shape != q.shape[:3] or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[3]:
+def _check(q: torch.Tensor, w: torch.Tensor,
+           k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if (q.dim() != 4 or k.dim() != 3 or w.shape != q.shape[:3] or k.shape[0] != q.shape[0]
+            or k.shape[2] != q.shape[3]):
         raise ValueError(f"expected q [B,T,H,Di], w [B,T,H], k [B,S,Di]; got {tuple(q.shape)}, "
                          f"{tuple(w.shape)}, {tuple(k.shape)}")
     if q.dtype not in _FLOATS or k.dtype not in _FLOATS:
@@ -298,15 +300,16 @@ class _IndexScoresAt(torch.autograd.Function):
         dk = torch.zeros(B, S, Di, dtype=torch.float32, device=q.device) if need_k else dq
         if B * T > 0 and P > 0:
             _scores_at_bwd_kernel[(B * T,)](q, w, k, cand, g, dq, dw, dk, T, P, H, S,
-                                            *q.stride(), *w.stride(), *k.stride(), *cand.stride(), *g.stride(),
-                                            DI=Di, IEEE=q.dtype == torch.float32, NEED_DK=need_k,
+                                            *q.stride(), *w.stride(), *k.stride(), *cand.stride(),
+                                            *g.stride(), DI=Di, IEEE=q.dtype == torch.float32, NEED_DK=need_k,
                                             **_at_blocks(H, Di, backward=True))
         return (dq if need_q else None, dw.to(w.dtype) if need_w else None,
                 dk.to(k.dtype) if need_k else None, None)
 
 
 @torch.compiler.disable  # trainer.compile: a graph break, launched as is (model/kernels/__init__.py)
-def index_scores_at_triton(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
+def index_scores_at_triton(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor,
+                           cand: torch.Tensor) -> torch.Tensor:
     """q [B, T, H, Di], w [B, T, H], k [B, S, Di], cand [B, T, P] int (-1 = none) -> [B, T, P]
     fp32, -inf at -1 (`index_scores_at`). Differentiable in q, w and k."""
     q2, w, k2 = _check(q, w, k)

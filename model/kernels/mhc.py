@@ -101,7 +101,8 @@ class MHCKernelConfig:
         # bf16 streams (model.fp32_residual=false): 64-token forward tiles and 32 x 64 backward tiles
         # at 4 warps were the fastest of the sweep
         return replace(self, fwd_block_d=self.fwd_block_d or block_d,
-                       fwd_block_t=self.fwd_block_t or (64 if bf16 else 16 if fp32 and narrow_io else self.block_t),
+                       fwd_block_t=self.fwd_block_t or (64 if bf16 else 16 if fp32 and narrow_io
+                                                        else self.block_t),
                        bwd_block_d=self.bwd_block_d or (64 if fp32 or bf16 else block_d),
                        bwd_block_t=self.bwd_block_t or (16 if fp32 else self.block_t),
                        fwd_num_warps=self.fwd_num_warps or (4 if fp32 else self.num_warps),
@@ -321,7 +322,8 @@ def _mhc_bwd_kernel(h_ptr, y_ptr, post_ptr, comb_ptr, pre_ptr, fn_ptr,
                 new_gh = ()
                 for s in tl.static_range(N):
                     new_gh = new_gh + (gh[s] + comb[s * N + d][:, None] * g,)
-                    tl.store(gcomb_part_ptr + part * (N * N) + s * N + d, tl.sum(g * hs[s], axis=1), mask=t_ok)
+                    tl.store(gcomb_part_ptr + part * (N * N) + s * N + d, tl.sum(g * hs[s], axis=1),
+                             mask=t_ok)
                 gh = new_gh
                 gy += post[d][:, None] * g
                 tl.store(gpost_part_ptr + part * N + d, tl.sum(g * yv, axis=1), mask=t_ok)
@@ -386,7 +388,8 @@ def _forward(h, y, post, comb, pre, fn, norm_eps: float, cfg: MHCKernelConfig, x
     return h_new, x, dot * r[:, None], r, cfg
 
 
-def _backward(h, y, post, comb, pre, fn, r, mix, h_new, cfg: MHCKernelConfig, g_hn, g_x, g_mix, need_fn: bool):
+def _backward(h, y, post, comb, pre, fn, r, mix, h_new, cfg: MHCKernelConfig, g_hn, g_x, g_mix,
+              need_fn: bool):
     """Gradients (g_h, g_y, g_post, g_comb, g_pre, g_fn) of `_forward`'s outputs; y, post and
     comb None as there (g_y, g_post, g_comb None then). h_new: the streams the logits were taken
     of (g_fn is a host matmul over them)."""
@@ -525,7 +528,8 @@ def fused_mhc_mix(h: torch.Tensor, pre: torch.Tensor, fn: torch.Tensor, norm_eps
     T = math.prod(lead)
     x_dtype = _x_dtype(h)
     x, mix = _FusedMHCMix.apply(h.reshape(T, N, D).contiguous(), pre.float().reshape(T, N).contiguous(),
-                                fn.float().contiguous(), float(norm_eps), config or MHCKernelConfig(), x_dtype)
+                                fn.float().contiguous(), float(norm_eps), config or MHCKernelConfig(),
+                                x_dtype)
     return x.view(*lead, D), mix.view(*lead, M)
 
 

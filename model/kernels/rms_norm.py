@@ -95,7 +95,8 @@ class _RMSNormFn(torch.autograd.Function):
         block_r, block_d, warps = _tiles(D, FWD_TILE)
         if n_rows:
             _rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_r),)](x2, weight, y, rstd, n_rows, D, eps,
-                                                                   BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps)
+                                                                   BLOCK_R=block_r, BLOCK_D=block_d,
+                                                                   num_warps=warps)
         ctx.save_for_backward(x2, weight, rstd)
         ctx.x_shape = x.shape
         return y.view(x.shape)
@@ -110,14 +111,15 @@ class _RMSNormFn(torch.autograd.Function):
         dx = torch.empty_like(x2)
         dw_part = torch.zeros(programs, D, dtype=torch.float32, device=x2.device)
         if n_rows:
-            _rms_norm_bwd_kernel[(programs,)](x2, weight, dy.reshape(n_rows, D).contiguous(), rstd, dx, dw_part,
-                                              n_rows, D, n_tiles, BLOCK_R=block_r, BLOCK_D=block_d,
+            _rms_norm_bwd_kernel[(programs,)](x2, weight, dy.reshape(n_rows, D).contiguous(), rstd, dx,
+                                              dw_part, n_rows, D, n_tiles, BLOCK_R=block_r, BLOCK_D=block_d,
                                               num_warps=warps)
         return dx.view(ctx.x_shape), dw_part.sum(0).to(weight.dtype), None, None
 
 
 @torch.compiler.disable  # reached only outside torch.compile (see rms_norm_triton)
-def _rms_norm_kernel(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype) -> torch.Tensor:
+def _rms_norm_kernel(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                     out_dtype: torch.dtype) -> torch.Tensor:
     return _RMSNormFn.apply(x, weight, eps, out_dtype)
 
 

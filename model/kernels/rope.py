@@ -35,7 +35,8 @@ _VALUES_IN_PLACE, _WARPS_IN_PLACE = 512, 1
 
 @triton.jit
 def _rotary_kernel(X, COS, SIN, OUT, n_rows, share, C, HALF, sign,
-                   BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr, COPY_LEAD: tl.constexpr = True):
+                   BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr,
+                   COPY_LEAD: tl.constexpr = True):
     # X / OUT [n_rows, C]: the leading C - 2*HALF values of a row pass through, the trailing
     # 2*HALF are HALF pairs (2j, 2j + 1) rotated by angle j; COS / SIN [n_rows // share, HALF]:
     #   even' = even*cos - sign*odd*sin;  odd' = odd*cos + sign*even*sin.
@@ -85,12 +86,13 @@ def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, share: int, i
 def _rows_per_angle(x: torch.Tensor, cos: torch.Tensor) -> int:
     share = x.numel() // x.shape[-1] // cos.shape[0] if cos.shape[0] else 1
     if not x.is_contiguous() or share * cos.shape[0] * x.shape[-1] != x.numel():
-        raise ValueError(f"rotary: x {tuple(x.shape)} must be contiguous with a whole number of rows per angle row "
-                         f"({cos.shape[0]} angle rows)")
+        raise ValueError(f"rotary: x {tuple(x.shape)} must be contiguous with a whole number of rows per "
+                         f"angle row ({cos.shape[0]} angle rows)")
     return share
 
 
-def rotate_trailing_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+def rotate_trailing_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     inverse: bool = False) -> torch.Tensor:
     """x [..., C] contiguous, its trailing 2 * cos.shape[-1] dims rotated in place (the leading
     ones are neither read nor written: 1/8 of the bytes of a copy for q's 64 of 512); cos / sin
     fp32 [A, R/2] with x's rows in A equal groups of consecutive rows (one angle row a group, e.g.
@@ -134,7 +136,8 @@ def rotary_triton(x: torch.Tensor, angles: torch.Tensor, inverse: bool = False) 
     """x [..., C] rotated on its last 2 * angles.shape[-1] dims (module docstring)."""
     half = angles.shape[-1]
     if 2 * half > x.shape[-1] or x.shape[-1] % 2:
-        raise ValueError(f"rotary_triton: {2 * half} rotary dims exceed the row's {x.shape[-1]} (or the row is odd)")
+        raise ValueError(f"rotary_triton: {2 * half} rotary dims exceed the row's {x.shape[-1]} (or the row "
+                         "is odd)")
     share = angle_share(x, angles)
     if share is None:
         raise ValueError(f"rotary_triton: angles {tuple(angles.shape)} do not match x {tuple(x.shape)}")

@@ -32,8 +32,8 @@ the rounds backwards, recomputing within a round its row sums, the row-normalise
 column sums and the round's output from the stored input. The first round (softmax, +eps,
 column normalisation) is recomputed from the logits at the end.
 Alternatives not taken: keeping all rounds in registers (iters would have to be a constexpr,
-and 20 rounds * 16 values for n = 4 is more than a thread's 255 registers), and reconstructing each round's input from
-its output and normalisers in the reverse sweep (X = Y * s: no scratch, but rounding error
+and 20 rounds * 16 values for n = 4 is more than a thread's 255 registers), and reconstructing each round's
+input from its output and normalisers in the reverse sweep (X = Y * s: no scratch, but rounding error
 accumulates over the rounds: not the exact gradient of what the forward computed).
 
 One launch each way replaces the eager composition's ~80; at training and decoding sizes the
@@ -287,9 +287,11 @@ def sinkhorn_comb_triton(logits: torch.Tensor, iters: int, eps: float, *,
     module docstring). block_t: tokens a program (a power of two; None picks one)."""
     *lead, n, n2 = logits.shape
     if n != n2 or not 1 <= n <= MAX_STREAMS:
-        raise ValueError(f"sinkhorn_comb_triton wants [..., n, n] with n <= {MAX_STREAMS}, got {tuple(logits.shape)}")
+        raise ValueError(f"sinkhorn_comb_triton wants [..., n, n] with n <= {MAX_STREAMS}, got "
+                         f"{tuple(logits.shape)}")
     if not logits.is_cuda and not _interpreting():
-        raise RuntimeError("model.kernels=true runs Triton kernels: it needs a CUDA device (or TRITON_INTERPRET=1)")
+        raise RuntimeError("model.kernels=true runs Triton kernels: it needs a CUDA device (or "
+                           "TRITON_INTERPRET=1)")
     T = math.prod(lead)
     work = torch.float64 if logits.dtype == torch.float64 else torch.float32
     # casts and reshapes stay outside the Function, so autograd casts the gradient back

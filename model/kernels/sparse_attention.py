@@ -70,7 +70,8 @@ def _scores(Qrow, KV, rows, n_ok, offs_h, h_ok, C, BLOCK_H: tl.constexpr, BLOCK_
     for c0 in range(0, C, BLOCK_C):
         offs_c = c0 + tl.arange(0, BLOCK_C)
         c_ok = offs_c < C
-        qc = tl.load(Qrow + offs_h[:, None] * C + offs_c[None, :], mask=h_ok[:, None] & c_ok[None, :], other=0.0)
+        qc = tl.load(Qrow + offs_h[:, None] * C + offs_c[None, :], mask=h_ok[:, None] & c_ok[None, :],
+                     other=0.0)
         kc = tl.load(KV + rows[:, None] * C + offs_c[None, :], mask=n_ok[:, None] & c_ok[None, :], other=0.0)
         s += tl.dot(qc, tl.trans(kc.to(qc.dtype)), input_precision=PREC)
     return s
@@ -87,15 +88,18 @@ def _fwd_block(Qrow, KV, rows, n_ok, q, m, den, acc, offs_h, h_ok, offs_v, v_ok,
     SLrow[h, offs_n], for `_psum_kernel`."""
     dt = Qrow.dtype.element_ty
     if ONE_PASS:
-        v = tl.load(KV + rows[:, None] * C + offs_v[None, :], mask=n_ok[:, None] & v_ok[None, :], other=0.0).to(dt)
+        v = tl.load(KV + rows[:, None] * C + offs_v[None, :], mask=n_ok[:, None] & v_ok[None, :],
+                    other=0.0).to(dt)
         s = tl.dot(q, tl.trans(v), input_precision=PREC)
     else:
         s = _scores(Qrow, KV, rows, n_ok, offs_h, h_ok, C, BLOCK_H, BLOCK_N, BLOCK_C, PREC)
-        v = tl.load(KV + rows[:, None] * C + offs_v[None, :], mask=n_ok[:, None] & v_ok[None, :], other=0.0).to(dt)
+        v = tl.load(KV + rows[:, None] * C + offs_v[None, :], mask=n_ok[:, None] & v_ok[None, :],
+                    other=0.0).to(dt)
     s = tl.where(n_ok[None, :], s * qk_scale, float("-inf"))
     if STORE_S:
         if store_s:
-            tl.store(SLrow + offs_h[:, None] * K + offs_n[None, :], s, mask=h_ok[:, None] & (offs_n < K)[None, :])
+            tl.store(SLrow + offs_h[:, None] * K + offs_n[None, :], s,
+                     mask=h_ok[:, None] & (offs_n < K)[None, :])
     m_new = tl.maximum(m, tl.max(s, 1))  # finite: m starts at the sink
     alpha = tl.exp2(m - m_new)
     p = tl.exp2(s - m_new[:, None])
@@ -127,7 +131,8 @@ def _dkv_chunk(DKV, rows, n_ok, v, p, ds, q_v, do_v, dq, offs_v, v_ok, C, scale,
 def _value_chunks(KV, rows, n_ok, offs_v, v_ok, offs_w, w_ok, C, dt, SPLIT: tl.constexpr):
     """kv[rows] at the program's value chunk(s): [BLOCK_N, BLOCK_CV] each (the second = the first
     when SPLIT = 1)."""
-    v = tl.load(KV + rows[:, None] * C + offs_v[None, :], mask=n_ok[:, None] & v_ok[None, :], other=0.0).to(dt)
+    v = tl.load(KV + rows[:, None] * C + offs_v[None, :], mask=n_ok[:, None] & v_ok[None, :],
+                other=0.0).to(dt)
     v_w = v
     if SPLIT == 2:
         v_w = tl.load(KV + rows[:, None] * C + offs_w[None, :], mask=n_ok[:, None] & w_ok[None, :],
@@ -180,7 +185,8 @@ def _bwd_block(Qrow, DOrow, KV, DKV, rows, n_ok, q_v, do_v, q_w, do_w, lse, delt
             tl.store(DSWrow + at, (ds * scale).to(dt), mask=wm)
     dq = _dkv_chunk(DKV, rows, n_ok, v, p, ds, q_v, do_v, dq, offs_v, v_ok, C, scale, PREC, not WINDOW)
     if SPLIT == 2:
-        dq_w = _dkv_chunk(DKV, rows, n_ok, v_w, p, ds, q_w, do_w, dq_w, offs_w, w_ok, C, scale, PREC, not WINDOW)
+        dq_w = _dkv_chunk(DKV, rows, n_ok, v_w, p, ds, q_w, do_w, dq_w, offs_w, w_ok, C, scale, PREC,
+                          not WINDOW)
     return dq, dq_w
 
 
@@ -222,7 +228,8 @@ def _fwd_kernel(Q, KV, G, IDX, DOC, POS, SINK, OUT, LSE, SL, T, H, C, W, K, S, q
     v_ok = offs_v < C
     Qrow = Q + pid_q * H * C
     if ONE_PASS:  # the program's chunk is all of C: q is loaded once for every key block's logits
-        q = tl.load(Qrow + offs_h[:, None] * C + offs_v[None, :], mask=h_ok[:, None] & v_ok[None, :], other=0.0)
+        q = tl.load(Qrow + offs_h[:, None] * C + offs_v[None, :], mask=h_ok[:, None] & v_ok[None, :],
+                    other=0.0)
     else:  # unused: the logits stream q from memory in BLOCK_C pieces
         q = tl.zeros([BLOCK_H, BLOCK_CV], dtype=Q.dtype.element_ty)
     m = tl.load(SINK + offs_h, mask=h_ok, other=0.0).to(tl.float32) * 1.4426950408889634
@@ -234,8 +241,9 @@ def _fwd_kernel(Q, KV, G, IDX, DOC, POS, SINK, OUT, LSE, SL, T, H, C, W, K, S, q
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = (offs_n >= w_lo) & (offs_n < W)
         rows = b * (T + W - 1) + t + offs_n
-        m, den, acc = _fwd_block(Qrow, KV, rows, n_ok, q, m, den, acc, offs_h, h_ok, offs_v, v_ok, C, qk_scale,
-                                 SL, offs_n, K, first, BLOCK_H, BLOCK_N, BLOCK_C, PREC, ONE_PASS, False)
+        m, den, acc = _fwd_block(Qrow, KV, rows, n_ok, q, m, den, acc, offs_h, h_ok, offs_v, v_ok, C,
+                                 qk_scale, SL, offs_n, K, first, BLOCK_H, BLOCK_N, BLOCK_C, PREC, ONE_PASS,
+                                 False)
     if HAS_GLOB:
         SLrow = SL + pid_q * H * K
         for n0 in range(0, _selected_end(IDX + pid_q * K, K, BLOCK_K), BLOCK_N):
@@ -244,8 +252,8 @@ def _fwd_kernel(Q, KV, G, IDX, DOC, POS, SINK, OUT, LSE, SL, T, H, C, W, K, S, q
             n_ok = ids >= 0
             rows = b * S + tl.where(n_ok, ids, 0)
             m, den, acc = _fwd_block(Qrow, G, rows, n_ok, q, m, den, acc, offs_h, h_ok, offs_v, v_ok, C,
-                                     qk_scale, SLrow, offs_n, K, first, BLOCK_H, BLOCK_N, BLOCK_C, PREC, ONE_PASS,
-                                     WANT_P)
+                                     qk_scale, SLrow, offs_n, K, first, BLOCK_H, BLOCK_N, BLOCK_C, PREC,
+                                     ONE_PASS, WANT_P)
     out = acc / den[:, None]
     tl.store(OUT + pid_q * H * C + offs_h[:, None] * C + offs_v[None, :], out.to(OUT.dtype.element_ty),
              mask=h_ok[:, None] & v_ok[None, :])
@@ -255,7 +263,8 @@ def _fwd_kernel(Q, KV, G, IDX, DOC, POS, SINK, OUT, LSE, SL, T, H, C, W, K, S, q
 
 
 @triton.jit
-def _psum_kernel(SL, LSE, IDX, PSUM, H, K, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _psum_kernel(SL, LSE, IDX, PSUM, H, K, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
     """PSUM [B, T, K] = sum over heads of exp2(SL - LSE) at the query's selected slots, 0 past its last
     one (SL is not written there). One program a query, all its heads."""
     pid_q = tl.program_id(0).to(tl.int64)
@@ -268,15 +277,15 @@ def _psum_kernel(SL, LSE, IDX, PSUM, H, K, BLOCK_H: tl.constexpr, BLOCK_N: tl.co
             offs_h = h0 + tl.arange(0, BLOCK_H)
             h_ok = offs_h < H
             lse = tl.load(LSE + pid_q * H + offs_h, mask=h_ok, other=0.0)
-            sl = tl.load(SL + (pid_q * H + offs_h[:, None]) * K + offs_n[None, :], mask=h_ok[:, None] & n_ok[None, :],
-                         other=float("-inf"))
+            sl = tl.load(SL + (pid_q * H + offs_h[:, None]) * K + offs_n[None, :],
+                         mask=h_ok[:, None] & n_ok[None, :], other=float("-inf"))
             p += tl.sum(tl.exp2(sl - lse[:, None]), 0)
         tl.store(PSUM + pid_q * K + offs_n, p, mask=offs_n < K)
 
 
 @triton.jit
-def _bwd_kernel(Q, KV, G, IDX, DOC, POS, OUT, DO, DD, LSE, DQ, DG, PW, DSW, DELTA, T, H, C, W, WP, K, S, scale,
-                qk_scale, BLOCK_WP: tl.constexpr,
+def _bwd_kernel(Q, KV, G, IDX, DOC, POS, OUT, DO, DD, LSE, DQ, DG, PW, DSW, DELTA, T, H, C, W, WP, K, S,
+                scale, qk_scale, BLOCK_WP: tl.constexpr,
                 HAS_GLOB: tl.constexpr, PREC: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_C: tl.constexpr, BLOCK_CV: tl.constexpr, SPLIT: tl.constexpr, BLOCK_K: tl.constexpr,
                 ONE_PASS: tl.constexpr):
@@ -412,8 +421,9 @@ _FWD_CONFIGS = [_cfg(128, 4, 2), _cfg(128, 8, 2), _cfg(256, 8, 2), _cfg(64, 4, 3
                 _cfg(512, 4, 3), _cfg(512, 4, 2), _cfg(256, 4, 3),
                 _cfg(512, 4, 3, 32), _cfg(512, 4, 2, 32), _cfg(512, 8, 2, 32), _cfg(512, 4, 3, 16),
                 _cfg(512, 4, 2, 32, maxnreg=168)]
-_BWD_CONFIGS = ([_cfg(128, 8, 2, 64, 1), _cfg(64, 8, 2, 64, 1), _cfg(128, 8, 2, 32, 1), _cfg(128, 8, 3, 64, 1),
-                 _cfg(256, 4, 3, 32, 1), _cfg(256, 4, 2, 64, 1), _cfg(256, 2, 2, 32, 1), _cfg(512, 4, 2, 32, 1)]
+_BWD_CONFIGS = ([_cfg(128, 8, 2, 64, 1), _cfg(64, 8, 2, 64, 1), _cfg(128, 8, 2, 32, 1),
+                 _cfg(128, 8, 3, 64, 1), _cfg(256, 4, 3, 32, 1), _cfg(256, 4, 2, 64, 1),
+                 _cfg(256, 2, 2, 32, 1), _cfg(512, 4, 2, 32, 1)]
                 + [_cfg(256, 8, 2, 64, 2), _cfg(256, 8, 2, 32, 2), _cfg(256, 4, 2, 32, 2),
                    _cfg(256, 4, 2, 64, 2), _cfg(128, 4, 2, 64, 2), _cfg(256, 4, 3, 32, 2),
                    _cfg(256, 4, 2, 16, 2), _cfg(512, 8, 2, 32, 1)])
@@ -463,7 +473,8 @@ def _meta(kernel: str) -> dict:
 
 
 def _grid(n_query: int, H: int, C: int, block_h: int):
-    return lambda meta: (n_query * triton.cdiv(H, block_h) * triton.cdiv(C, meta["BLOCK_CV"] * meta.get("SPLIT", 1)),)
+    return lambda meta: (n_query * triton.cdiv(H, block_h)
+                         * triton.cdiv(C, meta["BLOCK_CV"] * meta.get("SPLIT", 1)),)
 
 
 def _block_h(H: int) -> int:
@@ -494,7 +505,8 @@ class _SparseAttention(torch.autograd.Function):
     all of q and out each way."""
 
     @staticmethod
-    def forward(ctx, q_in, kv, glob, idx, doc_start, positions, sink, scale, window, want_probs, cos, sin, shape):
+    def forward(ctx, q_in, kv, glob, idx, doc_start, positions, sink, scale, window, want_probs, cos, sin,
+                shape):
         B, T, H, C = shape
         q = q_in.view(shape)
         fold = cos is not None
@@ -544,8 +556,8 @@ class _SparseAttention(torch.autograd.Function):
         pw, dsw = _window_scratch((B, T, H, WP), q.dtype, q.device)
         delta = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
         bh = _block_h(H)
-        _bwd[_grid(B * T, H, C, bh)](q, kv, glob, idx, doc_start, positions, out, d_attn, dout, lse, dq, dg, pw, dsw,
-                                     delta,
+        _bwd[_grid(B * T, H, C, bh)](q, kv, glob, idx, doc_start, positions, out, d_attn, dout, lse, dq, dg,
+                                     pw, dsw, delta,
                                      T, H, C, W, WP, ctx.n_sel, glob.shape[1], ctx.scale,
                                      ctx.scale * LOG2E, HAS_GLOB=ctx.has_glob, PREC=_prec(q), BLOCK_H=bh,
                                      BLOCK_K=_block_k(ctx.n_sel), BLOCK_WP=triton.next_power_of_2(WP),
@@ -590,9 +602,11 @@ def sparse_attention_triton(q: torch.Tensor, win_kv: torch.Tensor, glob_kv: Opti
     if q_angles is not None:
         half = q_angles.shape[-1]
         if tuple(q_angles.shape) != (B, T, half) or 2 * half > C:
-            raise ValueError(f"sparse_attention_triton: q_angles {tuple(q_angles.shape)} does not fit q {tuple(q.shape)}")
+            raise ValueError(f"sparse_attention_triton: q_angles {tuple(q_angles.shape)} does not fit q "
+                             f"{tuple(q.shape)}")
         q_in = q if q._base is None else q._base  # q's storage as one tensor: a view (q[:, :], unflatten)
-        if not q.is_contiguous() or (q_in is not q and (q_in.data_ptr() != q.data_ptr() or q_in.numel() != q.numel()
+        if not q.is_contiguous() or (q_in is not q and (q_in.data_ptr() != q.data_ptr()
+                                                         or q_in.numel() != q.numel()
                                                          or not q_in.is_contiguous())):
             raise ValueError("sparse_attention_triton: q_angles rotates q in place, so q must be contiguous "
                              "(and all of the tensor it views)")

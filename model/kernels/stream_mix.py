@@ -43,7 +43,8 @@ def _mix_kernel(A, X, P, Y, OUT, T, D, s_at, s_ai, s_ao, s_pt, s_po,
     i = tl.arange(0, NIP)
     t_ok, c_ok, i_ok = t < T, c < D, i < NI
     x = tl.load(X + (t[:, None, None] * NI + i[None, :, None]) * D + c[None, None, :],
-                mask=(t_ok[:, None] & i_ok[None, :])[:, :, None] & c_ok[None, None, :], other=0.0).to(tl.float32)
+                mask=(t_ok[:, None] & i_ok[None, :])[:, :, None] & c_ok[None, None, :],
+                other=0.0).to(tl.float32)
     tc = t_ok[:, None] & c_ok[None, :]
     if HAS_Y:
         y = tl.load(Y + t[:, None] * D + c[None, :], mask=tc, other=0.0).to(tl.float32)
@@ -124,15 +125,16 @@ class _StreamMix(torch.autograd.Function):
             da = torch.empty(T, NI, NO, dtype=torch.float32, device=x.device)
             dpost = torch.empty(T, NO, dtype=torch.float32, device=x.device) if want_p else da
             if T:
-                _reduce_kernel[(triton.cdiv(T, _RED_T),)](x, y if want_p else x, g, da, dpost, T, D, NI=NI, NO=NO,
-                                                         NIP=_pow2(NI), NOP=_pow2(NO), HAS_Y=want_p,
+                _reduce_kernel[(triton.cdiv(T, _RED_T),)](x, y if want_p else x, g, da, dpost, T, D, NI=NI,
+                                                         NO=NO, NIP=_pow2(NI), NOP=_pow2(NO), HAS_Y=want_p,
                                                          BLOCK_T=_RED_T, BLOCK_D=_RED_D,
                                                          **({} if INTERPRET else {"num_warps": _RED_WARPS}))
         return (da.to(a.dtype) if need_a else None), dx, (dpost.to(post.dtype) if want_p else None), dy
 
 
 @torch.compiler.disable  # trainer.compile: a graph break, launched as is (model/kernels/__init__.py)
-def update_streams_triton(h: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+def update_streams_triton(h: torch.Tensor, y: torch.Tensor, post: torch.Tensor,
+                          comb: torch.Tensor) -> torch.Tensor:
     """`update_streams`: h [..., n, D], y [..., D], post [..., n], comb [..., n, n] -> h' [..., n, D] in
     h's dtype."""
     *lead, n, D = h.shape

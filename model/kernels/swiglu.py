@@ -3,10 +3,11 @@ silu(min(gate, limit)) * clamp(up, -limit, limit) (no clamp for limit <= 0) of t
 gate_up [N, 2I] = [gate | up], the output of the experts' stacked gate-and-up matmul.
 
 Eager PyTorch runs the forward as three kernels and its backward as about eight (clamp masks,
-silu_backward, products, where), each a pass over [tokens x inter_dim] tensors. Here the forward reads gate_up once and writes h; the backward reads gate_up
-and dh once and writes gate_up's gradient, both halves in one tensor (autograd adds no
-zero-filled halves, and the matmul before takes one gradient). Math in fp32, one rounding to the
-input dtype per output (the reference rounds after each op in bf16). Saved for backward: gate_up.
+silu_backward, products, where), each a pass over [tokens x inter_dim] tensors. Here the forward reads gate_up
+once and writes h; the backward reads gate_up and dh once and writes gate_up's gradient, both halves in one
+tensor (autograd adds no zero-filled halves, and the matmul before takes one gradient). Math in fp32, one
+rounding to the input dtype per output (the reference rounds after each op in bf16). Saved for backward:
+gate_up.
 
 Gradients follow torch.clamp's: they pass where min <= x <= max (bounds included).
 Under torch.compile the reference is used instead: inductor fuses those elementwise ops itself,

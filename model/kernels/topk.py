@@ -67,11 +67,13 @@ def _select_kernel(SC, POS, OUT, S, K, HAS_POS: tl.constexpr, BLOCK_S: tl.conste
     tl.store(OUT + row * K + slot, ids, mask=take)
     n_taken = tl.sum(take.to(tl.int32), 0)
     offs_k = tl.arange(0, BLOCK_K)
-    tl.store(OUT + row * K + offs_k, tl.full([BLOCK_K], -1, tl.int64), mask=(offs_k >= n_taken) & (offs_k < K))
+    tl.store(OUT + row * K + offs_k, tl.full([BLOCK_K], -1, tl.int64),
+             mask=(offs_k >= n_taken) & (offs_k < K))
 
 
 @torch.compiler.disable  # trainer.compile: a graph break, launched as is (model/kernels/__init__.py)
-def select_topk_triton(scores: torch.Tensor, k: int, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+def select_topk_triton(scores: torch.Tensor, k: int,
+                       positions: Optional[torch.Tensor] = None) -> torch.Tensor:
     """As `model.indexer.select_topk`: scores [B, T, S] (-inf = invisible), optional positions
     [B, T, S] mapping columns to entry ids -> ids [B, T, k] int64, ascending, -1 padded."""
     B, T, S = scores.shape

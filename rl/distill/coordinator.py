@@ -27,8 +27,8 @@ class DistillCoordinator(Coordinator):
     RETRYABLE = ("gen", "score", "teach")
     teacher_worker: Optional[type] = None  # the teacher actor class (None: rl.distill.teachers.TeacherWorker)
 
-    def __init__(self, cfg, run_dir: Path, tokenizer_path: str, policy: Optional[str], log, student_vocab: int,
-                 teachers: tuple):
+    def __init__(self, cfg, run_dir: Path, tokenizer_path: str, policy: Optional[str], log,
+                 student_vocab: int, teachers: tuple):
         """teachers: (domain -> teacher key, teacher specs), from rl.distill.teachers.resolve_teachers."""
         from data.chat import ChatFormat
         from data.tokenizer import TextTokenizer
@@ -37,8 +37,9 @@ class DistillCoordinator(Coordinator):
 
         if cfg.rl.ppo_epochs != 1 or cfg.rl.minibatches != 1:
             from conf.errors import ConfigError
-            raise ConfigError(f"distill takes one optimizer step per version: rl.ppo_epochs={cfg.rl.ppo_epochs} and "
-                              f"rl.minibatches={cfg.rl.minibatches} must be 1")
+            raise ConfigError("distill takes one optimizer step per version: "
+                              f"rl.ppo_epochs={cfg.rl.ppo_epochs} and rl.minibatches={cfg.rl.minibatches} "
+                              "must be 1")
         self.routes, specs = teachers
         super().__init__(cfg, run_dir, tokenizer_path, policy, log)
         d, rl, ray = cfg.distill, self.rl, self.ray
@@ -57,7 +58,8 @@ class DistillCoordinator(Coordinator):
         self.waiting: dict[str, list[int]] = {s.key: [] for s in specs}  # teacher -> scored prompts
         self.scored: dict[int, list[dict]] = {}  # prompt -> its scored samples, waiting for a teacher
         self.busy_teacher: set[int] = set()
-        self.loaded: dict[int, list[str]] = {a: [] for a in range(len(self.teachers))}  # as each worker last said
+        # as each worker last said
+        self.loaded: dict[int, list[str]] = {a: [] for a in range(len(self.teachers))}
         self.heads: dict[str, Any] = {}  # teacher key -> LM head, for hidden-state teachers
         self.heads_sent: list[set[str]] = [set() for _ in self.trainers]  # per trainer rank
         self.restarts["teacher"] = 0
@@ -117,7 +119,8 @@ class DistillCoordinator(Coordinator):
         """Teacher worker `a` scores `seqs` with teacher `key`: refs (meta, outputs, head). Only
         meta is fetched here; outputs and the head go to the trainer as references, so the
         teacher's bytes move from its worker to the trainer without passing through the driver."""
-        return self.teachers[a].score.options(num_returns=3).remote(key, seqs, with_head=key not in self.heads)
+        return self.teachers[a].score.options(num_returns=3).remote(key, seqs,
+                                                                    with_head=key not in self.heads)
 
     def _actor_of(self, call: _Call):
         return self.teachers[call.actor] if call.kind == "teach" else super()._actor_of(call)
@@ -170,7 +173,8 @@ class DistillCoordinator(Coordinator):
         return {k: self.heads[k] for k in keys}
 
     def _train_calls(self, samples: list[dict]) -> list:
-        return [t.train_step.remote(samples, self._new_heads(r, samples)) for r, t in enumerate(self.trainers)]
+        return [t.train_step.remote(samples, self._new_heads(r, samples))
+                for r, t in enumerate(self.trainers)]
 
     def _row(self, samples: list[dict], stats: list[dict]) -> dict:
         row = super()._row(samples, stats)
@@ -183,11 +187,15 @@ class DistillCoordinator(Coordinator):
         row["kl"] = sum(t for t, _ in kl.values()) / max(tokens, 1)
         row.update({f"kl/{d}": t / max(n, 1) for d, (t, n) in sorted(kl.items())})
         wall = time.perf_counter() - self.wall_start
-        row.update({"teacher_tokens_per_s": self.teacher_tokens / max(self.teacher_score_s + self.teacher_swap_s, 1e-9),
-                    "teacher_tokens": self.teacher_tokens, "teacher_swap_s": self.teacher_swap_s, "teacher_score_s": self.teacher_score_s,
-                    "teacher_busy_frac": min(1.0, (self.teacher_score_s + self.teacher_swap_s) / max(wall, 1e-9)),
+        row.update({"teacher_tokens_per_s": (self.teacher_tokens
+                                             / max(self.teacher_score_s + self.teacher_swap_s, 1e-9)),
+                    "teacher_tokens": self.teacher_tokens, "teacher_swap_s": self.teacher_swap_s,
+                    "teacher_score_s": self.teacher_score_s,
+                    "teacher_busy_frac": min(1.0,
+                                             (self.teacher_score_s + self.teacher_swap_s) / max(wall, 1e-9)),
                     "restarts_teacher": self.restarts["teacher"], "domains_in_batch": len(kl),
-                    **{f"teacher_{k}": sum(w[k] for w in self.worker_stats.values()) for k in ("swaps", "from_cpu", "from_disk")}})
+                    **{f"teacher_{k}": sum(w[k] for w in self.worker_stats.values())
+                       for k in ("swaps", "from_cpu", "from_disk")}})
         return row
 
     # ------------------------------------------------------------------ evaluation
@@ -212,7 +220,8 @@ class DistillCoordinator(Coordinator):
             for j, s in enumerate(group):
                 s.update(teacher=key, teacher_kind=kind, teacher_out=(outputs, j))
         taught = [s for g in by_key.values() for s in g]
-        kl = ray.get(self.trainers[0].kl_eval.remote(taught, self._new_heads(0, taught)), timeout=t) if taught else {}
+        kl = (ray.get(self.trainers[0].kl_eval.remote(taught, self._new_heads(0, taught)), timeout=t)
+              if taught else {})
         row: dict[str, float] = {"step": self.version}
         for domain in self.source.task.names:
             part = [s for s in scored if s["domain"] == domain]

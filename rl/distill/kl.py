@@ -64,7 +64,8 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def reverse_kl_reference(student_logits: Tensor, teacher_logprobs: Tensor, mask: Optional[Tensor] = None) -> Tensor:
+def reverse_kl_reference(student_logits: Tensor, teacher_logprobs: Tensor,
+                         mask: Optional[Tensor] = None) -> Tensor:
     """Mean over masked tokens of KL(p_s || p_t), unchunked (materialises [N, V]); the oracle
     for `chunked_reverse_kl`. student_logits [N, V], teacher_logprobs [N, V], mask [N] bool
     (None: every token). No masked token -> 0."""
@@ -110,7 +111,8 @@ class _ChunkedReverseKL(torch.autograd.Function):
             # Pass 2: KL_n = sum_v p_s (log p_s - log p_t).
             acc = torch.zeros(r.numel(), dtype=cd, device=h.device)
             for v0 in range(0, V, vocab_chunk):
-                log_ps, log_pt = _chunk_logprobs(hr, w, ls, tr, t_b, lt, t_a, r, temperature, v0, vocab_chunk, cd)
+                log_ps, log_pt = _chunk_logprobs(hr, w, ls, tr, t_b, lt, t_a, r, temperature, v0, vocab_chunk,
+                                                 cd)
                 acc += (log_ps.exp() * (log_ps - log_pt)).sum(-1)
             kl[r0:r0 + r.numel()] = acc
         ctx.save_for_backward(h, w, rows, t_a, t_b, lse_s, lse_t, kl)
@@ -179,7 +181,8 @@ def _chunk_logprobs(hr, w, ls, tr, t_b, lt, t_a, r, temperature, v0, vc, cd) -> 
 
 
 def chunked_reverse_kl(student_hidden: Tensor, student_head_weight: Tensor, teacher: Teacher,
-                       mask: Optional[Tensor] = None, token_chunk: int = 1024, vocab_chunk: int = 8192) -> Tensor:
+                       mask: Optional[Tensor] = None, token_chunk: int = 1024,
+                       vocab_chunk: int = 8192) -> Tensor:
     """Mean over masked tokens of KL(p_s || p_t) with p_s = softmax(student_hidden @ head^T), equal
     to `reverse_kl_reference` in value and gradient, in memory O(token_chunk * vocab_chunk) for
     logits (plus [N] statistics and the [V, D] head gradient).
@@ -200,7 +203,8 @@ def chunked_reverse_kl(student_hidden: Tensor, student_head_weight: Tensor, teac
         if tuple(t_a.shape) != (N, V):
             raise ValueError(f"teacher log-probs must be [{N}, {V}], got {list(t_a.shape)}")
     elif isinstance(teacher, TeacherHidden):
-        t_a, t_b, temperature = teacher.hidden.detach(), teacher.head_weight.detach(), float(teacher.temperature)
+        t_a, t_b, temperature = (teacher.hidden.detach(), teacher.head_weight.detach(),
+                                 float(teacher.temperature))
         if t_a.shape[0] != N or t_b.shape[0] != V or t_a.shape[1] != t_b.shape[1]:
             raise ValueError(f"teacher hidden {list(t_a.shape)} / head {list(t_b.shape)} do not match "
                              f"N={N}, V={V}")

@@ -45,7 +45,8 @@ def _batch(rows: list[tuple[list[int], list[bool]]], pad_id: int) -> tuple[torch
     return ids, labels
 
 
-def train_rows(model, rows, steps: int, batch: int, lr: float, pad_id: int, seed: int, hf: bool = False) -> float:
+def train_rows(model, rows, steps: int, batch: int, lr: float, pad_id: int, seed: int,
+               hf: bool = False) -> float:
     """AdamW on random batches of `rows`; returns the last loss."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     rng = random.Random(seed)
@@ -55,7 +56,8 @@ def train_rows(model, rows, steps: int, batch: int, lr: float, pad_id: int, seed
         ids, labels = _batch(rng.sample(rows, min(batch, len(rows))), pad_id)
         if hf:
             logits = model(input_ids=ids).logits
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
+                                                     ignore_index=-100)
         else:  # the LM loss only: no indexer or balance terms, which short fine-tunes do not need
             from model.runtime import AttentionRuntime
 
@@ -111,7 +113,8 @@ def hf_llama(vocab: int, seed: int, dim: int = 64, layers: int = 2):
 
 
 @torch.no_grad()
-def greedy_answers(model, prompts: list[list[int]], max_new: int, stop: set[int], hf: bool = False) -> list[list[int]]:
+def greedy_answers(model, prompts: list[list[int]], max_new: int, stop: set[int],
+                   hf: bool = False) -> list[list[int]]:
     """Greedy responses: the generation engine for flashtrain models, full recompute for HF."""
     if not hf:
         from inference.generate import generate

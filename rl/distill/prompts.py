@@ -18,7 +18,8 @@ class DomainPromptSource(PromptSource):
     """PromptSource over a DomainMixture whose prompts carry "domain": index i belongs to block
     i // block, and block b to the (b % D)-th domain of cycle b // D's shuffled order."""
 
-    def __init__(self, task: DomainMixture, chat, efforts: list[int], weights: list[float], seed: int, block: int):
+    def __init__(self, task: DomainMixture, chat, efforts: list[int], weights: list[float], seed: int,
+                 block: int):
         super().__init__(task, chat, efforts, weights, seed)
         if block < 1:
             raise ValueError(f"distill.domain_block={block}: must be >= 1")
@@ -36,7 +37,8 @@ class DomainPromptSource(PromptSource):
         rng = random.Random(self.seed * 1_000_003 + index)
         problem = self.task.sample_domain(domain, rng)
         effort = rng.choices(self.efforts, weights=self.weights)[0]
-        prompt = {"id": index, "effort": effort, "domain": domain, "ids": self.chat.prompt(problem.prompt, effort)}
+        prompt = {"id": index, "effort": effort, "domain": domain,
+                  "ids": self.chat.prompt(problem.prompt, effort)}
         return prompt, problem
 
     def eval_prompts(self, per_domain: int) -> list[tuple[dict, Problem]]:

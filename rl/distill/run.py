@@ -13,8 +13,10 @@ def distill_rl_config(cfg, routes: dict[str, str]):
     teachers even when every group's rewards are equal, so RL's "nothing is learned" warning
     (rl.flat_reward_warn_steps) is off."""
     tasks = {domain: cfg.distill.domains[domain].task for domain in routes}
-    rl = dataclasses.replace(cfg.rl, task="tasks.distill_domains:DomainMixture", task_kwargs={"domains": tasks},
-                             flat_reward_warn_steps=0 if cfg.distill.kl_weight > 0 else cfg.rl.flat_reward_warn_steps)
+    rl = dataclasses.replace(cfg.rl, task="tasks.distill_domains:DomainMixture",
+                             task_kwargs={"domains": tasks},
+                             flat_reward_warn_steps=(0 if cfg.distill.kl_weight > 0
+                                                     else cfg.rl.flat_reward_warn_steps))
     return dataclasses.replace(cfg, rl=rl)
 
 

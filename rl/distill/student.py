@@ -28,7 +28,8 @@ def response_hidden(model, samples: list[dict], pad_id: int) -> list[torch.Tenso
     device = next(model.parameters()).device
     ids = torch.tensor([q + [pad_id] * (width - len(q)) for q in seqs], device=device)
     h = model.hidden(ids[:, :-1], AttentionRuntime(len(seqs), width - 1, device))  # [N, L-1, D]
-    return [h[i, len(s["prompt"]) - 1:len(s["prompt"]) - 1 + len(s["response"])] for i, s in enumerate(samples)]
+    return [h[i, len(s["prompt"]) - 1:len(s["prompt"]) - 1 + len(s["response"])]
+            for i, s in enumerate(samples)]
 
 
 def fetch_teacher_outputs(samples: list[dict], heads: dict[str, Any]) -> None:
@@ -61,8 +62,8 @@ def teacher_view(samples: list[dict], heads: dict[str, torch.Tensor], like: torc
     return TeacherLogprobs(out)
 
 
-def distill_objective(model, samples: list[dict], fresh: torch.Tensor, heads: dict[str, torch.Tensor], pad_id: int,
-                      distill, rl) -> tuple[torch.Tensor, dict[str, Any]]:
+def distill_objective(model, samples: list[dict], fresh: torch.Tensor, heads: dict[str, torch.Tensor],
+                      pad_id: int, distill, rl) -> tuple[torch.Tensor, dict[str, Any]]:
     """kl_weight * (mean reverse KL to each sample's teacher) + reward_weight * RL loss, over the
     samples whose `fresh` [N] is True (the staleness rule). distill.kl_mean: "domain" (the
     default) averages each domain's token mean, so a domain with one-token answers weighs as much
@@ -96,7 +97,8 @@ def distill_objective(model, samples: list[dict], fresh: torch.Tensor, heads: di
     return loss, stats
 
 
-def _policy_term(hidden: list[torch.Tensor], head: torch.Tensor, samples: list[dict], fresh: torch.Tensor, rl):
+def _policy_term(hidden: list[torch.Tensor], head: torch.Tensor, samples: list[dict], fresh: torch.Tensor,
+                 rl):
     """The RL clipped surrogate on the same forward (rl/policy.py's loss): logits of response
     positions only, [sum R_i, V] (the RL trainer builds these for every position)."""
     R = max(len(s["response"]) for s in samples)
@@ -109,7 +111,8 @@ def _policy_term(hidden: list[torch.Tensor], head: torch.Tensor, samples: list[d
             continue
         tok = torch.tensor(s["response"], device=logp.device)
         lp = torch.log_softmax((hidden[i] @ head.T).float(), dim=-1).gather(-1, tok[:, None])[:, 0]
-        logp = logp.index_put((torch.full((r,), i, device=logp.device), torch.arange(r, device=logp.device)), lp)
+        logp = logp.index_put((torch.full((r,), i, device=logp.device), torch.arange(r, device=logp.device)),
+                              lp)
         behaviour[i, :r] = torch.tensor(s["behaviour"], dtype=logp.dtype)
         mask[i, :r] = bool(fresh[i])
     adv = torch.tensor([s["advantage"] for s in samples], dtype=logp.dtype, device=logp.device)

@@ -78,10 +78,11 @@ def resolve_teachers(distill) -> tuple[dict[str, str], list[TeacherSpec]]:
         if not path.exists():
             raise TeacherError(f"distill: {where} fails to load: no such checkpoint or directory {path}")
         if t.model is not None and t.model not in GROUPS["model"]:
-            raise ConfigError(f"distill.domains.{domain}.model={t.model!r}: expected one of {', '.join(GROUPS['model'])}")
+            raise ConfigError(f"distill.domains.{domain}.model={t.model!r}: expected one of "
+                              f"{', '.join(GROUPS['model'])}")
         if t.model is not None and t.arch == "hf":
-            raise ConfigError(f"distill.domains.{domain}.model={t.model!r}: only for arch=flashtrain (an hf teacher "
-                              "reads its config.json)")
+            raise ConfigError(f"distill.domains.{domain}.model={t.model!r}: only for arch=flashtrain (an hf "
+                              "teacher reads its config.json)")
         if t.arch == "flashtrain":
             if is_public_dir(path):  # the public DeepSeek-V4.1-Flash layout, imported as it loads
                 resolved = path
@@ -89,21 +90,24 @@ def resolve_teachers(distill) -> tuple[dict[str, str], list[TeacherSpec]]:
                 try:
                     resolved = CheckpointManager(path, 1, 0).resolve(str(path))
                 except CheckpointError as e:
-                    raise TeacherError(f"distill: {where} fails to load: {str(e).split(': ', 1)[-1]}") from None
+                    raise TeacherError(f"distill: {where} fails to load: "
+                                       f"{str(e).split(': ', 1)[-1]}") from None
             if t.model is None and not (resolved / "trainer_state.pt").exists():
-                raise TeacherError(f"distill: {where} fails to load: {resolved} records no model config; name its "
-                                   f"architecture with distill.domains.{domain}.model={'|'.join(GROUPS['model'])}")
+                raise TeacherError(f"distill: {where} fails to load: {resolved} records no model config; "
+                                   "name its architecture with "
+                                   f"distill.domains.{domain}.model={'|'.join(GROUPS['model'])}")
         else:
             resolved = path
             if not (path / "config.json").is_file():
                 raise TeacherError(f"distill: {where} fails to load: no transformers config.json in {path}")
         key = str(resolved.resolve())
-        entry = by_key.setdefault(key, {"name": t.checkpoint, "arch": t.arch, "replicas": t.replicas, "domains": [],
-                                        "model": t.model})
+        entry = by_key.setdefault(key, {"name": t.checkpoint, "arch": t.arch, "replicas": t.replicas,
+                                        "domains": [], "model": t.model})
         if entry["arch"] != t.arch:
             raise ConfigError(f"distill: checkpoint {key} is listed as both {entry['arch']} and {t.arch}")
         if entry["model"] != t.model:
-            raise ConfigError(f"distill: checkpoint {key} is listed with model {entry['model']} and {t.model}")
+            raise ConfigError(f"distill: checkpoint {key} is listed with model {entry['model']} and "
+                              f"{t.model}")
         entry["replicas"] = max(entry["replicas"], t.replicas)
         entry["domains"].append(domain)
         routes[domain] = key
@@ -185,7 +189,8 @@ def load_teacher(spec: TeacherSpec, tokenizer, student_vocab: int) -> torch.nn.M
     except TeacherError:
         raise
     except Exception as e:  # any reason a checkpoint cannot be read
-        raise TeacherError(f"distill: {where} fails to load: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+        raise TeacherError(f"distill: {where} fails to load: {type(e).__name__}: "
+                           f"{str(e).splitlines()[0] if str(e) else ''}") from None
     return model.eval()
 
 
@@ -212,15 +217,16 @@ def _check_tokenizer(where: str, dirs: list[Path], tokenizer) -> None:
             ours = tokenizer.tokenizer.get_vocab(with_added_tokens=True)
             differ = sum(theirs.get(t) != i for t, i in ours.items()) + len(theirs.keys() - ours.keys())
             if differ:
-                raise TeacherError(f"distill: {where} has another tokenizer ({path}: {differ} tokens differ from the "
-                                   "student's): refused (a teacher must share the student's tokenizer)")
+                raise TeacherError(f"distill: {where} has another tokenizer ({path}: {differ} tokens differ "
+                                   "from the student's): refused (a teacher must share the student's "
+                                   "tokenizer)")
             return
 
 
 def _check_vocab(where: str, vocab: int, student_vocab: int) -> None:
     if vocab != student_vocab:
-        raise TeacherError(f"distill: {where} has a {vocab}-token vocabulary, the student {student_vocab}: refused "
-                           "(a teacher must share the student's tokenizer)")
+        raise TeacherError(f"distill: {where} has a {vocab}-token vocabulary, the student {student_vocab}: "
+                           "refused (a teacher must share the student's tokenizer)")
 
 
 # ------------------------------------------------------------------------ the worker
@@ -232,7 +238,8 @@ class TeacherWorker:
         from data.tokenizer import TextTokenizer
 
         if max_resident < 1 or cpu_cache < 0:
-            raise ConfigError(f"distill: max_resident={max_resident} must be >= 1, cpu_cache={cpu_cache} >= 0")
+            raise ConfigError(f"distill: max_resident={max_resident} must be >= 1, "
+                              f"cpu_cache={cpu_cache} >= 0")
         torch.set_num_threads(max(1, threads))
         self.specs = {s.key: s for s in specs}
         self.tokenizer = TextTokenizer.from_file(tokenizer_path)
@@ -291,7 +298,8 @@ class TeacherWorker:
         if spec.arch == "hf":
             from transformers import AutoConfig, AutoModelForCausalLM
 
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(spec.key), dtype=torch.float32)
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(spec.key),
+                                                     dtype=torch.float32)
         else:
             import dataclasses
             from types import SimpleNamespace
@@ -299,7 +307,8 @@ class TeacherWorker:
             from trainer.pretrain import build_model
 
             if key not in self.configs:
-                self.configs[key] = dataclasses.replace(_teacher_model_config(spec), vocab_size=self.student_vocab)
+                self.configs[key] = dataclasses.replace(_teacher_model_config(spec),
+                                                        vocab_size=self.student_vocab)
             model = build_model(SimpleNamespace(model=self.configs[key]), self.tokenizer)
         model.load_state_dict(held)
         return model.eval().to(self.device)
@@ -333,10 +342,13 @@ class TeacherWorker:
         else:
             from model.runtime import AttentionRuntime
 
-            out = model.hidden(ids[:, :-1], AttentionRuntime(ids.shape[0], width - 1, self.device))  # [B, L-1, Dt]
+            out = model.hidden(ids[:, :-1],
+                               AttentionRuntime(ids.shape[0], width - 1, self.device))  # [B, L-1, Dt]
             kind = "hidden"
         # position p - 1 + j predicts response token j
-        outputs = [out[i, len(p) - 1:len(p) - 1 + len(r)].to("cpu", self.wire) for i, (p, r) in enumerate(seqs)]
+        outputs = [out[i, len(p) - 1:len(p) - 1 + len(r)].to("cpu", self.wire)
+                   for i, (p, r) in enumerate(seqs)]
         meta = {"kind": kind, "tokens": sum(len(r) for _, r in seqs), "score_s": time.perf_counter() - start,
-                "swap_s": self.stats["swap_s"] - swap_before, "resident": list(self.resident), "stats": dict(self.stats)}
+                "swap_s": self.stats["swap_s"] - swap_before, "resident": list(self.resident),
+                "stats": dict(self.stats)}
         return meta, outputs, self.head(key) if with_head and kind == "hidden" else None

@@ -5,7 +5,8 @@
   fp8_block   `weight` float8_e4m3fn [out, in] + `scale` float8_e8m0fnu [ceil(out/32), ceil(in/32)]:
               one power-of-two scale per 32x32 block (docs/ARCHITECTURE.md §11 "FP8 weights")
   fp4_expert  `weight` float4_e2m1fn_x2 [out, in/2] (safetensors F4, header shape [out, in]) +
-              `scale` e8m0 [out, in/32]: MXFP4 along the input dim (docs/ARCHITECTURE.md §11 "FP4 routed experts")
+              `scale` e8m0 [out, in/32]: MXFP4 along the input dim
+              (docs/ARCHITECTURE.md §11 "FP4 routed experts")
   fp8_row     `weight` e4m3 [rows, dim] + `scale` e8m0 [rows, ceil(dim/32)]: Engram table rows
 
 Rounding is the public quantisers' (model/quant.py applies the same rules to activations): FP8
@@ -75,7 +76,8 @@ def _to_blocks(x: Tensor) -> Tensor:
     """[out, in] -> [ceil(out/32), ceil(in/32), 1024] fp32, zero padded."""
     rows, cols = x.shape
     x = F.pad(x.float(), (0, _ceil(cols) * BLOCK - cols, 0, _ceil(rows) * BLOCK - rows))
-    return x.view(_ceil(rows), BLOCK, _ceil(cols), BLOCK).permute(0, 2, 1, 3).reshape(_ceil(rows), _ceil(cols), -1)
+    return x.view(_ceil(rows), BLOCK, _ceil(cols), BLOCK).permute(0, 2, 1, 3).reshape(
+        _ceil(rows), _ceil(cols), -1)
 
 
 def _from_blocks(xb: Tensor, rows: int, cols: int) -> Tensor:
@@ -143,7 +145,8 @@ def encode(encoding: str, x: Tensor, scale_hint: Tensor | None = None,
         dtype = float_dtype or (torch.bfloat16 if encoding == "bf16" else torch.float32)
         return {"": x.to(dtype).contiguous()}
     if encoding == "fp8_row" and x.shape[0] > ROW_CHUNK:  # table rows a chunk at a time: bounded temporaries
-        pieces = [encode(encoding, x[lo:lo + ROW_CHUNK], None if scale_hint is None else scale_hint[lo:lo + ROW_CHUNK])
+        pieces = [encode(encoding, x[lo:lo + ROW_CHUNK],
+                         None if scale_hint is None else scale_hint[lo:lo + ROW_CHUNK])
                   for lo in range(0, x.shape[0], ROW_CHUNK)]
         return {k: torch.cat([p[k] for p in pieces]) for k in pieces[0]}
     codes, sbytes = _codes(encoding, x)
@@ -166,7 +169,8 @@ def _codes_at(encoding: str, x: Tensor, sbytes: Tensor) -> Tensor:
     return (x.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
 
 
-def _prefer_hint(encoding: str, x: Tensor, codes: Tensor, sbytes: Tensor, hint: Tensor) -> tuple[Tensor, Tensor]:
+def _prefer_hint(encoding: str, x: Tensor, codes: Tensor, sbytes: Tensor,
+                 hint: Tensor) -> tuple[Tensor, Tensor]:
     """Blocks whose values the hinted scales represent exactly take the hinted codes and scales."""
     at_hint = _codes_at(encoding, x, hint)
     inexact = _values(encoding, at_hint, hint) != x.float()

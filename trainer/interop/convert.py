@@ -99,7 +99,8 @@ class PublicReader:
         if index.is_file():
             weight_map = json.loads(index.read_text())["weight_map"]
         else:
-            weight_map = {name: f.name for f in sorted(self.root.glob("*.safetensors")) for name in self._file(f).keys()}
+            weight_map = {name: f.name for f in sorted(self.root.glob("*.safetensors"))
+                          for name in self._file(f).keys()}
         self.files = {name: self.root / file for name, file in weight_map.items()}
         headers = self.root / HEADERS
         self.headers = {k: (v[0], tuple(v[1])) for k, v in json.loads(headers.read_text()).items()} \
@@ -162,15 +163,16 @@ def check_public(reader: PublicReader, parts: list[Part], expected_config: dict[
         if got is None:
             problems.append(f"missing tensor {name}")
         elif not reader.has_data(name) and not name.endswith(".scale"):
-            problems.append(f"{name}: described but not held (an imported checkpoint's {PUBLIC}/ folder: give the "
-                            "checkpoint itself)")
+            problems.append(f"{name}: described but not held (an imported checkpoint's {PUBLIC}/ folder: "
+                            "give the checkpoint itself)")
             break
         elif got[0] != dtype and not (dtype in FLOAT_DTYPES and got[0] in FLOAT_DTYPES):
             problems.append(f"{name}: dtype {got[0]}, expected {dtype}")
         elif got[1] != shape:
             problems.append(f"{name}: shape {list(got[1])}, expected {list(shape)}")
     carried = reader.carried()
-    problems += [f"unexpected tensor {n}" for n in reader.names() if n not in expected and not CARRIED.search(n)]
+    problems += [f"unexpected tensor {n}" for n in reader.names()
+                 if n not in expected and not CARRIED.search(n)]
     reader.release()
     if problems:
         raise InteropError(f"{reader.root} does not fit model {model_name}: {'; '.join(problems)}")
@@ -195,7 +197,8 @@ def _derived(kind: str, key: str, shapes: dict[str, tuple[int, ...]], config: di
     raise ValueError(f"unknown derived tensor kind {kind!r}")
 
 
-def import_part(reader: PublicReader, part: Part, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+def import_part(reader: PublicReader, part: Part,
+                shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
     """The part's flashtrain tensors (fp32; int64 for hash multipliers), decoded from the layout."""
     out: dict[str, torch.Tensor] = {}
     for e in part.entries:
@@ -269,7 +272,8 @@ def import_into_model(model, root: Path, log: Callable[[str], None] = print) -> 
         raise InteropError(f"the layout does not fill {sorted(set(state) - filled)} of model {cfg.name}")
 
 
-def import_checkpoint(root: Path, out_root: Path, cfg: ModelConfig, log: Callable[[str], None] = print) -> Path:
+def import_checkpoint(root: Path, out_root: Path, cfg: ModelConfig,
+                      log: Callable[[str], None] = print) -> Path:
     """Public layout at `root` -> a weights-only flashtrain checkpoint <out_root>/step_00000000
     (one torch file per part, a manifest, `latest`) and its `public/` folder: the source's
     config.json, tokenizer files, tensor headers, scale bytes and carried tensors, so that an
@@ -335,7 +339,8 @@ def export_state(state: Mapping[str, torch.Tensor], dst: Path, cfg: ModelConfig,
     carried = source.carried() if source is not None else []
     missing = [n for n in carried if not source.has_data(n)]
     if missing:
-        raise InteropError(f"origin {source.root} names {len(missing)} tensors it does not hold ({missing[0]}, ...)")
+        raise InteropError(f"origin {source.root} names {len(missing)} tensors it does not hold "
+                           f"({missing[0]}, ...)")
     dst = Path(dst)
     if rank == 0:
         dst.mkdir(parents=True, exist_ok=True)
@@ -373,7 +378,8 @@ def export_state(state: Mapping[str, torch.Tensor], dst: Path, cfg: ModelConfig,
     return {"shards": n_shards, "bytes": total, "tensors": len(weight_map), "carried": len(carried)}
 
 
-def _encode_part(part: Part, state: Mapping[str, torch.Tensor], source: Optional[PublicReader]) -> dict[str, torch.Tensor]:
+def _encode_part(part: Part, state: Mapping[str, torch.Tensor],
+                 source: Optional[PublicReader]) -> dict[str, torch.Tensor]:
     """The stored tensors of one part. With an origin, quantised blocks it represents exactly keep
     its scales (codec.py) and float tensors keep its dtype."""
     def hint(e):
@@ -405,7 +411,8 @@ def _encode_part(part: Part, state: Mapping[str, torch.Tensor], source: Optional
     return tensors
 
 
-def _export_config(state, cfg: ModelConfig, plan, tokenizer, source: Optional[PublicReader]) -> dict[str, Any]:
+def _export_config(state, cfg: ModelConfig, plan, tokenizer,
+                   source: Optional[PublicReader]) -> dict[str, Any]:
     """config.json: flashtrain's fields over the origin's (which keeps the fields of the modules
     flashtrain does not train, and the drafter's compress ratios past the backbone's)."""
     engram = _tokenizer_fields(source) if source is not None else {}
@@ -444,21 +451,23 @@ def _check_engram_state(state, shapes, config: dict[str, Any], tokenizer) -> Non
     if not keys:
         return
     if "engram_compressed_vocab_size" not in config:
-        raise InteropError("the checkpoint holds no Engram compression map (an imported one) and no origin gives "
-                           "its size: pass tokenizer=<its tokenizer.json> or origin=<its public directory>")
+        raise InteropError("the checkpoint holds no Engram compression map (an imported one) and no origin "
+                           "gives its size: pass tokenizer=<its tokenizer.json> or origin=<its public "
+                           "directory>")
     classes = int(config["engram_compressed_vocab_size"])
     bad = [k for k in keys if not torch.equal(
         state[k].cpu(), engram_hash_multipliers(int(k.split(".")[1]), shapes[k][0], classes))]
     if bad:
-        raise InteropError(f"{', '.join(bad)}: not the public code's multipliers for {classes} compressed ids "
-                           "(a checkpoint trained with an older Engram hash)")
+        raise InteropError(f"{', '.join(bad)}: not the public code's multipliers for {classes} compressed "
+                           "ids (a checkpoint trained with an older Engram hash)")
     if tokenizer is not None and "lookup_map" in state:
         lookup, _ = build_compression_map(tokenizer.tokenizer, state["lookup_map"].numel())
         n_tok = tokenizer.vocab_size
         differ = int((lookup[:n_tok] != state["lookup_map"][:n_tok].cpu()).sum())
         if differ:
-            raise InteropError(f"the checkpoint's Engram compression map differs from the public code's for its "
-                               f"tokenizer at {differ} of {n_tok} token ids (a checkpoint trained with an older map)")
+            raise InteropError("the checkpoint's Engram compression map differs from the public code's for "
+                               f"its tokenizer at {differ} of {n_tok} token ids (a checkpoint trained with "
+                               "an older map)")
 
 
 def _write_tokenizer(dst: Path, tokenizer, source: Optional[PublicReader]) -> str:
@@ -477,9 +486,11 @@ def _write_tokenizer(dst: Path, tokenizer, source: Optional[PublicReader]) -> st
     if tokenizer is None:
         return " (no tokenizer files: none given and none at the origin)"
     tokenizer.tokenizer.save(str(dst / "tokenizer.json"))
-    special = {f"{role}_token": tokenizer.id_to_token(getattr(tokenizer, f"{role}_id")) for role in ("bos", "eos", "pad")}
+    special = {f"{role}_token": tokenizer.id_to_token(getattr(tokenizer, f"{role}_id"))
+               for role in ("bos", "eos", "pad")}
     _write_atomic(dst / "tokenizer_config.json", json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", **special, "clean_up_tokenization_spaces": False}, indent=2) + "\n")
+        {"tokenizer_class": "PreTrainedTokenizerFast", **special, "clean_up_tokenization_spaces": False},
+        indent=2) + "\n")
     return ""
 
 

@@ -121,7 +121,8 @@ def build_layout(cfg: ModelConfig, plan: LayerPlan, shapes: dict[str, tuple[int,
             add(g, e + "wkv.weight", fe + "proj.weight", fp8)
             add(g, e + "q_weight", fe + "hidden_norm_weight", "bf16")
             add(g, e + "k_weight", fe + "key_norm_weight", "bf16")
-            # a function of the layer and the compressed vocabulary (config.json), as the public code draws them
+            # a function of the layer and the compressed vocabulary (config.json), as the public code
+            # draws them
             g.derived[fe + "multipliers"] = "engram_multipliers"
             parts.append(g)
     for part in parts:
@@ -149,7 +150,8 @@ def _check_expressible(plan: LayerPlan) -> None:
                               "public code would restrict their indexers to its pool")
 
 
-def public_config(cfg: ModelConfig, plan: LayerPlan, vocab_size: int, engram: dict[str, int]) -> dict[str, Any]:
+def public_config(cfg: ModelConfig, plan: LayerPlan, vocab_size: int,
+                  engram: dict[str, int]) -> dict[str, Any]:
     """config.json in the reference ModelArgs' field names and meanings. `engram`: the
     tokenizer-derived fields (engram_compressed_vocab_size, engram_pad_id, a raw token id)."""
     _check_expressible(plan)
@@ -216,7 +218,8 @@ def config_mismatches(expected: dict[str, Any], found: dict[str, Any]) -> list[s
             problems.append(f"config.json {key}={got!r}{where} but the model has {want!r}")
     for key in ("dtype", "expert_dtype"):  # storage: the layout has FP8 linears and FP4 experts
         if found.get(key, REFERENCE_DEFAULTS[key]) != REFERENCE_DEFAULTS[key]:
-            problems.append(f"config.json {key}={found[key]!r} but the layout stores {REFERENCE_DEFAULTS[key]!r}")
+            problems.append(f"config.json {key}={found[key]!r} but the layout stores "
+                            f"{REFERENCE_DEFAULTS[key]!r}")
     return problems
 
 

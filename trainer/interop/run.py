@@ -22,13 +22,14 @@ def run_convert(cfg: ConvertConfig, run_dir: Path) -> dict[str, Any]:
         out = Path(cfg.out).expanduser() if cfg.out else Path(run_dir) / "checkpoints"
         return {"checkpoint": str(import_checkpoint(source, out, cfg.model))}
     if cfg.checkpoint is None:
-        raise ConfigError("convert: export=DIR needs checkpoint=<a flashtrain checkpoint, checkpoints/ dir or run dir>")
+        raise ConfigError("convert: export=DIR needs checkpoint=<a flashtrain checkpoint, checkpoints/ dir "
+                          "or run dir>")
     if not Path(cfg.checkpoint).expanduser().exists():
         raise ConfigError(f"checkpoint={cfg.checkpoint}: no such checkpoint or directory")
     ckpt = resolve_checkpoint(Path(cfg.checkpoint))
     origin = _origin(cfg.origin, ckpt)
-    return export_state(model_state(ckpt), Path(cfg.export).expanduser(), cfg.model, _tokenizer(cfg.tokenizer, ckpt),
-                        origin)
+    return export_state(model_state(ckpt), Path(cfg.export).expanduser(), cfg.model,
+                        _tokenizer(cfg.tokenizer, ckpt), origin)
 
 
 def _origin(setting: Optional[str], ckpt: Path) -> Optional[Path]:
