@@ -12,20 +12,20 @@ imports `model.kernels`; the kernels import the reference math, never the other 
 
 | op | module attribute(s) | reference runs instead when |
 | --- | --- | --- |
-| rms_norm | RMSNorm.rms_norm | torch.compile traces it (inductor fuses the norm), fp64, no weight or not over the last dim |
+| rms_norm | RMSNorm.rms_norm | torch.compile (inductor fuses the norm), fp64, no weight, not the last dim |
 | rotary | Rotary.rotate | fp64; angles that broadcast other than over a head axis |
 | stream_mix | Block.mix_streams, .update_streams, Transformer.mix_streams | fp64; broadcast arguments |
-| mhc_step | Block.fused_mhc, .fused_mix, with the fused schedule (model/fused_mhc.py) as the blocks' forward and the model's run_layers | fp64 (inside the kernel) |
+| mhc_step | Block.fused_mhc, .fused_mix, on the schedule of model/fused_mhc.py | fp64 (in the kernel) |
 | sinkhorn | HyperConnection.sinkhorn | never (fp64 is computed in fp64) |
 | swiglu | SharedExpert.swiglu, RoutedExperts.swiglu | torch.compile, fp64, odd width (inside the kernel) |
 | moe_combine | MoE.combine, MoE.gather_sum | torch.compile, fp64; gather_sum also for one copy per row |
 | engram_lookup | Engram.gather_rows | torch.compile, a ZeRO-3 partitioned table |
 | engram_gate | Engram.gate | torch.compile, fp64 |
-| attention | CSA2Attention.attend (RoPE folded in: attend_rotates) | never: without CUDA (or TRITON_INTERPRET=1) it is an error |
+| attention | CSA2Attention.attend, .attend_rotates (RoPE folded in) | never (no CUDA or interpreter: error) |
 | index_scores | CSA2Attention.scores_at, .scores_masked | never |
 | topk | CSA2Attention.select | never |
 | cross_entropy | Transformer.head_loss | fp64, a ZeRO-3 partitioned head |
-"""  # noqa: E501
+"""
 from __future__ import annotations
 
 import os
