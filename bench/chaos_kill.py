@@ -287,22 +287,15 @@ def main(argv=None) -> dict:
             row["resumed"] = "resumed at version" in trial.with_suffix(".log").read_text(errors="replace")
         trials.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
-    out = {"benchmark": "bench/chaos_kill.py", "stage": args.stage, "command": cmd_for(work / "TRIAL")[2:],
-           "commit": provenance.commit(), "date": time.strftime("%Y-%m-%d"),
-           "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU",
-           "versions": {"python": sys.version.split()[0], "torch": torch.__version__},
-           "steps": steps, "uninterrupted_s": round(ref_s, 1),
+    out = {**provenance.header("bench/chaos_kill.py"), "stage": args.stage,
+           "command": cmd_for(work / "TRIAL")[2:], "steps": steps, "uninterrupted_s": round(ref_s, 1),
            **({"uninterrupted": reference} if reference else {}),
            "trials": trials, "all_resumed": all(t.get("rerun_exit") == 0 for t in trials),
            **({"all_bit_exact": all(t.get("bit_exact") for t in trials)} if exact else {}),
            "nothing_lost_or_duplicated": all(t.get("rerun_exit") == 0 and not t["lost"]
                                              and not t["duplicated"]
                                              for t in trials)}
-    text = json.dumps(out, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
-    return out
+    return provenance.emit(out, args.out)
 
 
 if __name__ == "__main__":

@@ -10,12 +10,10 @@ per-trial detail is `bench/chaos_kill.py`.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
 import tempfile
-import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -29,7 +27,6 @@ def main(argv=None) -> dict:
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("pytest_args", nargs="*", help="passed on to pytest (after --)")
     args = p.parse_args(argv)
-    import torch
 
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "junit.xml"
@@ -47,19 +44,11 @@ def main(argv=None) -> dict:
             cases.append({"test": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome,
                           "seconds": round(float(case.get("time", 0)), 1),
                           **({"reason": reason} if reason else {})})
-    out = {"benchmark": "bench/chaos_suite.py", "commit": provenance.commit(),
-           "date": time.strftime("%Y-%m-%d"),
-           "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU",
-           "versions": {"python": sys.version.split()[0], "torch": torch.__version__},
-           "pytest_exit": run.returncode,
+    out = {**provenance.header("bench/chaos_suite.py"), "pytest_exit": run.returncode,
            "cases": cases, "passed": sum(c["outcome"] == "passed" for c in cases),
            "failed": sum(c["outcome"] == "failed" for c in cases),
            "skipped": sum(c["outcome"] == "skipped" for c in cases)}
-    text = json.dumps(out, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
-    return out
+    return provenance.emit(out, args.out)
 
 
 if __name__ == "__main__":
