@@ -42,6 +42,14 @@ UNDER_COMPILE = ("rms_norm", "swiglu", "moe_combine", "engram_lookup", "engram_g
 UNDER_ZERO3 = ("engram_lookup", "cross_entropy")  # read a whole weight that ZeRO-3 partitions
 
 
+def _traced_or_fp64(t: torch.Tensor) -> Optional[str]:
+    """Why an op whose reference inductor fuses better (or that fp64 checks want exact) runs its
+    reference for t: under torch.compile tracing, or for fp64; None otherwise."""
+    if torch.compiler.is_compiling():
+        return "torch.compile"
+    return "fp64" if t.dtype == torch.float64 else None
+
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -133,10 +141,8 @@ class KernelPolicy:
             from model.numerics import rms_norm
 
             def refuse_norm(x, shape, weight, eps):
-                if torch.compiler.is_compiling():
-                    return "torch.compile"
-                if x.dtype == torch.float64:
-                    return "fp64"
+                if why := _traced_or_fp64(x):
+                    return why
                 if weight is None or len(shape) != 1 or x.shape[-1] != shape[0]:
                     return "no weight, or not a norm over the last dim"
                 return None
@@ -183,10 +189,7 @@ class KernelPolicy:
             from model.kernels.moe_combine import moe_combine_triton, moe_gather_sum_triton
             from model.moe import combine_reference, gather_sum_reference
 
-            def refuse_moe(t):
-                if torch.compiler.is_compiling():
-                    return "torch.compile"
-                return "fp64" if t.dtype == torch.float64 else None
+            refuse_moe = _traced_or_fp64
             out["combine"] = self._guarded(
                 "moe_combine",
                 lambda y, inv, order, weights, dtype: moe_combine_triton(y, inv, weights, dtype),
@@ -208,11 +211,8 @@ class KernelPolicy:
             from model.engram import engram_gate
             from model.kernels.engram_gate import engram_gate_triton
 
-            def refuse_gate(h, *_):
-                if torch.compiler.is_compiling():
-                    return "torch.compile"
-                return "fp64" if h.dtype == torch.float64 else None
-            out["gate"] = self._guarded("engram_gate", engram_gate_triton, engram_gate, refuse_gate)
+            out["gate"] = self._guarded("engram_gate", engram_gate_triton, engram_gate,
+                                        lambda h, *_: _traced_or_fp64(h))
         if "attention" in on:
             from model.kernels.sparse_attention import sparse_attention_triton
 
