@@ -28,9 +28,9 @@ from inference.cache import DecodeCache
 from inference.generate import generate, prefill_ced
 from inference.prefix import PrefixCache
 from inference.slots import SlotCache
-from model.ops import KernelPolicy
+from model.chunking import apply_chunking
 from model.runtime import AttentionRuntime
-from model.transformer import Transformer
+from trainer.pretrain import assemble_model
 
 
 def _seconds(fn, device) -> float:
@@ -52,15 +52,12 @@ def _ids(batch: int, length: int, vocab: int, device, seed: int = 0) -> torch.Te
 def plain_next_logits(model, ids: torch.Tensor) -> torch.Tensor:
     """The plain loop's step: every layer over the whole of ids [B, T], logits of the last position.
     Query chunks shrink with the batch so a chunk's gathered KV stays as large as at batch 1."""
-    attns = [layer.attn for layer in model.layers]
-    chunk = attns[0].attn_chunk
-    for a in attns:
-        a.attn_chunk = max(chunk // ids.shape[0], a.window) if chunk else 0
+    chunk, cfg = model.cfg.attn_chunk_tokens, model.cfg
+    apply_chunking(model, max(chunk // ids.shape[0], cfg.window) if chunk else 0, cfg.loss_chunk_tokens)
     try:
         h = model.hidden(ids, AttentionRuntime(ids.shape[0], ids.shape[1], ids.device))
     finally:
-        for a in attns:
-            a.attn_chunk = chunk
+        apply_chunking(model, chunk, cfg.loss_chunk_tokens)
     return model.head(h[:, -1:])
 
 
@@ -144,7 +141,7 @@ def main() -> None:
                               kernels=args.kernels)
     torch.manual_seed(0)
     with device:
-        model = KernelPolicy.from_config(cfg).apply(Transformer(cfg))
+        model, _ = assemble_model(cfg)
     model.eval()
     if device.type == "cuda":
         model.to(torch.bfloat16)  # inference weights

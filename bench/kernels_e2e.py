@@ -24,10 +24,9 @@ from conf.model import SmallModelConfig
 from conf.optim import MuonConfig
 from model.accounting import train_flops_per_token
 from model.moe import RoutedExperts
-from model.ops import KernelPolicy
-from model.transformer import Transformer
 from optim import build_optimizer
 from trainer.metrics import device_peak_flops
+from trainer.pretrain import assemble_model
 
 
 def small_model(kernels: bool, vocab: int, compiled: bool = False):
@@ -37,7 +36,7 @@ def small_model(kernels: bool, vocab: int, compiled: bool = False):
                               attn_chunk_tokens=0 if kernels else 2048)
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = KernelPolicy.from_config(cfg).apply(Transformer(cfg))
+        model, _ = assemble_model(cfg)
     for module in model.modules():
         if isinstance(module, RoutedExperts):
             module.grouped = None if kernels else False  # None: grouped GEMMs under bf16 autocast

@@ -24,6 +24,7 @@ from conf.optim import MuonConfig
 from model.transformer import Transformer
 from optim import build_optimizer
 from trainer.parallelize import checkpoint_blocks
+from trainer.pretrain import assemble_model
 
 
 def _sync() -> float:
@@ -71,7 +72,7 @@ def main() -> None:
                               loss_chunk_tokens=args.loss_chunk, max_seq_len=max(lengths + [131_072]))
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = Transformer(cfg)
+        model, _ = assemble_model(cfg)
     checkpoint_blocks(model)
     model.train()
     opt = build_optimizer(model, MuonConfig(), zero_stage=0)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from conf.model import ModelConfig
 from model.csa import ATTENTION_IMPLS, dense_attention
@@ -69,10 +68,6 @@ class CSA2Attention(nn.Module):
         self.n_heads, self.kv_dim, self.window = cfg.n_heads, cfg.kv_dim, cfg.window
         self.index_topk, self.pool_block, self.pool_blocks = cfg.index_topk, cfg.pool_block, cfg.pool_blocks
         self.indexer_loss_coef = cfg.indexer_loss_coef
-        self.attn_chunk = cfg.attn_chunk_tokens
-        if 0 < cfg.attn_chunk_tokens < cfg.window:
-            raise ValueError(f"attn_chunk_tokens={cfg.attn_chunk_tokens} must be 0 or at least "
-                             f"window={cfg.window}")
         self.qat = cfg.kv_quant == "qat"
         self.attend = _head_summed(ATTENTION_IMPLS[cfg.attn_impl])
         self.scale = cfg.kv_dim ** -0.5
@@ -103,25 +98,12 @@ class CSA2Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rt: AttentionRuntime) -> torch.Tensor:
         """x [B, T, D] (normed sub-layer input) -> [B, T, D]."""
-        B, T, _ = x.shape
         angles = self.rotary.angles(rt.positions)  # [B, T, R/2]
         qr = self.q_norm(self.wq_a(x))  # [B, T, Rq]
-        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.kv_dim))  # [B, T, H, C]
-        # Long sequences run in query chunks: every query's selection and attention depend only on
-        # the whole-sequence KV, so a chunk needs its own rows, the W-1 window rows before it and
-        # the global KV. Each chunk is checkpointed, so its O(chunk * (k + W)) scores live only
-        # while it runs.
-        chunk = self.attn_chunk if 0 < self.attn_chunk < T else T
-        # an `attend` that rotates, one chunk: the attention call rotates q in place and rotates
-        # out back on their 64 RoPE dims, where two rotaries would copy all of q and out each way.
-        # A checkpointed chunk would rotate its q again on recompute.
-        fold_rope = self.attend_rotates and chunk == T
-        if not fold_rope:
-            q = self.rotary(q, angles.unsqueeze(-2))
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.kv_dim))  # [B, T, H, C], RoPE not applied yet
         win = self.rotary(self.kv_norm(self.wkv(x)), angles)  # [B, T, C]
         if self.qat:
             win = fake_quant_fp8(win)
-
         glob = iq = iw = None
         if self.spec.mode != "swa":
             if self.spec.owns_kv:
@@ -130,52 +112,44 @@ class CSA2Attention(nn.Module):
             if self.index_query is not None:  # the indexer learns only from its own loss: inputs detached
                 iq, iw = self.index_query(qr.detach(), x.detach(), angles, self.rotary, self.qat)
         halo = rt.shard.halo(win, self.window - 1, self.spec.layer_id)  # window rows before the slice
-        outs, topk, pool, recall = [], [], [], []
-        loss = None
-        for lo in range(0, T, chunk):
-            hi = min(lo + chunk, T)
-            rows = slice(None) if chunk == T else slice(lo, hi)
-            idx = pool_rows = None
-            if glob is not None:
-                idx, pool_rows = self._select(iq, iw, rt, rows)
-                if iq is not None:  # Reuse layers read their source's top-k and publish none
-                    topk.append(idx)
-                    pool.append(pool_rows)
-            chunk_halo = halo if lo == 0 else win[:, lo - self.window + 1:lo]
-            args = (q[:, rows], win[:, rows], chunk_halo, None if iq is None else iq[:, rows],
-                    None if iw is None else iw[:, rows], glob, idx, rt, rows, angles if fold_rope else None)
-            if chunk < T and torch.is_grad_enabled():
-                out, kl = checkpoint(self._attend_rows, *args, use_reentrant=False)
-            else:
-                out, kl = self._attend_rows(*args)
-            outs.append(out)
-            if kl is not None:
-                loss = kl * ((hi - lo) / T) if loss is None else loss + kl * ((hi - lo) / T)
-            if iq is not None and rt.collect_recall:  # q is rotated by now, folded or not
-                held = None
-                if self.spec.builds_pool or self.spec.mode == "reindex":
-                    held = pool_rows if pool_rows is not None else self._source_pool(rt, rows)
-                recall.append(self._recall_sums(q[:, rows], win[:, rows], chunk_halo, glob, idx, held, rt,
-                                                rows))
-        if topk:
-            rt.topk[self.spec.layer_id] = topk[0] if len(topk) == 1 else torch.cat(topk, dim=1)
-        if pool and pool[0] is not None:
-            rt.pool[self.spec.layer_id] = pool[0] if len(pool) == 1 else torch.cat(pool, dim=1)
-        if loss is not None:
-            rt.indexer_losses.append(self.indexer_loss_coef * loss)
-        if recall:
-            got = torch.stack(recall).sum(0)  # [topk mass share sum, pool share sum, queries]
-            rt.recall["topk"].append(got[0] / got[2])
-            if self.spec.builds_pool or self.spec.mode == "reindex":
-                rt.recall["pool"].append(got[1] / got[2])
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)  # [B, T, H, C]
-        if not fold_rope:
-            out = self.rotary(out, angles.unsqueeze(-2), inverse=True)  # values carried RoPE
+        out = self.attend_queries(q, angles, win, halo, glob, iq, iw, rt)  # [B, T, H, C]
         grouped = out.flatten(2).unflatten(-1, (self.wo_a.shape[0], -1))  # [B, T, G, H/G*C]
         return self.wo_b(grouped_projection(grouped, self.wo_a).flatten(2))
 
-    def _attend_rows(self, q, win, halo, iq, iw, glob, idx, rt: AttentionRuntime, rows: slice,
-                     q_angles: torch.Tensor | None = None):
+    def attend_queries(self, q, angles, win, halo, glob, iq, iw, rt: AttentionRuntime) -> torch.Tensor:
+        """Every query at once: q [B, T, H, C] before RoPE, angles [B, T, R/2] -> out [B, T, H, C]
+        with the values' RoPE taken back out. Publishes the layer's top-k, pool, indexer loss and
+        recall to rt. (model/chunking.py runs the same function over chunks of queries.)"""
+        rows = slice(None)
+        # an `attend` that rotates takes q unrotated and rotates q in place and out back on their
+        # 64 RoPE dims, where two rotaries would copy all of q and out each way
+        fold = self.attend_rotates
+        if not fold:
+            q = self.rotary(q, angles.unsqueeze(-2))
+        idx, pool = self.select_rows(iq, iw, glob, rt, rows)
+        out, kl = self.attend_rows(q, win, halo, iq, iw, glob, idx, rt, rows, angles if fold else None)
+        recall = self.recall_rows(q, win, halo, glob, iq, idx, pool, rt, rows)  # q is rotated by now
+        self.publish(rt, [idx], [pool], kl, [recall])
+        return out if fold else self.rotary(out, angles.unsqueeze(-2), inverse=True)
+
+    def publish(self, rt: AttentionRuntime, topk: list, pools: list, loss, recalls: list) -> None:
+        """Hand rt what this layer computed for its queries, each list in query order: the top-k ids
+        and candidate pools (for the layers that reuse them), the indexer loss (None: not wanted),
+        the recall sums (None entries: not collected)."""
+        if self.index_query is not None and topk[0] is not None:  # Reuse layers publish no top-k
+            rt.topk[self.spec.layer_id] = _cat_rows(topk)
+            if pools[0] is not None:
+                rt.pool[self.spec.layer_id] = _cat_rows(pools)
+        if loss is not None:
+            rt.indexer_losses.append(self.indexer_loss_coef * loss)
+        if recalls[0] is not None:
+            got = torch.stack(recalls).sum(0)  # [topk mass share sum, pool share sum, queries]
+            rt.recall["topk"].append(got[0] / got[2])
+            if self.spec.builds_pool or self.spec.mode == "reindex":
+                rt.recall["pool"].append(got[1] / got[2])
+
+    def attend_rows(self, q, win, halo, iq, iw, glob, idx, rt: AttentionRuntime, rows: slice,
+                    q_angles: torch.Tensor | None = None):
         """Attention of the queries in `rows` and their indexer loss (None when not wanted).
         q_angles (only for an `attend` that rotates): q comes unrotated and out goes back rotated
         by the inverse (the RoPE folded into the kernel call, `sparse_attention_triton`)."""
@@ -199,10 +173,17 @@ class CSA2Attention(nn.Module):
         return out, kl
 
     @torch.no_grad()
-    def _recall_sums(self, q, win, halo, glob, idx, pool, rt: AttentionRuntime, rows: slice) -> torch.Tensor:
+    def recall_rows(self, q, win, halo, glob, iq, idx, pool, rt: AttentionRuntime, rows: slice):
         """Share of the dense global attention mass (summed over heads) that the top-k idx, and the
-        pool [B, Tc, P] where there is one (else None), hold, summed over the queries in `rows` that see any
-        entry -> [topk share sum, pool share sum, number of such queries]."""
+        candidate pool where this layer builds or reads one, hold, summed over the queries in
+        `rows` that see any entry -> [topk share sum, pool share sum, number of such queries];
+        None unless rt collects recall on a layer with its own indexer (iq). q is rotated."""
+        if iq is None or not rt.collect_recall:
+            return None
+        if not (self.spec.builds_pool or self.spec.mode == "reindex"):
+            pool = None
+        elif pool is None:  # a pool that keeps every block is not built, or a Reindex layer's source
+            pool = self._source_pool(rt, rows)
         all_ids = rt.all_visible(self.spec.compress_ratio, rows)
         _, p_all = dense_attention(q, win, glob, all_ids, rt.doc_start[:, rows], self.sink, self.scale,
                                    self.window, rt.positions[:, rows], halo)
@@ -236,11 +217,13 @@ class CSA2Attention(nn.Module):
         rt.index_k[self.spec.layer_id] = rt.shard.gather(index_k, self.spec.layer_id, "index_k")
 
     @torch.no_grad()
-    def _select(self, iq, iw, rt: AttentionRuntime, rows: slice):
+    def select_rows(self, iq, iw, glob, rt: AttentionRuntime, rows: slice):
         """Top-k ids [B, Tc, k] of the queries in `rows`, and the candidate pool [B, Tc, P] when this
-        layer builds one (else None). Full: score every visible entry; Reindex: score only inside
-        the source's pool; Reuse: the source's top-k."""
+        layer builds one (else None); (None, None) without global KV (SWA layers). Full: score every
+        visible entry; Reindex: score only inside the source's pool; Reuse: the source's top-k."""
         spec, m = self.spec, self.spec.compress_ratio
+        if glob is None:
+            return None, None
         if iq is None:
             return rt.topk[spec.index_source][:, rows], None
         keys = rt.index_k[spec.kv_source]
@@ -317,6 +300,11 @@ def grouped_projection(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     lead = x.shape[:-2]
     y = _GroupedProjection.apply(x.reshape(-1, *x.shape[-2:]).contiguous(), w.contiguous())
     return y.view(*lead, *y.shape[-2:])
+
+
+def _cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Per-chunk [B, Tc, ...] tensors in query order -> [B, T, ...] (no copy for one chunk)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
 def _head_summed(impl):

@@ -229,15 +229,15 @@ class KernelPolicy:
             from model.kernels.topk import select_topk_triton
             out["select"] = select_topk_triton
         if "cross_entropy" in on:
+            from model.chunking import chunked_head_loss
             from model.kernels.cross_entropy import linear_cross_entropy_triton
-            from model.transformer import chunked_head_loss
 
-            def fused_loss(x, head, labels, chunk):
+            def fused_loss(x, head, labels, chunk=0):
                 total = linear_cross_entropy_triton(x, head.weight, labels,
                                                     chunk if chunk > 0 else len(labels))
                 return total / (labels != -100).sum().clamp(min=1)
 
-            def refuse_loss(x, head, labels, chunk):
+            def refuse_loss(x, head, labels, chunk=0):
                 if x.dtype == torch.float64:
                     return "fp64"
                 return "ZeRO-3 partitioned head" if hasattr(head.weight, "ds_id") else None

@@ -13,7 +13,6 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-import torch.utils.checkpoint
 from torch import nn
 
 from conf.model import ModelConfig
@@ -78,28 +77,18 @@ class Block(nn.Module):
         return y
 
 
-def chunked_head_loss(x: torch.Tensor, head: nn.Linear, labels: torch.Tensor, chunk: int) -> torch.Tensor:
-    """Mean next-token cross-entropy of x [N, D] through `head` against labels [N] (-100 =
-    ignore). With 0 < chunk < N, logits exist for one chunk of tokens at a time, in the forward
-    and (recomputed) in the backward, so memory does not grow with vocab x sequence length."""
-    if chunk <= 0 or chunk >= labels.numel():
-        return F.cross_entropy(wide(head(x)), labels, ignore_index=-100)
-    total = x.new_zeros((), dtype=wide(x[:1]).dtype)
-    for start in range(0, labels.numel(), chunk):
-        total = total + torch.utils.checkpoint.checkpoint(
-            _summed_ce, head, x[start:start + chunk], labels[start:start + chunk], use_reentrant=False)
-    return total / (labels != -100).sum().clamp(min=1)
-
-
-def _summed_ce(head: nn.Linear, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(wide(head(x)), y, ignore_index=-100, reduction="sum")
+def head_cross_entropy(x: torch.Tensor, head: nn.Linear, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of x [N, D] through `head` against labels [N] (-100 = ignore),
+    the logits in fp32."""
+    return F.cross_entropy(wide(head(x)), labels, ignore_index=-100)
 
 
 class Transformer(nn.Module):
     # the ops; model.ops.KernelPolicy may swap in Triton kernels (the head and its loss fused, with
-    # the gradients taken in the forward: model/kernels/cross_entropy.py)
+    # the gradients taken in the forward: model/kernels/cross_entropy.py), and model.chunking the
+    # loss over chunks of tokens
     mix_streams = staticmethod(mix_streams)
-    head_loss = staticmethod(chunked_head_loss)
+    head_loss = staticmethod(head_cross_entropy)
 
     def __init__(self, cfg: ModelConfig, lookup_map: Optional[torch.Tensor] = None, lookup_pad_id: int = 0):
         """lookup_map [V]: the tokenizer compression map that turns token ids into Engram lookup
@@ -189,10 +178,9 @@ class Transformer(nn.Module):
                            pool_recall=recall.get("pool"))
 
     def lm_loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy of x [B, T, D] against labels [B, T] (`loss_chunk_tokens`:
-        see `chunked_head_loss`)."""
+        """Mean next-token cross-entropy of x [B, T, D] against labels [B, T]."""
         flat_x, flat_y = x.reshape(-1, x.shape[-1]), labels.reshape(-1)  # [N, D], [N]
-        return self.head_loss(flat_x, self.head, flat_y, self.cfg.loss_chunk_tokens)
+        return self.head_loss(flat_x, self.head, flat_y)
 
     def hidden(self, input_ids: torch.Tensor, rt: AttentionRuntime) -> torch.Tensor:
         """input_ids [B, T] -> final normed hidden state [B, T, D]."""

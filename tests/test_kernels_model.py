@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from conf.model import TinyModelConfig
+from model.chunking import apply_chunking
 from model.ops import OPS, KernelPolicy
 from model.transformer import Transformer
 
@@ -53,8 +54,8 @@ def test_kernels_match_the_reference_model(monkeypatch, chunk):
     for name, size in (("_MIX_T", 64), ("_MIX_D", 128), ("_RED_T", 64), ("_RED_D", 128)):
         monkeypatch.setattr(sm, name, size)
     torch.manual_seed(0)
-    ref = Transformer(dataclasses.replace(CFG, attn_chunk_tokens=chunk, loss_chunk_tokens=24))
-    ker = _with_kernels(Transformer(dataclasses.replace(CFG, attn_chunk_tokens=chunk, loss_chunk_tokens=24)))
+    ref = apply_chunking(Transformer(CFG), chunk, 24)
+    ker = apply_chunking(_with_kernels(Transformer(CFG)), chunk, 24)
     ker.load_state_dict(ref.state_dict())
     a, ga = _run(ref, *_batch())
     b, gb = _run(ker, *_batch())

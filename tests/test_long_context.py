@@ -63,6 +63,9 @@ def test_a_bad_model_setting_is_named():
     for name, bad in (("indexer_mode", "warmup"), ("attn_impl", "flash")):
         with pytest.raises(ConfigError, match=f"model.{name}='{bad}': expected one of"):
             build_model(SimpleNamespace(model=dataclasses.replace(CFG, **{name: bad})), tok)
+    short = dataclasses.replace(CFG, attn_chunk_tokens=CFG.window - 1, engram_layers=())  # no tokenizer
+    with pytest.raises(ConfigError, match=f"model.attn_chunk_tokens={CFG.window - 1} must be 0 or at least"):
+        build_model(SimpleNamespace(model=short), tok)
 
 
 def test_dense_mode_attends_to_every_visible_entry():

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from conf.model import TinyModelConfig
+from model.chunking import apply_chunking
 from model.transformer import Transformer
 from trainer.parallelize import checkpoint_blocks, compile_blocks
 
@@ -32,7 +33,7 @@ def _batch():
 def test_chunked_loss_equals_full_loss():
     torch.manual_seed(0)
     full = Transformer(CFG)
-    chunked = Transformer(dataclasses.replace(CFG, loss_chunk_tokens=24))  # 128 tokens in 6 uneven chunks
+    chunked = apply_chunking(Transformer(CFG), loss_chunk_tokens=24)  # 128 tokens in 6 uneven chunks
     chunked.load_state_dict(full.state_dict())
     a, ga = _loss_and_grads(full, *_batch())
     b, gb = _loss_and_grads(chunked, *_batch())
@@ -96,7 +97,7 @@ def test_query_chunked_attention_equals_whole_sequence(impl, indexer_mode):
                               indexer_mode=indexer_mode)
     torch.manual_seed(0)
     whole = Transformer(cfg)
-    chunked = Transformer(dataclasses.replace(cfg, attn_chunk_tokens=24))
+    chunked = apply_chunking(Transformer(cfg), attn_chunk_tokens=24)
     chunked.load_state_dict(whole.state_dict())
     a, b = whole(*_batch()[:1], doc_ids=_batch()[2], keep_runtime=True), chunked(
         *_batch()[:1], doc_ids=_batch()[2], keep_runtime=True)
@@ -121,6 +122,24 @@ def test_query_chunked_attention_equals_whole_sequence(impl, indexer_mode):
     for key in ("indexer_loss", "topk_recall", "pool_recall"):
         torch.testing.assert_close(getattr(oa, key), getattr(ob, key), rtol=1e-5, atol=1e-6, msg=key)
     assert 0 < oa.topk_recall < 1  # the selection drops some attention mass: not a trivial comparison
+
+
+def test_chunking_applied_again_replaces_the_sizes():
+    """apply_chunking is a policy over the plain model: a second application replaces the first
+    (bench/generate.py shrinks the query chunks per batch and puts them back), and 0 restores the
+    plain forward, the class's own methods."""
+    cfg = dataclasses.replace(CFG, window=8)
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    plain = model(*_batch()[:1], doc_ids=_batch()[2]).logits
+    apply_chunking(model, attn_chunk_tokens=24, loss_chunk_tokens=24)
+    apply_chunking(model, attn_chunk_tokens=16, loss_chunk_tokens=16)
+    assert model.head_loss.chunk == 16 and not hasattr(model.head_loss.op, "op")  # not wrapped twice
+    assert all(layer.attn.attend_queries.__func__.keywords == {"chunk": 16} for layer in model.layers)
+    torch.testing.assert_close(model(*_batch()[:1], doc_ids=_batch()[2]).logits, plain, rtol=1e-5, atol=1e-5)
+    apply_chunking(model)
+    assert "head_loss" not in vars(model)
+    assert not any("attend_queries" in vars(layer.attn) for layer in model.layers)
 
 
 def test_recomputation_leaves_no_state_behind():

@@ -18,6 +18,7 @@ from conf.errors import ConfigError
 from conf.pretrain import PretrainConfig
 from data import DistributedBatchLoader, build_datasets
 from model.accounting import train_flops_per_token
+from model.chunking import apply_chunking
 from model.csa import ATTENTION_IMPLS
 from model.engram import build_compression_map
 from model.ops import KernelPolicy
@@ -68,6 +69,18 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def assemble_model(model_cfg, lookup_map: Optional[torch.Tensor] = None,
+                   lookup_pad_id: int = 0) -> tuple[Transformer, KernelPolicy]:
+    """The plain model of model_cfg with the policies its config names applied from outside: the
+    kernel per op (model.kernels), then query and loss chunking (model.attn_chunk_tokens,
+    model.loss_chunk_tokens), which wraps whichever loss op the kernel policy installed."""
+    model = Transformer(model_cfg, lookup_map=lookup_map, lookup_pad_id=lookup_pad_id)
+    policy = KernelPolicy.from_config(model_cfg)
+    policy.apply(model)
+    apply_chunking(model, model_cfg.attn_chunk_tokens, model_cfg.loss_chunk_tokens)
+    return model, policy
+
+
 def build_model(cfg: PretrainConfig, tokenizer) -> Transformer:
     model_cfg = cfg.model
     for name, allowed in (("attn_impl", tuple(ATTENTION_IMPLS)), ("indexer_mode", ("sparse", "dense"))):
@@ -83,9 +96,10 @@ def build_model(cfg: PretrainConfig, tokenizer) -> Transformer:
     if model_cfg.engram_layers:
         lookup, _ = build_compression_map(tokenizer.tokenizer, model_cfg.vocab_size)
         pad = int(lookup[tokenizer.pad_id])
-    model = Transformer(model_cfg, lookup_map=lookup, lookup_pad_id=pad)
-    policy = KernelPolicy.from_config(model_cfg)
-    policy.apply(model)
+    try:
+        model, policy = assemble_model(model_cfg, lookup_map=lookup, lookup_pad_id=pad)
+    except ValueError as e:  # a chunk size the attention cannot take
+        raise ConfigError(f"model.{e}") from None
     if model_cfg.kernels and int(os.environ.get("RANK", "0")) == 0:
         trainer = getattr(cfg, "trainer", None)
         print("flashtrain: " + policy.describe(getattr(trainer, "compile", False),
