@@ -71,7 +71,7 @@ def command(stage: str, run_dir: Path, cache: Path, steps: int, init: Path | Non
         return [*launch, "pretrain", *where]
     quiet = ["trainer.log_every=1", "trainer.progress=false", "logger=none", *where]
     if stage in RAY_STAGES:
-        ray = [f"rl.policy={init}", f"rl.steps={steps}", "rl.save_every=2", "rl.eval_every=0",
+        ray = [f"model.init_from={init}", f"rl.steps={steps}", "rl.save_every=2", "rl.eval_every=0",
                "rl.prompts_per_step=4", "rl.group_size=2", "rl.max_new_tokens=8", "rl.prompts_per_request=2",
                "rl.rollout_workers=1", "rl.reward_workers=1", f"rl.ray_num_cpus={3 if stage == 'rl' else 4}",
                "rl.timeout_s=120", "trainer.torch_threads=1", *quiet]
@@ -87,7 +87,7 @@ def command(stage: str, run_dir: Path, cache: Path, steps: int, init: Path | Non
         return [*launch, "long_context", SCHEDULE, *common]
     common.append(f"trainer.max_steps={steps}")
     if stage == "sft":
-        return [*launch, "sft", f"init_from={init}", "sft.builtin_samples=200", "sft.seq_len=128",
+        return [*launch, "sft", f"model.init_from={init}", "sft.builtin_samples=200", "sft.seq_len=128",
                 "eval.problems=0", *common]
     return [*launch, "pretrain", "data.seq_len=128", *common]
 

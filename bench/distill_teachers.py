@@ -141,8 +141,9 @@ def main() -> None:
                                   "hf_steps": args.hf_steps, "all_teachers_s": round(made["teachers_s"], 1)}
 
     run = work / args.run
-    overrides = ["logger=none", f"rl.policy={made['base_ckpt']}", f"distill.teacher_root={teachers_dir}",
-                 f"distill.eval_prompts={args.eval_prompts}", f"hydra.run.dir={run}", *args.distill]
+    overrides = ["logger=none", f"model.init_from={made['base_ckpt']}",
+                 f"distill.teacher_root={teachers_dir}", f"distill.eval_prompts={args.eval_prompts}",
+                 f"hydra.run.dir={run}", *args.distill]
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": "29731", "PYTHONPATH": str(REPO)}
     start = time.perf_counter()

@@ -1,6 +1,6 @@
 """Asynchronous vs synchronous RL, the same config side by side in one run; prints one JSON object.
 
-Each mode trains `--steps` versions from the same SFT policy (`rl.policy`), on a local Ray
+Each mode trains `--steps` versions from the same SFT policy (`model.init_from`), on a local Ray
 cluster, and reports samples trained per second of wall time and the trainer's idle fraction
 (1 - time inside train_step / wall time) at its last step.
 
@@ -50,8 +50,8 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args, extra = ap.parse_known_args()
     conf.register({n: s.config for n, s in all_stages().items()})
-    common = [f"rl.policy={args.policy}", f"rl.steps={args.steps}", "rl.save_every=0", "rl.eval_every=0",
-              "rl.eval_prompts=1", "logger=none", "trainer.resume=none", *extra]
+    common = [f"model.init_from={args.policy}", f"rl.steps={args.steps}", "rl.save_every=0",
+              "rl.eval_every=0", "rl.eval_prompts=1", "logger=none", "trainer.resume=none", *extra]
     import ray
     import torch
 

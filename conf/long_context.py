@@ -82,5 +82,4 @@ class FlashSchedule(ScheduleConfig):
 class LongContextConfig(TrainingStage):
     defaults: list[Any] = field(default_factory=lambda: training_defaults("muon", {"schedule": "tiny"}))
     stage: str = "long_context"
-    init_from: Optional[str] = None  # a pretraining checkpoint (dir) to start from; weights only
     schedule: ScheduleConfig = MISSING

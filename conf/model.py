@@ -22,9 +22,11 @@ class ModelConfig:
     indexer_mode: str = "sparse"
     # Triton kernels (model/kernels/): attention, indexer, mHC steps and stream mixes, Sinkhorn, ...
     kernels: bool = False
-    # Starting weights of a training run (pretrain, sft, rl, distill): a flashtrain checkpoint (or a run's
-    # checkpoints/ dir, or a run dir), or a directory in the public DeepSeek-V4.1-Flash layout
-    # (docs/post-train-released-model.md). Weights only; ignored when the run resumes its own checkpoint.
+    # Starting weights of a training run (pretrain, long_context's first sub-stage, sft, rl, distill's
+    # student): a flashtrain checkpoint (or a run's checkpoints/ dir, or a run dir), or a directory in
+    # the public DeepSeek-V4.1-Flash layout (docs/post-train-released-model.md). Weights only; ignored
+    # when the run resumes its own checkpoint. None: random init (rl and distill: the built-in SFT
+    # makes the starting policy).
     init_from: Optional[str] = None
 
     # --- CED and the CSA2 layer plan (§2, §3). The plan is derived from these numbers

@@ -9,8 +9,6 @@ from conf.stage import TrainingStage, training_defaults
 
 @dataclass
 class RLLoopConfig:
-    # an SFT checkpoint (or run's checkpoints/ dir); None: run the built-in SFT first
-    policy: Optional[str] = None
     # extra `flashtrain sft` overrides for that SFT. 140 steps, not sft's 200: greedy answers are
     # right (0.85) but sampled ones are not yet (0.4), which leaves RL a reward to raise; after
     # 200 steps the policy has memorised the task and its sampled reward is flat at ~0.8.

@@ -2,7 +2,7 @@
 tokens only, the reasoning effort in the system prompt ("Reasoning Effort: {effort}").
 
 `data` is the *pretraining* corpus config: the SFT run builds its tokenizer exactly as the
-pretraining run did (same corpus, same cache), so token ids match the checkpoint in `init_from`.
+pretraining run did (same corpus, same cache), so token ids match the checkpoint in `model.init_from`.
 `sft` says where the chat data comes from:
   source=builtin            problems of an RL task (tasks) with worked reasoning whose length
                             grows with the effort, generated offline and deterministically
@@ -70,8 +70,6 @@ class SFTConfig(TrainingStage):
     # data: the pretraining corpus (its tokenizer); sft_tuning: SFT_TUNING over the group presets
     defaults: list[Any] = field(default_factory=lambda: training_defaults("muon", "sft_tuning"))
     stage: str = "sft"
-    # a pretraining checkpoint, or a run's checkpoints/ dir (None: random init)
-    init_from: Optional[str] = None
     sft: SFTDataConfig = field(default_factory=SFTDataConfig)
     efforts: EffortTiers = field(default_factory=EffortTiers)
     eval: SFTEvalConfig = field(default_factory=SFTEvalConfig)

@@ -66,6 +66,22 @@ def keyword_alias(override: str) -> str:
     return prefix + ".".join(p + "_" if keyword.iskeyword(p) else p for p in parts) + sep + value
 
 
+# Keys no stage has, each with the key that carries its meaning: Hydra would only say "unknown
+# config key", which does not tell the user where the setting is.
+OTHER_SPELLINGS = {"init_from": "model.init_from", "rl.policy": "model.init_from"}
+
+
+def check_spellings(overrides: list[str]) -> None:
+    """A ConfigError naming the right key for an override whose key (a leading +, ++ or ~ aside)
+    is one of OTHER_SPELLINGS."""
+    from conf.errors import ConfigError
+
+    for override in overrides:
+        key = override.partition("=")[0].lstrip("+~")
+        if key in OTHER_SPELLINGS:
+            raise ConfigError(f"'{key}' is spelled {OTHER_SPELLINGS[key]}")
+
+
 def compose(stage: str, overrides: list[str]):
     """Compose the stage's config. Returns (job config without the hydra node, run dir)."""
     from hydra import compose as hydra_compose
@@ -74,6 +90,7 @@ def compose(stage: str, overrides: list[str]):
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf, open_dict
 
+    check_spellings(overrides)
     GlobalHydra.instance().clear()
     with initialize(version_base=None, config_path=None):
         cfg = hydra_compose(config_name=stage, overrides=[keyword_alias(o) for o in overrides],
@@ -119,6 +136,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         cfg, run_dir = compose(stage_name, overrides)
     except MissingValue as e:
         return _fail(f"missing required value for {', '.join(repr(k) for k in e.keys)}")
+    except UserError as e:  # check_spellings
+        return _fail(str(e))
     except Exception as e:  # Hydra/OmegaConf composition errors
         return _fail(describe_config_error(e))
 

@@ -1,8 +1,8 @@
 """`flashtrain rl`: tokenizer and policy in place, a Ray cluster, then the coordinator's loop.
 
-The policy is `rl.policy` (an SFT checkpoint) or, by default, the built-in SFT run first into
-<run>/sft, so `flashtrain rl` works on a fresh machine. Metrics go to <run>/metrics.jsonl and
-the tracker (W&B) with per-effort reward, accuracy and lengths.
+The policy starts from `model.init_from` (an SFT checkpoint) or, by default, from the built-in
+SFT run first into <run>/sft, so `flashtrain rl` works on a fresh machine. Metrics go to
+<run>/metrics.jsonl and the tracker (W&B) with per-effort reward, accuracy and lengths.
 """
 from __future__ import annotations
 
@@ -24,30 +24,28 @@ def builtin_sft_policy(cfg, run_dir: Path, sft_cfg) -> Path:
     from trainer.sft import run_sft
 
     if sft_cfg is None:
-        raise ConfigError("rl: no rl.policy or model.init_from, and no built-in SFT config to make one")
+        raise ConfigError("rl: no model.init_from, and no built-in SFT config to make one")
     sft_dir = run_dir / "sft"
-    typed = dataclasses.replace(sft_cfg, model=cfg.model, data=cfg.data, logger=cfg.logger)
+    # the policy's architecture; the SFT's own starting weights, if rl.sft_overrides name any
+    model = dataclasses.replace(cfg.model, init_from=sft_cfg.model.init_from)
+    typed = dataclasses.replace(sft_cfg, model=model, data=cfg.data, logger=cfg.logger)
     ckpts = CheckpointManager(sft_dir / "checkpoints", 1, 0)
     done = ckpts.find_latest_valid()
     if done is None or _checkpoint_step(done.name) < typed.trainer.max_steps:
-        print(f"flashtrain rl: no rl.policy given: running the built-in SFT into {sft_dir}", flush=True)
+        print(f"flashtrain rl: no model.init_from given: running the built-in SFT into {sft_dir}", flush=True)
         run_sft(typed, sft_dir, OmegaConf.to_yaml(OmegaConf.structured(typed)))
         done = ckpts.find_latest_valid()
     return done
 
 
 def initial_policy(cfg) -> str | None:
-    """rl.policy or model.init_from (one of them): a checkpoint (resolved to the newest complete
-    one) or a public-layout directory (the trainers import it); None: run the built-in SFT."""
+    """model.init_from: a checkpoint (resolved to the newest complete one) or a public-layout
+    directory (the trainers import it); None: run the built-in SFT."""
     from trainer.init_weights import resolve_init_source
 
-    if cfg.rl.policy is not None and cfg.model.init_from is not None:
-        raise ConfigError(f"rl.policy={cfg.rl.policy} and model.init_from={cfg.model.init_from}: give one")
-    if cfg.rl.policy is not None:
-        return str(resolve_init_source(cfg.rl.policy, "rl.policy"))
-    if cfg.model.init_from is not None:
-        return str(resolve_init_source(cfg.model.init_from))
-    return None
+    if cfg.model.init_from is None:
+        return None
+    return str(resolve_init_source(cfg.model.init_from))
 
 
 def actor_demand(rl, extra_actors: int = 0) -> dict[str, float]:
@@ -71,9 +69,9 @@ def resource_shortfall(have: dict[str, float], need: dict[str, float], rl,
 
 def run_rl(cfg, run_dir: Path, config_yaml: str, builtin_sft=None, make_coordinator=None, console=None,
            extra_actors: int = 0) -> dict[str, Any]:
-    """builtin_sft: the SFT config that makes the starting policy when neither rl.policy nor
-    model.init_from gives one (`launch.stages.rl.builtin_sft_config`); make_coordinator(cfg,
-    run_dir, tokenizer_path, policy, log) (default rl.coordinator's), console(row) -> the line
+    """builtin_sft: the SFT config that makes the starting policy when model.init_from gives
+    none (`launch.stages.rl.builtin_sft_config`); make_coordinator(cfg, run_dir,
+    tokenizer_path, policy, log) (default rl.coordinator's), console(row) -> the line
     printed for a metrics row, extra_actors: Ray actors beyond the RL roles (flashtrain
     distill's teacher workers)."""
     import ray

@@ -297,18 +297,14 @@ def test_rl_and_distill_take_their_policy_from_model_init_from(exported, tmp_pat
     """rl/run.py's initial_policy (flashtrain distill's student goes through it too)."""
     from types import SimpleNamespace
 
-    from conf.errors import ConfigError
     from rl.run import initial_policy
 
     root, _, _ = exported
-    cfg = lambda policy, init: SimpleNamespace(rl=SimpleNamespace(policy=policy),  # noqa: E731
-                                               model=SimpleNamespace(init_from=init))
-    assert initial_policy(cfg(None, str(root / "first"))) == str(root / "first")  # the trainers import it
+    cfg = lambda init: SimpleNamespace(model=SimpleNamespace(init_from=init))  # noqa: E731
+    assert initial_policy(cfg(str(root / "first"))) == str(root / "first")  # the trainers import it
     ckpt = import_checkpoint(root / "first", tmp_path / "checkpoints", CFG, log=QUIET)
-    assert initial_policy(cfg(None, str(tmp_path))) == str(ckpt)  # a run dir: its newest checkpoint
-    assert initial_policy(cfg(None, None)) is None  # the built-in SFT
-    with pytest.raises(ConfigError, match="give one"):
-        initial_policy(cfg(str(ckpt), str(root / "first")))
+    assert initial_policy(cfg(str(tmp_path))) == str(ckpt)  # a run dir: its newest checkpoint
+    assert initial_policy(cfg(None)) is None  # the built-in SFT
 
 
 # ------------------------------------------------------------------ the source's own encodings

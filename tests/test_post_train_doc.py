@@ -23,9 +23,9 @@ def doc_commands() -> list[str]:
 
 def test_the_page_has_the_four_steps():
     stages = [(c.split()[1], next(a.split("=")[0] for a in c.split()[2:] if a.split("=")[0] in
-                                  ("import", "export", "model.init_from", "rl.policy")))
+                                  ("import", "export", "model.init_from")))
               for c in doc_commands()]
-    assert stages == [("convert", "import"), ("sft", "model.init_from"), ("rl", "rl.policy"),
+    assert stages == [("convert", "import"), ("sft", "model.init_from"), ("rl", "model.init_from"),
                       ("convert", "export")]
 
 

@@ -146,6 +146,18 @@ def test_bad_input_one_line_and_nothing_lost(flashtrain, tmp_path, override, nee
     assert _checkpoint_files(run) == before
 
 
+@pytest.mark.parametrize("stage, override", [
+    ("sft", "init_from=/x"), ("long_context", "+init_from=/x"), ("pretrain", "++init_from=/x"),
+    ("rl", "rl.policy=/x"), ("distill", "~rl.policy"),
+])
+def test_the_starting_weights_are_model_init_from_in_every_stage(flashtrain, tmp_path, stage, override):
+    run = tmp_path / "run"
+    p = flashtrain(stage, override, f"hydra.run.dir={run}", cache=False)
+    key = override.partition("=")[0].lstrip("+~")
+    _one_line_error(p, f"'{key}' is spelled model.init_from")
+    assert "unknown config key" not in p.stderr and not run.exists()
+
+
 def test_empty_corpus(flashtrain, tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -268,8 +280,8 @@ def test_resume_with_another_model_config_is_one_line(flashtrain, tmp_path):
 
 
 @pytest.mark.parametrize("stage, setting", [
-    ("generate", "generate.checkpoint"), ("eval_long", "eval.checkpoint"), ("long_context", "init_from"),
-    ("pretrain", "model.init_from"),
+    ("generate", "generate.checkpoint"), ("eval_long", "eval.checkpoint"),
+    ("long_context", "model.init_from"), ("pretrain", "model.init_from"),
 ])
 def test_a_missing_checkpoint_is_named_by_the_setting_that_gave_it(flashtrain, tmp_path, stage, setting):
     run = tmp_path / "run"

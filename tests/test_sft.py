@@ -308,7 +308,7 @@ def test_a_split_too_small_says_which_way_to_move_the_fraction(flashtrain, corpu
 
 
 @pytest.mark.parametrize("bad, needle",
-                         [("init_from=/nonexistent/run", "init_from=/nonexistent/run: no such"),
+                         [("model.init_from=/nonexistent/run", "model.init_from=/nonexistent/run: no such"),
                           ("sft.tiers=[low,medium]", "unknown tier(s) ['medium']")])
 def test_bad_settings_exit_2_before_any_work(flashtrain, tmp_path, bad, needle):
     p = flashtrain("sft", *FAST, bad, f"hydra.run.dir={tmp_path / 'run'}")
@@ -323,7 +323,7 @@ def test_sft_end_to_end_from_a_pretraining_checkpoint_then_resume(flashtrain, co
     assert p.returncode == 0, p.stderr[-3000:]
 
     run = tmp_path / "sft"
-    sft = [*common, f"init_from={pre / 'checkpoints'}", "sft.builtin_samples=200", "sft.seq_len=128",
+    sft = [*common, f"model.init_from={pre / 'checkpoints'}", "sft.builtin_samples=200", "sft.seq_len=128",
            "trainer.save_every=3", "eval.problems=3", "eval.max_new_tokens=12", f"hydra.run.dir={run}"]
     p = flashtrain("sft", *sft, "trainer.max_steps=3")
     assert p.returncode == 0, p.stderr[-3000:]

@@ -66,14 +66,13 @@ def run_long_context(cfg: LongContextConfig, run_dir: Path, config_yaml: str) ->
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     check_schedule(cfg, world_size)
-    previous = Path(cfg.init_from).expanduser() if cfg.init_from else None
+    previous = None  # the first sub-stage starts from model.init_from (the Trainer's default)
     summaries = []
     for i, stage in enumerate(cfg.schedule.stages):
         stage_dir = Path(run_dir) / f"stage_{i}_{stage.name}"
         scfg = stage_config(cfg, stage, world_size)
-        trainer = Trainer(scfg, stage_dir, OmegaConf.to_yaml(OmegaConf.structured(scfg)), init_from=previous,
-                          init_setting=("init_from" if i == 0
-                                        else f"the stage before {stage.name} (its checkpoints)"),
+        trainer = Trainer(scfg, stage_dir, OmegaConf.to_yaml(OmegaConf.structured(scfg)), start_from=previous,
+                          init_setting=f"the stage before {stage.name} (its checkpoints)",
                           train_only_indexer=stage.indexer == "dense_warmup")
         try:
             summaries.append({"stage": stage.name, "seq_len": stage.seq_len, **trainer.fit()})

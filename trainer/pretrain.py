@@ -109,9 +109,10 @@ def build_model(cfg: PretrainConfig, tokenizer) -> Transformer:
 
 
 class Trainer:
-    def __init__(self, cfg: PretrainConfig, run_dir: Path, config_yaml: str, init_from: Optional[Path] = None,
-                 train_only_indexer: bool = False, init_setting: str = "model.init_from"):
-        """init_from: a checkpoint (or checkpoints dir) whose model weights start a fresh run
+    def __init__(self, cfg: PretrainConfig, run_dir: Path, config_yaml: str,
+                 start_from: Optional[Path] = None, train_only_indexer: bool = False,
+                 init_setting: str = "model.init_from"):
+        """start_from: a checkpoint (or checkpoints dir) whose model weights start a fresh run
         (default: model.init_from, which may also be a public-layout directory; init_setting names
         the setting it came from in errors);
         train_only_indexer: the long-context stage's indexer warm-up (with model.indexer_mode=dense)."""
@@ -120,10 +121,10 @@ class Trainer:
         if tc.max_steps <= 0:
             raise ConfigError(f"trainer.max_steps={tc.max_steps}: must be positive")
         check_trainer_counts(tc)  # before the data and the model are built
-        if init_from is None:
-            init_from, init_setting = cfg.model.init_from, "model.init_from"
-        if init_from is not None:
-            existing_init_source(str(init_from), init_setting)
+        if start_from is None:
+            start_from, init_setting = cfg.model.init_from, "model.init_from"
+        if start_from is not None:
+            existing_init_source(str(start_from), init_setting)
         if tc.compile and tc.activation_checkpointing:  # the recompute saves other tensors than the forward
             raise ConfigError("trainer.compile=true with trainer.activation_checkpointing=true is not "
                               "supported: checkpoint recomputation through the compiled blocks fails; turn "
@@ -166,8 +167,8 @@ class Trainer:
         self.resumed_from = self.ckpts.resolve(tc.resume)
         run_id = self._resume(self.resumed_from) if self.resumed_from is not None else None
         self.initialised_from = None
-        if self.resumed_from is None and init_from is not None:
-            self._load_weights(init_from, init_setting)
+        if self.resumed_from is None and start_from is not None:
+            self._load_weights(start_from, init_setting)
         # each checkpoint carries the tokenizer and where the weights came from, for `convert export`
         self.ckpts.attachments = checkpoint_attachments(self.tokenizer,
                                                         self.resumed_from or self.initialised_from)

@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 
-from conf.errors import ConfigError
 from conf.sft import SFTConfig
 from data import DataError, build_datasets
 from data.chat import ChatFormat
@@ -26,20 +25,15 @@ from trainer.pretrain import Trainer, build_model
 class SFTTrainer(Trainer):
     def __init__(self, cfg: SFTConfig, run_dir: Path, config_yaml: str):
         self.sft_cfg = cfg
-        if cfg.init_from is not None and cfg.model.init_from is not None:
-            raise ConfigError(f"init_from={cfg.init_from} and model.init_from={cfg.model.init_from}: "
-                              "give one")
         tier_efforts(cfg.efforts, cfg.sft.tiers)  # bad tiers fail before anything is built
         # The Trainer sizes sequences (FLOPs, tokens/step, context-parallel slices) by
         # data.seq_len; SFT rows are sft.seq_len long. The tokenizer comes from the unchanged
         # cfg.data (build_data below).
         rows = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=cfg.sft.seq_len))
-        # init_from (else model.init_from) is resolved and loaded as model.init_from is
-        # (trainer/init_weights.py)
-        super().__init__(rows, run_dir, config_yaml, init_from=cfg.init_from, init_setting="init_from")
+        super().__init__(rows, run_dir, config_yaml)  # starts from model.init_from
         if self.dist.is_main and self.resumed_from is None and self.initialised_from is None:
-            print("flashtrain: warning: sft without init_from: fine-tuning randomly initialised weights",
-                  flush=True)
+            print("flashtrain: warning: sft without model.init_from: fine-tuning randomly initialised "
+                  "weights", flush=True)
 
     def build_data(self):
         cfg = self.sft_cfg

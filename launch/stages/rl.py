@@ -7,7 +7,7 @@ from launch.stages import register_stage
 
 def builtin_sft_config(cfg):
     """The sft stage's config with rl.sft_overrides: what RL and distillation train their starting
-    policy with when neither rl.policy nor model.init_from names one."""
+    policy with when model.init_from names none."""
     from omegaconf import OmegaConf
 
     from launch.cli import compose

@@ -1,4 +1,5 @@
-"""`flashtrain sft [init_from=RUN/checkpoints] [sft.source=...]`: supervised fine-tuning on chat data."""
+"""`flashtrain sft [model.init_from=RUN/checkpoints] [sft.source=...]`: supervised fine-tuning on chat
+data."""
 from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
