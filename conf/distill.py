@@ -35,7 +35,7 @@ BUILTIN_DOMAINS = (
     "mul2", "mul3", "mul4", "mul5", "mul10", "mod2", "mod3", "mod5",
 )
 # The built-in domains and their teachers as
-# bench/distill_teachers.py makes them under distill.teacher_root: one flashtrain teacher per
+# bench/system/distill_teachers.py makes them under distill.teacher_root: one flashtrain teacher per
 # domain, except rot1 and rot2 (one teacher trained on both) and length (a transformers Llama).
 SHARED_TEACHERS = {"rot1": "rot", "rot2": "rot"}
 KL_MEANS = ("token", "domain")  # distill.kl_mean

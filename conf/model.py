@@ -152,7 +152,8 @@ class SmallModelConfig(ModelConfig):
     o_lora_rank: int = 512
     max_seq_len: int = 131_072
     original_seq_len: int = 65_536
-    attn_chunk_tokens: int = 2048  # 16K-128K tokens train on one H200 (bench/results/long-context-h200.json)
+    # 16K-128K tokens train on one H200 (bench/results/system/long-context-h200.json)
+    attn_chunk_tokens: int = 2048
     loss_chunk_tokens: int = 4096
     index_heads: int = 16
     index_dim: int = 128

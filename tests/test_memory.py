@@ -126,7 +126,7 @@ def test_query_chunked_attention_equals_whole_sequence(impl, indexer_mode):
 
 def test_chunking_applied_again_replaces_the_sizes():
     """apply_chunking is a policy over the plain model: a second application replaces the first
-    (bench/generate.py shrinks the query chunks per batch and puts them back), and 0 restores the
+    (bench/system/generate.py shrinks the query chunks per batch and puts them back), and 0 restores the
     plain forward, the class's own methods."""
     cfg = dataclasses.replace(CFG, window=8)
     torch.manual_seed(0)

@@ -48,7 +48,7 @@ Where the table lives:
   address. Triton's launcher turns any pointer into its device address with
   cuPointerGetAttribute(DEVICE_POINTER), which succeeds for memory from cudaHostAlloc (PyTorch's
   pin_memory under UVA, the 64-bit Linux default); rows then travel over PCIe/C2C inside the
-  kernel, with no host sync. Not verified on a GPU here; bench/kernels_engram.py measures it and
+  kernel, with no host sync. Not verified on a GPU here; bench/kernels/engram.py measures it and
   falls back to reporting the error.
 
 Backward: the gradient of the table is what F.embedding(addresses, weight, sparse=sparse_grad)

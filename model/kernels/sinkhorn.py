@@ -37,7 +37,7 @@ input from its output and normalisers in the reverse sweep (X = Y * s: no scratc
 accumulates over the rounds: not the exact gradient of what the forward computed).
 
 One launch each way replaces the eager composition's ~80; at training and decoding sizes the
-kernel is launch-bound (`bench/kernels_mhc.py` measures it).
+kernel is launch-bound (`bench/kernels/mhc.py` measures it).
 
 Contract (`sinkhorn_comb_triton`, the signature and semantics of `sinkhorn_comb`):
     logits [..., n, n] any float dtype -> comb [..., n, n] in logits' dtype

@@ -1,4 +1,4 @@
-"""Small domain teachers for distillation tests and the CPU acceptance run (bench/distill_teachers.py).
+"""Small domain teachers for distillation tests and the CPU acceptance run (bench/system/distill_teachers.py).
 
 A flashtrain teacher is a model fine-tuned on its domains' chat rows (loss on the assistant
 turn, as in SFT) and saved in this framework's checkpoint layout (what trainer/checkpoint.py's

@@ -4,7 +4,7 @@ Each way but bincount runs 50 calls in one CUDA graph (so host launch time does 
 bincount cannot be captured (it reads its input's max and min back to the host) and is timed
 eagerly, that wait included. Each result is checked against bincount first.
 
-    python -m bench.expert_counts   (prints JSON; CUDA only)
+    python -m bench.experiments.expert_counts   (prints JSON; CUDA only)
 """
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def main() -> dict:
         row = {}
         for name, fn in _ways(ids, n).items():
             if not torch.equal(fn(), want):
-                raise SystemExit(f"bench.expert_counts: {name} miscounts at {n} experts, {m} ids")
+                raise SystemExit(f"bench.experiments.expert_counts: {name} miscounts at {n} experts, {m} ids")
             row[name] = round(_us_per_call(fn, graph=name != "bincount"), 2)
         result["us_per_call"][f"{n}_experts_{m}_ids"] = row
     return result

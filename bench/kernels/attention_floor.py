@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bench.kernel_timing import copy_bandwidth_gbs, timed_ms
+from bench.timing import copy_bandwidth_gbs, timed_ms
 
 B, T, H, C, K, W = 8, 4096, 16, 512, 512, 128
 

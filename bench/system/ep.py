@@ -2,7 +2,7 @@
 through the real CLI and trainer. Prints one JSON object: tokens/s, the all-to-all share of
 step time (CUDA events around every exchange, forward and backward) and peak memory per GPU.
 
-    python -m bench.ep [--steps 30] [--seq-len 4096] [--micro-batch 2]
+    python -m bench.system.ep [--steps 30] [--seq-len 4096] [--micro-batch 2]
 """
 from __future__ import annotations
 

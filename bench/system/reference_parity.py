@@ -1,6 +1,6 @@
 """Parity of a flashtrain export with the public reference inference code, on a CPU or a GPU.
 
-    python -m bench.reference_parity --reference REF --export DIR [--model tiny] [--tokens 256]
+    python -m bench.system.reference_parity --reference REF --export DIR [--model tiny] [--tokens 256]
         [--device cuda]
 
 REF is a directory holding the public DeepSeek-V4.1-Flash inference code as published beside the
@@ -166,11 +166,12 @@ def reference_package(reference: Path, work: Path):
             raise SystemExit(f"--reference {reference}: no {name} (nor inference/{name})")
         shutil.copyfile(src, pkg / name)
     (pkg / "__init__.py").write_text("")
-    (pkg / "kernel_cpu.py").write_text(f"from bench.reference_parity import {', '.join(KERNELS)}  "
+    (pkg / "kernel_cpu.py").write_text(f"from bench.system.reference_parity import {', '.join(KERNELS)}  "
                                        "# noqa: F401\n")
     (pkg / "vision.py").write_text(
         "class _TextOnly:\n    def __init__(self, *a, **k):\n"
-        "        raise RuntimeError('bench.reference_parity runs text only: a vision tower is not built')\n"
+        "        raise RuntimeError('bench.system.reference_parity runs text only: '\n"
+        "                           'a vision tower is not built')\n"
         "ViT = Aligner = _TextOnly\n")
     sys.path.insert(0, str(work))
     return importlib.import_module("public_reference.model")

@@ -5,14 +5,14 @@ The kernels-on step is partly launch-bound at `small`'s width (dim 1024: many sh
 between the matmuls), so more tokens per launch is the cheapest lever on MFU; this section
 measures how much it buys and where memory stops it. Rows: kernels on at micro-batch 2, 4 and 8
 (seq 4096 each; a size that does not fit records the out-of-memory error), and the best fitting
-micro-batch compiled with 4 micro-batches per optimizer step (bench/kernels_e2e.py's
+micro-batch compiled with 4 micro-batches per optimizer step (bench/system/step.py's
 `compiled_accum`).
 """
 from __future__ import annotations
 
 import torch
 
-from bench.kernels_e2e import _tokens_per_s
+from bench.system.step import _tokens_per_s
 
 
 def _row(micro_batch: int, seq_len: int, steps: int, vocab: int, **kw) -> dict:

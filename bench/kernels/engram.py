@@ -20,7 +20,7 @@ host paths also against the measured pinned host-to-device copy bandwidth, the b
 
 Every entry catches CUDA OOM on its own (value NaN and a `<key>_oom: 1` marker).
 
-    python -m bench.kernels_engram
+    python -m bench.kernels.engram
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ import json
 
 import torch
 
-from bench.kernel_timing import copy_bandwidth_gbs, timed_into, timed_ms
+from bench.timing import copy_bandwidth_gbs, timed_into, timed_ms
 from conf.model import FlashModelConfig
 from model.engram import Engram
 from model.kernels.engram import engram_addresses_triton, engram_lookup_triton
@@ -138,7 +138,7 @@ def bench(device, batch: int = 16, seq: int = 4096, rows_per_head: int = 2_000_0
     """A flat dict of numbers: times in ms, GB/s, fractions of copy / host-to-device bandwidth."""
     device = torch.device(device)
     if device.type != "cuda":
-        raise RuntimeError("bench.kernels_engram needs a CUDA device")
+        raise RuntimeError("bench.kernels.engram needs a CUDA device")
     torch.cuda.set_device(device)
     torch.manual_seed(0)
     copy_gbs, h2d_gbs = copy_bandwidth_gbs(), _h2d_gbs(device)

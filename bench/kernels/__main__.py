@@ -1,7 +1,8 @@
 """Triton kernels against their baselines on one GPU, each measured side by side in one run;
-prints one JSON object (and writes it to --out).
+prints one JSON object (and writes it to --out: one run at one commit, never merged into an
+older file).
 
-Sections (bench/kernels_<name>.py, each `bench(device) -> dict`):
+Sections (each module's `bench(device) -> dict`):
   quant      KV quantise+pack / unpack+dequantise: GB/s as a fraction of device copy bandwidth
   attention  sparse attention fwd / fwd+bwd at 8K-128K context vs dense causal SDPA
   attention_floor  the same kernels at `small`'s step shape vs their traffic floor (measured
@@ -10,15 +11,13 @@ Sections (bench/kernels_<name>.py, each `bench(device) -> dict`):
   indexer    indexer scoring TFLOP/s; Reindex cost at 16K vs 128K (pool-bounded); top-k
   mhc        fused single-pass mHC vs the eager composition; bytes moved vs (2n+2)·d
   engram     hash + gather of random rows: GB/s vs copy bandwidth, GPU and pinned-host table
-  e2e        the `small` training step, kernels off vs on: tokens/s ratio and MFU
-  e2e_batch  the kernels-on `small` step at micro-batch 2, 4, 8: tokens/s ratio and MFU
-  e2e_profile  that step's GPU time by kernel category at micro-batch 8, and the MFU bound it implies
   small_ops  rotary and the mHC stream mixes at the step's shape vs their PyTorch references
+  e2e        (bench/system/step.py) the `small` training step, kernels off vs on: tokens/s, MFU
+  e2e_batch  (bench/system/step_batch.py) the kernels-on step at micro-batch 2, 4, 8
+  e2e_profile  (bench/system/step_profile.py) that step's GPU time by kernel category at
+             micro-batch 8, and the MFU bound it implies
 
-    python -m bench.kernels [--only attention,mhc] [--out bench/results/kernels-h200.json]
-
-With --only and an existing --out, the sections run replace theirs in that file and the others
-are kept; `measured` says which commit and date each section comes from.
+    python -m bench.kernels [--only attention,mhc] [--out bench/results/kernels/kernels-h100.json]
 """
 from __future__ import annotations
 
@@ -33,8 +32,11 @@ import torch
 
 from bench import provenance
 
-SECTIONS = ("quant", "attention", "attention_floor", "attention_configs", "indexer", "mhc", "engram", "e2e",
-            "e2e_batch", "e2e_profile", "small_ops")
+KERNELS = ("quant", "attention", "attention_floor", "attention_configs", "indexer", "mhc", "engram",
+           "small_ops")
+SECTIONS = {name: f"bench.kernels.{name}" for name in KERNELS}
+SECTIONS.update(e2e="bench.system.step", e2e_batch="bench.system.step_batch",
+                e2e_profile="bench.system.step_profile")
 
 
 def main() -> None:
@@ -48,24 +50,15 @@ def main() -> None:
     today = datetime.date.today().isoformat()
     result = {"bench": "kernels", "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
               "triton": triton.__version__, "date": today, "commit": commit}
-    if args.out and Path(args.out).exists():  # keep the sections not run now, with where they came from
-        old = json.loads(Path(args.out).read_text())
-        measured = old.get("measured") or {k: {"commit": old.get("commit"), "date": old.get("date")}
-                                           for k in SECTIONS if k in old}
-        # every section and kept comparison row; the header (device, versions, commit) is this run's
-        result.update({k: v for k, v in old.items() if k not in result and k != "measured"})
-        result["measured"] = measured
-    result.setdefault("measured", {})
     for name in args.only.split(","):
         if name not in SECTIONS:
             raise SystemExit(f"bench.kernels: unknown section {name!r}; expected some of "
                              f"{', '.join(SECTIONS)}")
         try:
-            result[name] = importlib.import_module(f"bench.kernels_{name}").bench(device)
+            result[name] = importlib.import_module(SECTIONS[name]).bench(device)
         except Exception as e:  # one failing section must not lose the others' numbers
             traceback.print_exc()
             result[name] = {"error": f"{type(e).__name__}: {e}"}
-        result["measured"][name] = {"commit": commit, "date": today}
         torch.cuda.empty_cache()
         print(json.dumps({name: result[name]}), flush=True)
         if args.out:  # after every section: a run cut short keeps what it measured

@@ -4,7 +4,8 @@ Each mode trains `--steps` versions from the same SFT policy (`model.init_from`)
 cluster, and reports samples trained per second of wall time and the trainer's idle fraction
 (1 - time inside train_step / wall time) at its last step.
 
-    python -m bench.rl_async --policy RUN/sft/checkpoints [--steps 10] [--out bench/results/rl-async-cpu.json]
+    python -m bench.system.rl_async --policy RUN/sft/checkpoints [--steps 10] \
+        [--out bench/results/system/rl-async-cpu.json]
     (extra `key=value` arguments are passed to both runs as overrides)
 """
 from __future__ import annotations

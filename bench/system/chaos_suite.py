@@ -1,11 +1,11 @@
 """The chaos suite (`pytest -m chaos`) as a table: each case, its outcome and its time.
 
-    python -m bench.chaos_suite [--out FILE] [-- extra pytest args]
+    python -m bench.system.chaos_suite [--out FILE] [-- extra pytest args]
 
 Runs the tests marked `chaos` in one pytest process and prints one JSON object: per test, the
 outcome (passed / failed / skipped, with the reason) and seconds, plus the totals. Every case
 asserts its own "nothing lost, nothing duplicated, no hang" condition; the kill -9 soak with its
-per-trial detail is `bench/chaos_kill.py`.
+per-trial detail is `bench/system/chaos_kill.py`.
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def main(argv=None) -> dict:
             cases.append({"test": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome,
                           "seconds": round(float(case.get("time", 0)), 1),
                           **({"reason": reason} if reason else {})})
-    out = {**provenance.header("bench/chaos_suite.py"), "pytest_exit": run.returncode,
+    out = {**provenance.header("bench/system/chaos_suite.py"), "pytest_exit": run.returncode,
            "cases": cases, "passed": sum(c["outcome"] == "passed" for c in cases),
            "failed": sum(c["outcome"] == "failed" for c in cases),
            "skipped": sum(c["outcome"] == "skipped" for c in cases)}

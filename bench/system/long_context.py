@@ -6,7 +6,7 @@ a long-context run turns on: per-block activation checkpointing, query-chunked a
 indexer (model.attn_chunk_tokens), the chunked LM loss, bf16 autocast and the Muon + Sinkhorn +
 AdamW composite. Lengths run in increasing order until one runs out of memory.
 
-    python -m bench.long_context [--lengths 4096,16384,65536,131072] [--steps 2]
+    python -m bench.system.long_context [--lengths 4096,16384,65536,131072] [--steps 2]
 """
 from __future__ import annotations
 

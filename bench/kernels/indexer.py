@@ -16,7 +16,7 @@ bf16 q and k, fp32 head weights:
 
 Every entry catches CUDA OOM on its own (value NaN and a `<key>_oom: 1` marker).
 
-    python -m bench.kernels_indexer
+    python -m bench.kernels.indexer
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import json
 
 import torch
 
-from bench.kernel_timing import matmul_tflops, timed_into
+from bench.timing import matmul_tflops, timed_into
 from model.indexer import candidate_pool, index_scores, index_scores_at, select_topk
 from model.kernels.indexer import index_scores_at_triton, index_scores_triton
 from model.kernels.topk import MAX_S, select_topk_triton
@@ -136,7 +136,7 @@ def bench(device, T: int = 4096, contexts: tuple[int, ...] = (16384, 131072), H:
     """A flat dict of numbers, keys prefixed s{S}_: times in ms, TFLOP/s, fractions, speedups."""
     device = torch.device(device)
     if device.type != "cuda":
-        raise RuntimeError("bench.kernels_indexer needs a CUDA device")
+        raise RuntimeError("bench.kernels.indexer needs a CUDA device")
     torch.cuda.set_device(device)
     torch.manual_seed(0)
     peak = matmul_tflops()

@@ -2,8 +2,8 @@
 weights of an uninterrupted run (RL and distillation: every prompt trained once) and every metrics
 row exactly once?
 
-    python -m bench.chaos_kill [--stage pretrain|default|sft|long_context|rl|distill] [--kill-at 1,3,5,10]
-                               [--random 4] [--seed 0] [--steps 20] [--out FILE]
+    python -m bench.system.chaos_kill [--stage pretrain|default|sft|long_context|rl|distill]
+        [--kill-at 1,3,5,10] [--random 4] [--seed 0] [--steps 20] [--out FILE]
 
 Each trial is a first run on a fresh machine: its own run dir and its own empty data cache, so
 an early kill lands in the setup (tokenizer training, data packing, the engine's build) and a
@@ -287,7 +287,7 @@ def main(argv=None) -> dict:
             row["resumed"] = "resumed at version" in trial.with_suffix(".log").read_text(errors="replace")
         trials.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
-    out = {**provenance.header("bench/chaos_kill.py"), "stage": args.stage,
+    out = {**provenance.header("bench/system/chaos_kill.py"), "stage": args.stage,
            "command": cmd_for(work / "TRIAL")[2:], "steps": steps, "uninterrupted_s": round(ref_s, 1),
            **({"uninterrupted": reference} if reference else {}),
            "trials": trials, "all_resumed": all(t.get("rerun_exit") == 0 for t in trials),

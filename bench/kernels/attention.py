@@ -8,7 +8,7 @@ bottom-right). Useful TFLOP/s count only the attended pairs: 4 * T * H * (k + W)
 and 2.5x that backward (the flash-attention convention), as a fraction of measured bf16 matmul
 throughput.
 
-    python -m bench.kernels_attention
+    python -m bench.kernels.attention
 """
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ def _sdpa(S: int, device: torch.device, entry: dict) -> None:
     import torch.nn.functional as F
     from torch.nn.attention.bias import causal_lower_right
 
-    from bench.kernel_timing import timed_ms
+    from bench.timing import timed_ms
 
     dim = 256
     q, kv, backend = _sdpa_inputs(S, dim, device)
@@ -104,7 +104,7 @@ def _sdpa(S: int, device: torch.device, entry: dict) -> None:
 
 def _kernel(S: int, device: torch.device, entry: dict, peak: float) -> None:
     """The Triton kernel (and, at the first length, the PyTorch reference) at context length S."""
-    from bench.kernel_timing import timed_ms
+    from bench.timing import timed_ms
     from model.csa import sparse_attention
     from model.kernels.sparse_attention import sparse_attention_triton
 
@@ -134,10 +134,10 @@ def _kernel(S: int, device: torch.device, entry: dict, peak: float) -> None:
 def bench(device) -> dict:
     """Times (ms), useful TFLOP/s and their fraction of dense bf16 matmul throughput, per length;
     an entry that runs out of memory reads 'oom'."""
-    from bench.kernel_timing import matmul_tflops
+    from bench.timing import matmul_tflops
 
     device = torch.device(device)
-    assert device.type == "cuda", "bench.kernels_attention needs a CUDA device"
+    assert device.type == "cuda", "bench.kernels.attention needs a CUDA device"
     torch.cuda.set_device(device)
     peak = matmul_tflops()
     result = {"device": torch.cuda.get_device_name(device), "peak_matmul_tflops": peak, "queries": T,

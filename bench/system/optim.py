@@ -5,7 +5,7 @@
 2. The Sinkhorn optimiser on one Engram-sized table (16M x 256): a sparse-row step (the rows a
    batch touches) vs the dense step over the whole table.
 
-    python -m bench.optim [--rows 16000000] [--touched 786432] [--reps 10]
+    python -m bench.system.optim [--rows 16000000] [--touched 786432] [--reps 10]
 """
 from __future__ import annotations
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from bench.kernel_timing import kernel_ms
-from bench.kernels_attention_floor import B, C, H, K, T, W, _selection
+from bench.kernels.attention_floor import B, C, H, K, T, W, _selection
+from bench.timing import kernel_ms
 
 
 def _label(cfg) -> str:

@@ -5,7 +5,8 @@ streams, and bf16 autocast with bf16 streams. Prints JSON: each run's LM loss ev
 the mean over the last `tail` steps, and each autocast run's largest distance from the fp32 run's
 loss curve (a moving mean over `tail` steps, so single-batch noise does not dominate).
 
-    python -m bench.residual_precision [--steps 200] [--out bench/results/residual-precision-cpu.json]
+    python -m bench.experiments.residual_precision [--steps 200] \
+        [--out bench/results/experiments/residual-precision-cpu.json]
 
 Data: the bytes of the committed Markdown (byte-level vocabulary of 256), in fixed order, so
 the runs see the same text; the Muon + Sinkhorn + AdamW composite (`optim=muon`) as `tiny` trains.

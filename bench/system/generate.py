@@ -9,7 +9,7 @@
   prefix    latency of a prompt that extends a cached sequence (hit: replay + new tokens) vs the
             same prompt without the prefix cache (miss: CED prefill of everything)
 
-    python -m bench.generate [--model small] [--prefill 8192,32768] [--batches 1,64]
+    python -m bench.system.generate [--model small] [--prefill 8192,32768] [--batches 1,64]
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ the host refills it: `e2e_profile`'s gap between wall time and kernel time is wh
 Waits inside the backward are collected by the autograd engine and replayed once the backward
 ends, so they show neither model frames nor the node that waited ("no repository frame").
 
-    python -m bench.host_waits [--micro-batch 8]   (prints JSON; CUDA only)
+    python -m bench.experiments.host_waits [--micro-batch 8]   (prints JSON; CUDA only)
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from bench import provenance
-from bench.kernels_e2e import small_model
+from bench.system.step import small_model
 
 ROOT = str(Path(__file__).resolve().parent.parent) + "/"
 

@@ -12,7 +12,8 @@
 
 Not in CI (teachers ~17 minutes on 2 cores, then ~75 minutes for 1000 versions). The recorded run
 (distill.kl_mean at its default, domain):
-    python bench/distill_teachers.py --work runs/distill-cpu --out bench/results/distill-cpu.json \
+    python bench/system/distill_teachers.py --work runs/distill-cpu \
+      --out bench/results/system/distill-cpu.json \
       --threads 2 --eval-prompts 64 --distill rl.steps=1000 rl.prompts_per_step=32 optim.lr=5e-4 \
       optim.schedule=cosine optim.warmup_steps=0 optim.min_lr_ratio=0.1 rl.eval_every=500 distill.cpu_cache=24
     and its variant adds distill.kl_mean=token (with --skip-teachers --run run_token).
@@ -35,7 +36,7 @@ sys.path.insert(0, str(REPO))
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--work", default="runs/distill-cpu")
-    ap.add_argument("--out", default="bench/results/distill-cpu.json")
+    ap.add_argument("--out", default="bench/results/system/distill-cpu.json")
     ap.add_argument("--base-steps", type=int, default=1000)
     ap.add_argument("--teacher-steps", type=int, default=60)
     ap.add_argument("--hf-steps", type=int, default=300)

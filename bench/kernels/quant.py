@@ -9,17 +9,17 @@ For each format (kv_fp4, mxfp4, fp8) and operation, on a bf16 [rows, dim] tensor
 
 each as effective bandwidth (the bytes an ideal kernel must move: inputs read once plus outputs written
 once, the same count for kernel and reference) and as a fraction of the device-to-device copy bandwidth
-measured in the same process (bench/kernel_timing.py). The reference's extra traffic (fp32 copies,
+measured in the same process (bench/timing.py). The reference's extra traffic (fp32 copies,
 int64 bucket indices) is exactly what its lower figure shows.
 
 Timing: at 65536 x 512 a kernel call is 25-50 us of GPU time, about what the host needs to launch it
 (Python wrapper, two allocations, Triton's launcher), so one call between two events measures mostly the
 host. The primary figures (``*_gbs``, ``*_frac_copy``) therefore time 20 back-to-back calls captured in
-one CUDA graph (bench.kernel_timing.graph_ms): GPU time only, for kernel and reference alike. The input
+one CUDA graph (bench.timing.graph_ms): GPU time only, for kernel and reference alike. The input
 (64 MiB) is larger than the H200's 50 MB L2, so repeated calls do not run from cache. ``*_eager_frac_copy``
 keeps the old per-call event timing, host launch included: what a lone eager call achieves.
 
-    python -m bench.kernels_quant [--rows 65536] [--dim 512]
+    python -m bench.kernels.quant [--rows 65536] [--dim 512]
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import json
 
 import torch
 
-from bench.kernel_timing import copy_bandwidth_gbs, graph_ms, timed_ms
+from bench.timing import copy_bandwidth_gbs, graph_ms, timed_ms
 from model import quant as ref
 from model.kernels import quant as kern
 

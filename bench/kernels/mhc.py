@@ -11,7 +11,7 @@ forward and one backward) against the eager `sinkhorn_comb` (~80 / ~160 launches
 n = 4, 20 rounds: keys sinkhorn_{train,decode}_* at [2, 4096, 4, 4] (a training call) and
 [1, 1, 4, 4] (a decode step's call, launch-bound).
 
-    python -m bench.kernels_mhc
+    python -m bench.kernels.mhc
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import json
 
 import torch
 
-from bench.kernel_timing import copy_bandwidth_gbs, timed_ms
+from bench.timing import copy_bandwidth_gbs, timed_ms
 from model.kernels.mhc import (
     forward_splits,
     fused_forward_bytes_per_token,
@@ -106,7 +106,7 @@ def bench(device: torch.device) -> dict:
     GB/s) and sinkhorn_{train,decode}_ (times in ms, speedups)."""
     device = torch.device(device)
     if device.type != "cuda":
-        raise RuntimeError("bench.kernels_mhc needs a CUDA device")
+        raise RuntimeError("bench.kernels.mhc needs a CUDA device")
     torch.manual_seed(0)
     with torch.cuda.device(device):  # timed_ms and copy_bandwidth_gbs use the current device
         copy_gbs = copy_bandwidth_gbs()

@@ -20,7 +20,7 @@
   time; the bytes of each pass (forward: read h and kv, write out; backward: read h, kv and the
   output's gradient, write the gradients of h and kv) as a fraction of the copy bandwidth.
 
-    python -m bench.kernels_small_ops
+    python -m bench.kernels.small_ops
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from bench.kernel_timing import copy_bandwidth_gbs, kernel_ms, timed_ms
+from bench.timing import copy_bandwidth_gbs, kernel_ms, timed_ms
 from conf.model import TinyModelConfig
 from model.engram import Engram
 from model.kernels.engram_gate import engram_gate_triton

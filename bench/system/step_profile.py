@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from bench.kernel_timing import copy_bandwidth_gbs
-from bench.kernels_e2e import small_model
+from bench.system.step import small_model
+from bench.timing import copy_bandwidth_gbs
 from model.accounting import train_flops_per_token
 from trainer.metrics import device_peak_flops
 

@@ -1,0 +1,1 @@
+"""Experiments: measurements behind a design decision, not a goal's current figure."""
