@@ -21,7 +21,7 @@ imports `model.kernels`; the kernels import the reference math, never the other 
 | moe_combine | MoE.combine, MoE.gather_sum | torch.compile, fp64; gather_sum also for one copy per row |
 | engram_lookup | Engram.gather_rows | torch.compile, a ZeRO-3 partitioned table |
 | engram_gate | Engram.gate | torch.compile, fp64 |
-| attention | CSA2Attention.attend, .attend_rotates (RoPE folded in) | never (no CUDA or interpreter: error) |
+| attention | CSA2Attention.attend, .attend_rotates (RoPE folded in) | never |
 | index_scores | CSA2Attention.scores_at, .scores_masked | never |
 | topk | CSA2Attention.select | never |
 | cross_entropy | Transformer.head_loss | fp64, a ZeRO-3 partitioned head |
@@ -52,6 +52,16 @@ def _traced_or_fp64(t: torch.Tensor) -> Optional[str]:
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _needs_a_kernel_device(module: nn.Module, args: tuple) -> None:
+    """Forward pre-hook of a model with Triton kernels in it: one clear error, before the first
+    kernel launch, when its input is on a device Triton cannot run on here (a CPU tensor outside
+    Triton's interpreter), where the first kernel would fail with a launch error of its own."""
+    x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    if x is not None and not x.is_cuda and not _interpreting():
+        raise RuntimeError(f"model.kernels=true runs Triton kernels: it needs a CUDA device (or "
+                           f"TRITON_INTERPRET=1), and the input is on {x.device}")
 
 
 class KernelPolicy:
@@ -129,6 +139,9 @@ class KernelPolicy:
         if "mhc_step" in self.fused:  # the blocks now hold the fused step: run them on its schedule
             from model.fused_mhc import apply_fused_schedule
             apply_fused_schedule(model)
+        if self.fused and not getattr(model, "_kernel_device_check", False):
+            model.register_forward_pre_hook(_needs_a_kernel_device)
+            model._kernel_device_check = True
         return model
 
     def _ops(self) -> dict[str, object]:
@@ -216,12 +229,7 @@ class KernelPolicy:
         if "attention" in on:
             from model.kernels.sparse_attention import sparse_attention_triton
 
-            def attend(q, *args, **kwargs):
-                if not q.is_cuda and not _interpreting():
-                    raise RuntimeError("model.kernels=true runs Triton kernels: it needs a CUDA device "
-                                       "(or TRITON_INTERPRET=1)")
-                return sparse_attention_triton(q, *args, **kwargs)
-            out["attend"], out["attend_rotates"] = attend, True
+            out["attend"], out["attend_rotates"] = sparse_attention_triton, True
         if "index_scores" in on:
             from model.kernels.indexer import index_scores_at_triton, index_scores_triton
             out["scores_at"], out["scores_masked"] = index_scores_at_triton, index_scores_triton

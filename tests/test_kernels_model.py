@@ -66,11 +66,15 @@ def test_kernels_match_the_reference_model(monkeypatch, chunk):
         torch.testing.assert_close(gb[name], ga[name], rtol=1e-3, atol=1e-5, msg=name)
 
 
-def test_kernels_need_a_gpu_or_the_interpreter(monkeypatch):
+@pytest.mark.parametrize("ops", [OPS, ("rms_norm",)], ids=["all", "rms_norm-only"])
+def test_kernels_need_a_gpu_or_the_interpreter(monkeypatch, ops):
+    """One clear error before the first kernel launches, whichever op that is, and whether or not
+    the kernel modules were first imported under the interpreter (this test alone imports them
+    without it)."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    model = _with_kernels(Transformer(CFG))
+    model = KernelPolicy(ops).apply(Transformer(CFG))
     x, y, doc = _batch()
-    with pytest.raises(RuntimeError, match="needs a CUDA device"):
+    with pytest.raises(RuntimeError, match="needs a CUDA device .* the input is on cpu"):
         model(x, labels=y, doc_ids=doc)
 
 
