@@ -152,7 +152,7 @@ class SmallModelConfig(ModelConfig):
     o_lora_rank: int = 512
     max_seq_len: int = 131_072
     original_seq_len: int = 65_536
-    # 16K-128K tokens train on one H200 (bench/results/system/long-context-h200.json)
+    # long contexts: attention scores and logits exist for one chunk of queries / tokens at a time
     attn_chunk_tokens: int = 2048
     loss_chunk_tokens: int = 4096
     index_heads: int = 16
