@@ -139,9 +139,8 @@ class KernelPolicy:
         if "mhc_step" in self.fused:  # the blocks now hold the fused step: run them on its schedule
             from model.fused_mhc import apply_fused_schedule
             apply_fused_schedule(model)
-        if self.fused and not getattr(model, "_kernel_device_check", False):
+        if self.fused and _needs_a_kernel_device not in model._forward_pre_hooks.values():
             model.register_forward_pre_hook(_needs_a_kernel_device)
-            model._kernel_device_check = True
         return model
 
     def _ops(self) -> dict[str, object]:
