@@ -6,7 +6,7 @@ a long-context run turns on: per-block activation checkpointing, query-chunked a
 indexer (model.attn_chunk_tokens), the chunked LM loss, bf16 autocast and the Muon + Sinkhorn +
 AdamW composite. Lengths run in increasing order until one runs out of memory.
 
-    python -m bench.system.long_context [--lengths 4096,16384,65536,131072] [--steps 2]
+    python -m bench.system.long_context [--lengths 4096,16384,65536,131072] [--steps 2] [--kernels]
 """
 from __future__ import annotations
 
@@ -66,10 +66,12 @@ def main() -> None:
     ap.add_argument("--attn-chunk", type=int, default=2048)
     ap.add_argument("--loss-chunk", type=int, default=4096)
     ap.add_argument("--vocab", type=int, default=129_280)
+    ap.add_argument("--kernels", action="store_true", help="model.kernels=true (the Triton kernels)")
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     cfg = dataclasses.replace(SmallModelConfig(), vocab_size=args.vocab, attn_chunk_tokens=args.attn_chunk,
-                              loss_chunk_tokens=args.loss_chunk, max_seq_len=max(lengths + [131_072]))
+                              loss_chunk_tokens=args.loss_chunk, max_seq_len=max(lengths + [131_072]),
+                              kernels=args.kernels)
     torch.manual_seed(0)
     with torch.device("cuda"):
         model, _ = assemble_model(cfg)
@@ -96,6 +98,7 @@ def main() -> None:
         "bench": "long_context", "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
         "date": datetime.date.today().isoformat(), "commit": commit, "model": "small",
         "params": sum(p.numel() for p in model.parameters()), "micro_batch": 1, "attn_impl": cfg.attn_impl,
+        "kernels": args.kernels,
         "attn_chunk_tokens": args.attn_chunk, "loss_chunk_tokens": args.loss_chunk,
         "activation_checkpointing": True, "precision": "bf16 autocast, fp32 master",
         "optimizer": "muon composite",
