@@ -60,6 +60,17 @@ def data_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("flashtrain-cache")
 
 
+@pytest.fixture(scope="module")
+def local_ray():
+    """One local Ray cluster for the in-process runs of a test file, started on first use: a
+    cluster's start and stop cost about 4 CPU-seconds, and each test shuts down the actors its
+    coordinator started, so the tests of a file can share one."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=6, include_dashboard=False, configure_logging=False)
+    yield ray
+    ray.shutdown()
+
+
 @pytest.fixture(scope="session")
 def port_base():
     """Distinct MASTER_PORTs per CLI run, so runs never collide."""

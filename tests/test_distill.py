@@ -310,7 +310,7 @@ def _run_in_thread(coord) -> tuple[threading.Thread, dict]:
 
 @pytest.mark.chaos
 @pytest.mark.slow
-def test_routing_teacher_crash_recovery_and_resume(setup):
+def test_routing_teacher_crash_recovery_and_resume(setup, local_ray):
     """One run on Ray: every trained sample carries its prompt's domain and exactly what that
     domain's teacher computes for it; a teacher worker killed mid-call is restarted and its
     samples retried, no prompt lost or trained twice; then a second coordinator resumes."""
@@ -330,7 +330,7 @@ def test_routing_teacher_crash_recovery_and_resume(setup):
             self.trained_samples = getattr(self, "trained_samples", []) + samples
             return super()._train_calls(samples)
 
-    ray.init(num_cpus=6, include_dashboard=False, configure_logging=False)
+    coord = None
     rows = []
     try:
         coord = Recording(cfg, root / "run", str(root / "tokenizer.json"), (root / "student").read_text(),
@@ -395,8 +395,9 @@ def test_routing_teacher_crash_recovery_and_resume(setup):
         saved = model_state(ckpt)
         assert ckpt.name.endswith("5") and all(torch.equal(v, saved[k])
                                                for k, v in student.state_dict().items())
-    finally:
-        ray.shutdown()
+    finally:  # the file's tests share local_ray: nothing of this one may outlive it
+        if coord is not None:
+            coord.shutdown()
 
 
 def _hangs_once_worker(armed: str, hung: str):
@@ -416,10 +417,9 @@ def _hangs_once_worker(armed: str, hung: str):
 
 @pytest.mark.chaos
 @pytest.mark.slow
-def test_a_hung_teacher_is_restarted_and_its_samples_retried(setup, tmp_path):
+def test_a_hung_teacher_is_restarted_and_its_samples_retried(setup, tmp_path, local_ray):
     """A teacher call that outlives rl.timeout_s: the worker is killed and restarted by Ray, the
     call's prompts go back to waiting, and every prompt is still trained exactly once."""
-    import ray
 
     from rl.distill.coordinator import DistillCoordinator
     from rl.distill.run import distill_rl_config
@@ -428,13 +428,13 @@ def test_a_hung_teacher_is_restarted_and_its_samples_retried(setup, tmp_path):
     cfg, root, tok = setup
     teachers = resolve_teachers(cfg.distill)
     cfg = distill_rl_config(cfg, teachers[0])
-    cfg = dataclasses.replace(cfg, rl=dataclasses.replace(cfg.rl, timeout_s=20.0))
+    cfg = dataclasses.replace(cfg, rl=dataclasses.replace(cfg.rl, timeout_s=10.0))
     armed, hung = str(tmp_path / "armed"), str(tmp_path / "hung")
 
     class HungTeacher(DistillCoordinator):
         teacher_worker = _hangs_once_worker(armed, hung)  # a local class: Ray ships it by value
 
-    ray.init(num_cpus=6, include_dashboard=False, configure_logging=False)
+    coord = None
     rows = []
     try:
         coord = HungTeacher(cfg, tmp_path / "run", str(root / "tokenizer.json"),
@@ -449,9 +449,9 @@ def test_a_hung_teacher_is_restarted_and_its_samples_retried(setup, tmp_path):
         assert coord.restarts["teacher"] >= 1 and result["duplicates"] == 0
         assert len(coord.trained) == 4 * 4
         assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
-        coord.shutdown()
-    finally:
-        ray.shutdown()
+    finally:  # the file's tests share local_ray: nothing of this one may outlive it
+        if coord is not None:
+            coord.shutdown()
 
 
 def test_student_objective_matches_the_model_logits_and_the_rl_loss(setup):

@@ -14,7 +14,8 @@ RL_FAST = ["logger=none", "trainer.torch_threads=1", "rl.prompts_per_step=4", "r
            "rl.max_new_tokens=16", "rl.eval_prompts=4", "rl.eval_every=0", "rl.rollout_workers=1",
            "rl.prompts_per_request=2", "rl.timeout_s=120",
            "rl.sft_overrides=['trainer.max_steps=4','trainer.save_every=4','trainer.eval_every=0',"
-           "'trainer.micro_batch_size=2','sft.builtin_samples=256','eval.problems=2']"]
+           "'trainer.micro_batch_size=2','sft.builtin_samples=256','eval.problems=2',"
+           "'eval.max_new_tokens=16']"]
 
 
 def _rows(run):
@@ -77,13 +78,13 @@ def rl_setup(tmp_path_factory, data_cache):
 
 @pytest.mark.chaos
 @pytest.mark.slow
-def test_killed_actors_restart_and_no_prompt_is_lost_or_trained_twice(rl_setup):
+def test_killed_actors_restart_and_no_prompt_is_lost_or_trained_twice(rl_setup, local_ray):
     import ray
 
     from rl.coordinator import Coordinator
 
     cfg, run = rl_setup
-    ray.init(num_cpus=6, include_dashboard=False, configure_logging=False)
+    coord = None
     rows = []
     try:
         coord = Coordinator(cfg, run, str(run / "tokenizer.json"), None, rows.append)
@@ -112,13 +113,13 @@ def test_killed_actors_restart_and_no_prompt_is_lost_or_trained_twice(rl_setup):
         stats = ray.get(coord.trainers[0].train_step.remote(out["samples"]))
         assert stats["stale_samples"] == len(out["samples"]) and stats["trained_tokens"] == 0
         assert stats["stale_lengths"] == [len(s["response"]) for s in out["samples"]]
-        coord.shutdown()
-    finally:
-        ray.shutdown()
+    finally:  # the file's tests share local_ray: nothing of this one may outlive it
+        if coord is not None:
+            coord.shutdown()
 
 
 @pytest.mark.slow
-def test_two_trainer_ranks_stay_in_sync(rl_setup):
+def test_two_trainer_ranks_stay_in_sync(rl_setup, local_ray):
     """rl.trainer_workers=2: two DeepSpeed ranks (Ray actors, gloo) split each batch and reduce
     gradients, so after updates with non-zero advantages both hold the same, changed weights; with
     2 PPO epochs x 2 minibatches one version is 4 optimizer steps on each rank, in step."""
@@ -133,7 +134,7 @@ def test_two_trainer_ranks_stay_in_sync(rl_setup):
     cfg = dataclasses.replace(cfg,
                               rl=dataclasses.replace(cfg.rl, steps=1, trainer_workers=2, rollout_workers=1,
                                                      reward_workers=1, ppo_epochs=2, minibatches=2))
-    ray.init(num_cpus=5, include_dashboard=False, configure_logging=False)
+    coord = None
     try:
         coord = Coordinator(cfg, run / "two_ranks", str(run / "tokenizer.json"), None, lambda row: None)
         coord.run()
@@ -149,9 +150,9 @@ def test_two_trainer_ranks_stay_in_sync(rl_setup):
         params = [k for k in w0 if not k.endswith((".load", ".bias"))]  # router load counts are per rank
         assert all(torch.equal(w0[k], w1[k]) for k in params)
         assert any(not torch.equal(w0[k], before[k]) for k in params)
-        coord.shutdown()
-    finally:
-        ray.shutdown()
+    finally:  # the file's tests share local_ray: nothing of this one may outlive it
+        if coord is not None:
+            coord.shutdown()
 
 
 def test_a_bad_trainer_batch_fails_before_the_built_in_sft(flashtrain, tmp_path):
