@@ -28,7 +28,7 @@ from conf.optim import MuonConfig
 from model.transformer import Transformer
 from optim import build_optimizer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _corpus(seq_len: int) -> torch.Tensor:

@@ -45,7 +45,7 @@ from pathlib import Path
 
 from bench import provenance
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 DEFAULT_STEPS = 150  # `flashtrain pretrain` as the README's Quickstart runs it (conf/trainer.py)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from bench import provenance
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def main(argv=None) -> dict:

@@ -2,7 +2,7 @@
 through the real CLI and trainer. Prints one JSON object: tokens/s, the all-to-all share of
 step time (CUDA events around every exchange, forward and backward) and peak memory per GPU.
 
-    python -m bench.system.ep [--steps 30] [--seq-len 4096] [--micro-batch 2]
+    python -m bench.system.ep [--steps 30] [--seq-len 4096] [--micro-batch 2] [--ep 2] [--kernels]
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def main() -> None:
@@ -26,13 +26,15 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--micro-batch", type=int, default=2)
     ap.add_argument("--ep", type=int, default=2)
+    ap.add_argument("--kernels", action="store_true", help="model.kernels=true (the Triton kernels)")
     args = ap.parse_args()
     run = Path(tempfile.mkdtemp(prefix="bench-ep-"))
     cmd = [sys.executable, "-m", "launch", "pretrain", "model=small", "logger=none", "trainer.progress=false",
            f"launcher.nproc={args.ep}", f"trainer.expert_parallel={args.ep}", f"data.seq_len={args.seq_len}",
            f"trainer.micro_batch_size={args.micro_batch}", f"trainer.max_steps={args.steps}",
            "trainer.log_every=5", "trainer.eval_every=0", "trainer.save_every=0", "trainer.save_at_end=false",
-           "trainer.profile_comm=true", "data.vocab_size=32000", f"hydra.run.dir={run}"]
+           "trainer.profile_comm=true", "data.vocab_size=32000", f"model.kernels={str(args.kernels).lower()}",
+           f"hydra.run.dir={run}"]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     log = Path(os.environ.get("BENCH_LOG", run / "train.log"))
     with open(log, "w") as f:  # streamed, so a timeout still leaves the log
@@ -48,7 +50,7 @@ def main() -> None:
         "torch": torch.__version__,
         "date": datetime.date.today().isoformat(),
         "commit": os.environ.get("FLASHTRAIN_COMMIT"),
-        "model": "small", "ep": args.ep, "dp": 1, "seq_len": args.seq_len,
+        "model": "small", "kernels": args.kernels, "ep": args.ep, "dp": 1, "seq_len": args.seq_len,
         "micro_batch_per_gpu": args.micro_batch,
         "steps": args.steps, "tokens_per_s": mean("tokens_per_s"), "mfu": mean("mfu"),
         "all_to_all_share_of_step": mean("a2a_share"),
