@@ -1,0 +1,137 @@
+"""Where a training step's GPU memory goes, and how long the step takes, on one GPU; prints one
+JSON object. These are the measured points a memory and step-time model (a planner) is fitted to
+and checked against.
+
+For each row (a model, a sequence length, a micro-batch, activation checkpointing on or off):
+the bytes of the parameters, of the gradients and of the optimizer state (read off the tensors),
+the allocator's peak during a step, and the median step time and MFU of the timed steps. Kernels
+on, bf16 autocast with fp32 master weights, the Muon + Sinkhorn + AdamW composite with sparse
+Engram gradients, as the trainer sets a one-GPU run up; random tokens.
+
+Models: `small`, and `flash` at its own widths (hidden size, 64 heads on the 512-d latent, the
+indexer, o-groups, expert width, 4 mHC streams) with fewer layers and 12 routed experts (one
+rank's share at EP=32), top-6 routing, and small Engram tables: `flash-L<layers>`.
+
+    python -m bench.system.step_memory [--rows small:4096:2:0,flash-L4:4096:1:1] [--steps 3]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+
+import torch
+
+from bench import provenance
+from conf.model import FlashModelConfig, SmallModelConfig
+from conf.optim import MuonConfig
+from model.accounting import model_summary, train_flops_per_token
+from optim import build_optimizer
+from trainer.metrics import device_peak_flops
+from trainer.parallelize import checkpoint_blocks
+from trainer.pretrain import assemble_model
+
+GIB = 2**30
+DEFAULT_ROWS = ("small:4096:1:0,small:4096:2:0,small:8192:1:0,small:4096:2:1,small:16384:1:1,"
+                "flash-L2:4096:1:0,flash-L4:4096:1:0,flash-L4:8192:1:0,flash-L4:4096:1:1,flash-L4:16384:1:1")
+
+
+def model_config(name: str, vocab: int):
+    if name == "small":
+        return dataclasses.replace(SmallModelConfig(), vocab_size=vocab, kernels=True, attn_chunk_tokens=0)
+    if not name.startswith("flash-L"):
+        raise SystemExit(f"--rows: unknown model {name!r} (small or flash-L<layers>)")
+    layers = int(name.removeprefix("flash-L"))
+    encoder = max(1, layers // 2)
+    return dataclasses.replace(FlashModelConfig(), vocab_size=vocab, kernels=True, attn_chunk_tokens=0,
+                               n_layers=layers, n_encoder_layers=encoder, n_swa_layers=1,
+                               encoder_group=max(1, encoder - 1), decoder_group=2, n_routed_experts=12,
+                               engram_layers=[1] if layers > 1 else [], engram_min_rows=10_000)
+
+
+def _bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def measure(name: str, seq_len: int, micro_batch: int, checkpointing: bool, steps: int, vocab: int) -> dict:
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model, _ = assemble_model(model_config(name, vocab))
+    if checkpointing:
+        checkpoint_blocks(model)
+    opt = build_optimizer(model, MuonConfig(), zero_stage=0)
+    opt.enable_sparse_table_grads(model)
+    params = _bytes(model.parameters())
+    g = torch.Generator(device="cuda").manual_seed(0)
+    times, grads = [], 0
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    for step in range(steps + 2):  # two warm-up steps: autotuning, allocator growth, optimizer state
+        ids = torch.randint(0, vocab, (micro_batch, seq_len + 1), device="cuda", generator=g)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = model(ids[:, :-1], labels=ids[:, 1:])
+        out.loss.backward()
+        grads = _bytes(p.grad for p in model.parameters() if p.grad is not None)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        if step >= 2:
+            times.append(time.perf_counter() - start)
+    state = _bytes(t for inner in _inner_optimizers(opt) for st in inner.state.values() for t in st.values()
+                   if torch.is_tensor(t))
+    step_s = statistics.median(times)
+    flops = train_flops_per_token(model, seq_len)
+    peak, source = device_peak_flops(torch.device("cuda"), None)
+    summary = model_summary(model)
+    tokens_per_s = micro_batch * seq_len / step_s
+    row = {"model": name, "seq_len": seq_len, "micro_batch": micro_batch,
+           "activation_checkpointing": checkpointing, "layers": model.cfg.n_layers,
+           "params": summary["all_params"],
+           "routed_expert_params": summary["routed_expert_params"],
+           "param_gib": params / GIB, "grad_gib": grads / GIB, "optimizer_state_gib": state / GIB,
+           "peak_gib": torch.cuda.max_memory_allocated() / GIB,
+           "reserved_peak_gib": torch.cuda.max_memory_reserved() / GIB,
+           "step_s": step_s, "tokens_per_s": tokens_per_s,
+           "flops_per_token": flops, "mfu": tokens_per_s * flops / peak, "peak_source": source,
+           "lm_loss_last": out.lm_loss.item()}
+    # what the step adds on top of the states it keeps: activations, workspaces, the transient gradients
+    row["activation_peak_gib"] = (row["peak_gib"] - row["param_gib"] - row["grad_gib"]
+                                  - row["optimizer_state_gib"])
+    del model, opt, out
+    torch.cuda.empty_cache()
+    return row
+
+
+def _inner_optimizers(opt):
+    """The torch optimizers a composite holds (itself when it is one)."""
+    inner = getattr(opt, "optimizers", None)
+    return list(inner.values()) if isinstance(inner, dict) else [opt]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default=DEFAULT_ROWS,
+                    help="comma-separated model:seq_len:micro_batch:checkpointing(0/1)")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--vocab", type=int, default=129_280)
+    args = ap.parse_args()
+    result = {**provenance.header("step_memory"), "rows": []}
+    for spec in args.rows.split(","):
+        name, seq_len, micro_batch, ac = spec.split(":")
+        try:
+            row = measure(name, int(seq_len), int(micro_batch), ac == "1", args.steps, args.vocab)
+        except torch.OutOfMemoryError as e:
+            row = {"model": name, "seq_len": int(seq_len), "micro_batch": int(micro_batch),
+                   "activation_checkpointing": ac == "1", "oom": str(e).split(".")[0]}
+            torch.cuda.empty_cache()
+        print(json.dumps(row), flush=True)
+        result["rows"].append(row)
+    provenance.emit(result, None)
+
+
+if __name__ == "__main__":
+    main()
