@@ -1,5 +1,7 @@
 """The planner's per-rank state memory (trainer/plan.py) against the tensors a real optimizer step
 leaves behind: weights, gradients (Engram tables' sparse rows included) and optimizer state."""
+import json
+
 import pytest
 import torch
 
@@ -7,6 +9,7 @@ from conf.model import TinyModelConfig
 from conf.optim import MuonConfig
 from model.transformer import Transformer
 from optim import CompositeOptimizer, build_optimizer, route_parameters
+from tests.conftest import cli_env, run_cli
 from trainer.plan import Layout, state_bytes
 
 
@@ -67,3 +70,48 @@ def test_sharded_state_is_the_fullest_ranks(tiny):
     model.zero_grad(set_to_none=True)
     want = state_bytes(meta, MuonConfig(), Layout(world=world, zero_stage=1, seq_len=32))["optimizer"]
     assert want == max(per_rank) and sum(per_rank) > want  # the state really is spread
+
+
+def _plan(cli_zygote, port_base, *args):
+    return run_cli(cli_zygote, ["plan", *args], cli_env(port_base()), timeout=300)
+
+
+def test_plan_lists_the_layouts_of_a_gpu_and_what_a_rank_holds(cli_zygote, port_base):
+    p = _plan(cli_zygote, port_base, "model=small", "cluster.gpus_per_node=2", "cluster.gpu=h100",
+              "plan.micro_batches=[1,8]", "plan.json=true")
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    rows = out["rows"]
+    # EP 1 and 2 (both divide 32 experts and 2 ranks) x ZeRO 0/1 x micro-batch 1/8 x checkpointing
+    assert out["world"] == 2 and len(rows) == out["layouts"] == 2 * 2 * 2 * 2
+    assert {(r["ep"], r["zero_stage"]) for r in rows} == {(1, 0), (1, 1), (2, 0), (2, 1)}
+    fits = [r["fits"] for r in rows]
+    assert fits == sorted(fits, reverse=True) and 0 < sum(fits) < len(rows)  # the fitting ones first
+    for r in rows:
+        parts = (r["parameters_gib"] + r["gradients_gib"] + r["optimizer_gib"] + r.get("activations_gib", 0)
+                 + r.get("optimizer_workspace_gib", 0))
+        assert abs(parts - r["total_gib"]) < 1e-6 and r["fits"] == (r["total_gib"] <= out["capacity_gib"])
+        need = f"needs {r['total_gib']:,.1f} GiB of {out['capacity_gib']:,.1f}"
+        assert r["fits"] or r["why"].startswith(need)
+    by = {(r["ep"], r["zero_stage"], r["micro_batch"], r["activation_checkpointing"]): r for r in rows}
+    # expert parallelism halves the routed experts a rank holds; ZeRO-1 spreads the optimizer state
+    assert by[2, 0, 1, False]["parameters_gib"] < by[1, 0, 1, False]["parameters_gib"]
+    assert by[1, 1, 1, False]["optimizer_gib"] < by[1, 0, 1, False]["optimizer_gib"]
+    # micro-batch 8 without checkpointing does not fit an 80 GB card; checkpointing makes it fit
+    assert not by[1, 0, 8, False]["fits"] and by[1, 0, 8, True]["fits"]
+
+
+def test_flash_plan_names_what_does_not_fit(cli_zygote, port_base):
+    p = _plan(cli_zygote, port_base, "model=flash", "cluster.nodes=8", "plan.top=3")
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = p.stdout.strip().splitlines()
+    head = next(line for line in lines if line.startswith("flashtrain plan:"))
+    assert "8 x 8 H200 (64 ranks" in head and "layouts fit" in head
+    rows = [line for line in lines if line.rstrip().endswith(("fits", "on every rank)")) or "needs" in line]
+    # Engram tables of 196B fp32 weights, whole on every rank, fit no layout today
+    assert len(rows) == 3 and all("needs" in row and "Engram tables" in row for row in rows)
+
+
+def test_plan_refuses_an_unknown_gpu_in_one_line(cli_zygote, port_base):
+    p = _plan(cli_zygote, port_base, "model=small", "cluster.gpu=a100")
+    assert p.returncode == 2 and "cluster.gpu='a100': expected one of ['h100', 'h200']" in p.stderr, p.stderr

@@ -22,6 +22,7 @@ from torch import nn
 
 from conf.errors import ConfigError
 from conf.optim import OptimConfig
+from conf.plan import ActivationRates
 from model.engram import Engram, EngramTable
 from model.moe import RoutedExperts
 from optim.composite import assign_owners
@@ -73,39 +74,66 @@ def engram_rows_per_token(model: nn.Module) -> int:
     return sum(m.heads * len(m.orders) for m in model.modules() if isinstance(m, Engram))
 
 
-def state_bytes(model: nn.Module, optim: OptimConfig, layout: Layout) -> dict[str, int]:
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the planner reads off a model once: each trainable tensor's size, optimizer and kind
+    (dense, routed or engram), and the Engram rows a token reads."""
+    routes: list
+    kinds: dict[str, str]  # route name -> dense | routed | engram
+    engram_rows_per_token: int
+    table_dim: int
+    dim: int
+    n_layers: int
+    n_activated_experts: int
+
+    @classmethod
+    def of(cls, model: nn.Module, optim: OptimConfig) -> ModelFacts:
+        routes = route_parameters(model, optim)
+        kinds = _kinds(model)
+        tables = [m.weight.shape[1] for m in model.modules() if isinstance(m, EngramTable)]
+        cfg = model.cfg
+        names = {r.name: kinds.get(id(r.param), "dense") for r in routes}
+        return cls(routes, names, engram_rows_per_token(model), max(tables, default=0), cfg.dim, cfg.n_layers,
+                   cfg.n_activated_experts)
+
+    def local(self, name: str, numel: int, ep: int) -> int:
+        return numel // (ep if self.kinds[name] == "routed" else 1)
+
+    def of_kind(self, kind: str) -> int:
+        return sum(r.param.numel() for r in self.routes if self.kinds[r.name] == kind)
+
+
+def state_bytes(model: nn.Module | ModelFacts, optim: OptimConfig, layout: Layout) -> dict[str, int]:
     """Bytes of weights, gradients and optimizer state on the rank that holds the most:
     {"parameters", "gradients", "optimizer"}."""
+    facts = model if isinstance(model, ModelFacts) else ModelFacts.of(model, optim)
     if layout.world % layout.ep or layout.world % layout.cp:
         raise ConfigError(f"plan: EP {layout.ep} and CP {layout.cp} must divide the {layout.world} ranks")
-    routes = route_parameters(model, optim)
-    kinds = _kinds(model)
     if not holds_whole_parameters(optim, layout.ep):
-        return _deepspeed_bytes(sum(r.param.numel() for r in routes), layout)
+        return _deepspeed_bytes(sum(r.param.numel() for r in facts.routes), layout)
     if layout.zero_stage not in (0, 1):
         raise ConfigError(f"plan: zero_stage {layout.zero_stage} with optim={optim.name} or expert "
                           "parallelism: the composite optimizer shards whole parameters (0 or 1)")
-    local = {r.name: r.param.numel() // (layout.ep if kinds.get(id(r.param)) == "routed" else 1)
-             for r in routes}
-    dense_grads = sum(n for r in routes if kinds.get(id(r.param)) != "engram" for n in [local[r.name]])
+    local = {r.name: facts.local(r.name, r.param.numel(), layout.ep) for r in facts.routes}
+    dense_grads = sum(n for name, n in local.items() if facts.kinds[name] != "engram")
     # sparse row gradients of the Engram tables: each read row's values (fp32) and its int64 index
-    table_dim = max((m.weight.shape[1] for m in model.modules() if isinstance(m, EngramTable)), default=0)
-    sparse = engram_rows_per_token(model) * layout.tokens_per_rank * (table_dim * FP32 + 8)
+    sparse = facts.engram_rows_per_token * layout.tokens_per_rank * (facts.table_dim * FP32 + 8)
     return {"parameters": FP32 * sum(local.values()), "gradients": FP32 * dense_grads + sparse,
-            "optimizer": _composite_state_bytes(routes, kinds, local, layout)}
+            "optimizer": _composite_state_bytes(facts, local, layout)}
 
 
-def _composite_state_bytes(routes, kinds, local: dict[str, int], layout: Layout) -> int:
+def _composite_state_bytes(facts: ModelFacts, local: dict[str, int], layout: Layout) -> int:
     """The largest rank's optimizer state. ZeRO-0: every rank keeps state for all it holds.
     ZeRO-1: dense parameters are owned across all ranks, an expert shard (EP > 1) across the ranks
     that hold the same experts (world / EP of them; rank r is member r // EP of its group)."""
-    state = {r.name: STATE_BYTES[r.optimizer] * local[r.name] for r in routes}
+    state = {r.name: STATE_BYTES[r.optimizer] * local[r.name] for r in facts.routes}
     if layout.zero_stage == 0:
         return sum(state.values())
     # the composite optimizer balances each set of identically replicated parameters on its own;
     # without EP every parameter is replicated on every rank, so that is one set
-    shards = [r for r in routes if layout.ep > 1 and kinds.get(id(r.param)) == "routed"]
-    replicated = [r for r in routes if r not in shards]
+    shards = [r for r in facts.routes if layout.ep > 1 and facts.kinds[r.name] == "routed"]
+    sharded = {r.name for r in shards}
+    replicated = [r for r in facts.routes if r.name not in sharded]
     per_rank: dict[int, int] = defaultdict(int)
     for name, rank in assign_owners(replicated, tuple(range(layout.world))).items():
         per_rank[rank] += state[name]
@@ -126,3 +154,82 @@ def _deepspeed_bytes(n: int, layout: Layout) -> dict[str, int]:
     grads = (FP32 * n) if stage == 0 else 2 * n // (w if stage >= 2 else 1)
     optimizer = 12 * n // (w if stage >= 1 else 1)
     return {"parameters": params, "gradients": grads, "optimizer": optimizer}
+
+
+def optimizer_workspace_elements(facts: ModelFacts, ep: int) -> int:
+    """Elements of the biggest tensor one rank's optimizer step works on whole: Engram tables take
+    sparse row steps, so they do not count."""
+    return max((facts.local(r.name, r.param.numel(), ep) for r in facts.routes
+                if facts.kinds[r.name] != "engram"), default=0)
+
+
+def activation_bytes(facts: ModelFacts, layout: Layout, checkpointing: bool, rates: ActivationRates) -> int:
+    """What a micro-step keeps for its backward: per token, layer and unit of width, as measured."""
+    per = rates.checkpointed if checkpointing else rates.full
+    return int(per * facts.dim * facts.n_layers * layout.tokens_per_rank)
+
+
+def dispatch_bytes(facts: ModelFacts, layout: Layout) -> int:
+    """One MoE layer's all-to-all buffers under EP: each routed copy of a token goes out and comes
+    back in bf16 (send and receive buffers, both directions of the exchange)."""
+    if layout.ep == 1:
+        return 0
+    return 2 * 2 * layout.tokens_per_rank * facts.n_activated_experts * facts.dim * 2
+
+
+@dataclass
+class RankPlan:
+    """One layout and what its fullest rank holds (bytes)."""
+    layout: Layout
+    checkpointing: bool
+    parts: dict[str, int]
+    engram_table_bytes: int
+    capacity: int
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.capacity
+
+    def why_not(self) -> str:
+        """The one-line reason a layout does not fit: the total, the capacity and the largest part."""
+        name, size = max(self.parts.items(), key=lambda kv: kv[1])
+        line = (f"needs {self.total / GIB:,.1f} GiB of {self.capacity / GIB:,.1f}; largest: {name} "
+                f"{size / GIB:,.1f} GiB")
+        if name in ("parameters", "optimizer") and self.engram_table_bytes:
+            line += f" (Engram tables: {self.engram_table_bytes / GIB:,.1f} GiB of weights on every rank)"
+        return line
+
+
+def plan_rank(facts: ModelFacts, optim: OptimConfig, layout: Layout, checkpointing: bool,
+              rates: ActivationRates, capacity: int) -> RankPlan:
+    """Per-rank memory of one layout: the kept state, then the larger of a micro-step's
+    activations (with the EP exchange buffers) and the optimizer step's workspace."""
+    parts = state_bytes(facts, optim, layout)
+    acts = activation_bytes(facts, layout, checkpointing, rates) + dispatch_bytes(facts, layout)
+    workspace = int(rates.optimizer_workspace * FP32 * optimizer_workspace_elements(facts, layout.ep))
+    parts["activations" if acts >= workspace else "optimizer workspace"] = max(acts, workspace)
+    return RankPlan(layout, checkpointing, parts, FP32 * facts.of_kind("engram"), capacity)
+
+
+def candidate_layouts(optim: OptimConfig, world: int, n_routed_experts: int, seq_len: int, micro_batches,
+                      expert_parallel, zero_stages) -> list[Layout]:
+    """Every layout the trainer can run on `world` ranks among the given options: EP degrees that
+    divide both the routed experts and the world (all of them when none are given), and the ZeRO
+    stages the optimizer path accepts (0-1 for the composite optimizer, 0-3 for DeepSpeed's)."""
+    experts = n_routed_experts
+    degrees = list(expert_parallel) or [d for d in range(1, world + 1) if world % d == 0 and experts % d == 0]
+    out = []
+    for ep in degrees:
+        if world % ep or experts % ep:
+            raise ConfigError(f"plan.expert_parallel: {ep} must divide the world size {world} and the "
+                              f"{experts} routed experts")
+        # one rank has nothing to shard: stage 0 only
+        allowed = (0,) if world == 1 else (0, 1) if holds_whole_parameters(optim, ep) else (0, 1, 2, 3)
+        stages = [z for z in zero_stages if z in allowed]
+        out += [Layout(world, ep=ep, zero_stage=z, micro_batch=mb, seq_len=seq_len)
+                for z in stages for mb in micro_batches]
+    return out

@@ -1,0 +1,68 @@
+"""The `plan` stage: which parallel layouts of a training run fit a cluster, and what one rank
+holds in each (trainer/plan.py)."""
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import MISSING
+
+from conf.model import ModelConfig
+from conf.optim import OptimConfig
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    memory_gib: float  # the card's total memory as torch reports it
+    bf16_tflops: float  # dense bf16 tensor-core peak (datasheet)
+    nvlink_gbs: float  # per GPU and direction, between GPUs of one node
+    network_gbs: float  # per GPU and direction, between nodes (one 400 Gb/s NIC a GPU)
+
+
+# Memory as torch reports it on the lent machines (H100 80GB HBM3: 79.18 GiB; H200: about 139 GiB);
+# NVLink 4 at 900 GB/s both directions; 400 Gb/s InfiniBand NDR a GPU.
+GPUS = {
+    "h100": GPUSpec(memory_gib=79.18, bf16_tflops=989.4, nvlink_gbs=450.0, network_gbs=50.0),
+    "h200": GPUSpec(memory_gib=139.0, bf16_tflops=989.4, nvlink_gbs=450.0, network_gbs=50.0),
+}
+
+
+@dataclass(frozen=True)
+class ActivationRates:
+    """Bytes a trained token keeps alive per layer, per unit of model width (dim), kernels on and
+    bf16 autocast, fitted to measured peaks of `small` (bench/reports/2026-12-06-planner.md):
+    without checkpointing, the slope of the peak over micro-batches 2-8 at 4K tokens; with each
+    block checkpointed, its slope over 64K-128K-token sequences."""
+    full: float = 122.0
+    checkpointed: float = 25.2
+    # the optimizer step's own peak over the kept state, in multiples of the largest parameter's
+    # fp32 bytes (Muon's Newton-Schulz and Sinkhorn's scaling work on whole matrices)
+    optimizer_workspace: float = 7.4
+
+
+@dataclass
+class ClusterConfig:
+    nodes: int = 1
+    gpus_per_node: int = 8
+    gpu: str = "h200"  # a key of GPUS
+    memory_headroom_gib: float = 4.0  # kept free per GPU: the CUDA context, NCCL buffers, fragmentation
+
+
+@dataclass
+class PlanOptions:
+    seq_len: int = 4096
+    micro_batches: list[int] = field(default_factory=lambda: [1, 2, 4])
+    # []: every degree that divides both the routed experts and the world size
+    expert_parallel: list[int] = field(default_factory=list)
+    zero_stages: list[int] = field(default_factory=lambda: [0, 1])
+    checkpointing: list[bool] = field(default_factory=lambda: [False, True])
+    top: int = 12  # rows of the table (feasible first)
+    json: bool = False  # one JSON object instead of the table
+
+
+@dataclass
+class PlanConfig:
+    defaults: list[Any] = field(default_factory=lambda: ["_self_", {"model": "flash"}, {"optim": "muon"}])
+    stage: str = "plan"
+    model: ModelConfig = MISSING
+    optim: OptimConfig = MISSING
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    plan: PlanOptions = field(default_factory=PlanOptions)

@@ -1,0 +1,66 @@
+"""`flashtrain plan model=flash cluster.nodes=8 cluster.gpu=h200`: every parallel layout the
+trainer can run on that cluster, with what its fullest rank holds in GPU memory, the layouts
+that fit first; a layout that does not fit names the number that does not."""
+import dataclasses
+import json
+from pathlib import Path
+
+from conf.errors import ConfigError
+from conf.plan import GPUS, ActivationRates, PlanConfig
+from launch.stages import register_stage
+
+GIB = 2**30
+
+
+@register_stage("plan", PlanConfig, help="which parallel layouts fit a cluster, and the memory of one rank")
+def plan(cfg: PlanConfig, run_dir: Path, config_yaml: str):
+    import torch
+
+    from model.transformer import Transformer
+    from trainer.plan import ModelFacts, candidate_layouts, plan_rank
+
+    c, o = cfg.cluster, cfg.plan
+    if c.gpu not in GPUS:
+        raise ConfigError(f"cluster.gpu={c.gpu!r}: expected one of {sorted(GPUS)}")
+    if c.nodes < 1 or c.gpus_per_node < 1:
+        raise ConfigError(f"cluster: nodes ({c.nodes}) and gpus_per_node ({c.gpus_per_node}) must be >= 1")
+    model_cfg = cfg.model
+    if model_cfg.vocab_size is None:
+        model_cfg = dataclasses.replace(model_cfg, vocab_size=129_280)
+    with torch.device("meta"):
+        model = Transformer(model_cfg)
+    world = c.nodes * c.gpus_per_node
+    capacity = int((GPUS[c.gpu].memory_gib - c.memory_headroom_gib) * GIB)
+    facts = ModelFacts.of(model, cfg.optim)
+    rows = [plan_rank(facts, cfg.optim, layout, ac, ActivationRates(), capacity)
+            for layout in candidate_layouts(cfg.optim, world, model_cfg.n_routed_experts, o.seq_len,
+                                            o.micro_batches, o.expert_parallel, o.zero_stages)
+            for ac in o.checkpointing]
+    # fitting layouts first: the most tokens per micro-step, then no recompute, then the smallest EP
+    # group (the least all-to-all traffic), then the most memory left; then the nearest to fitting
+    rows.sort(key=lambda r: (not r.fits, -r.layout.micro_batch, r.checkpointing, r.layout.ep, r.total)
+              if r.fits else (True, r.total))
+    summary = {"model": model_cfg.name, "world": world, "gpu": c.gpu, "capacity_gib": capacity / GIB,
+               "feasible": sum(r.fits for r in rows), "layouts": len(rows),
+               "rows": [{"ep": r.layout.ep, "zero_stage": r.layout.zero_stage,
+                         "micro_batch": r.layout.micro_batch, "seq_len": r.layout.seq_len,
+                         "activation_checkpointing": r.checkpointing,
+                         "fits": r.fits, "total_gib": r.total / GIB,
+                         **{f"{k.replace(' ', '_')}_gib": v / GIB for k, v in r.parts.items()},
+                         **({} if r.fits else {"why": r.why_not()})} for r in rows]}
+    if o.json:
+        print(json.dumps(summary))
+        return summary
+    print(f"flashtrain plan: model {model_cfg.name} on {c.nodes} x {c.gpus_per_node} {c.gpu.upper()} "
+          f"({world} ranks, {capacity / GIB:,.1f} GiB usable each), {o.seq_len}-token sequences: "
+          f"{summary['feasible']} of {len(rows)} layouts fit")
+    print(f"  {'EP':>4} {'ZeRO':>4} {'mb':>3} {'AC':>3} {'GiB':>8}  parameters / gradients / optimizer / "
+          "activations or optimizer workspace")
+    for r in rows[:o.top]:
+        parts = " / ".join(f"{v / GIB:,.1f}" for v in r.parts.values())
+        verdict = "fits" if r.fits else r.why_not()
+        print(f"  {r.layout.ep:>4} {r.layout.zero_stage:>4} {r.layout.micro_batch:>3} "
+              f"{'on' if r.checkpointing else 'off':>3} {r.total / GIB:>8,.1f}  {parts}  {verdict}")
+    if len(rows) > o.top:
+        print(f"  ... {len(rows) - o.top} more (plan.top, plan.json=true)")
+    return summary
