@@ -29,10 +29,10 @@ GPUS = {
 class ActivationRates:
     """Bytes a trained token keeps alive per layer, per unit of model width (dim), kernels on and
     bf16 autocast, fitted to measured peaks of `small` (bench/reports/2026-12-06-planner.md):
-    without checkpointing, the slope of the peak over micro-batches 2-8 at 4K tokens; with each
-    block checkpointed, its slope over 64K-128K-token sequences."""
-    full: float = 122.0
-    checkpointed: float = 25.2
+    without checkpointing, the slope of the peak over micro-batches 2-8 of 4K tokens; with each
+    block checkpointed, the least-squares rate over 64K- and 128K-token sequences."""
+    full: float = 122.3
+    checkpointed: float = 22.1
     # the optimizer step's own peak over the kept state, in multiples of the largest parameter's
     # fp32 bytes (Muon's Newton-Schulz and Sinkhorn's scaling work on whole matrices)
     optimizer_workspace: float = 7.4
