@@ -31,4 +31,7 @@ class TrainerConfig:
     peak_flops: Optional[float] = None  # per device, for MFU; None = from the device
     progress: bool = True  # progress bar with ETA on rank 0
     torch_threads: Optional[int] = None  # CPU intra-op threads (None = torch default)
+    # a GPU run first checks its layout against the planner (trainer/plan.py) and stops, in one line,
+    # when it cannot fit the card
+    plan_check: bool = True
     profile_comm: bool = False  # time expert all-to-alls (CUDA events) and log their share of step time

@@ -5,12 +5,13 @@ import json
 import pytest
 import torch
 
+from conf.errors import ConfigError
 from conf.model import TinyModelConfig
 from conf.optim import MuonConfig
 from model.transformer import Transformer
 from optim import CompositeOptimizer, build_optimizer, route_parameters
 from tests.conftest import cli_env, run_cli
-from trainer.plan import Layout, state_bytes
+from trainer.plan import Layout, check_layout_fits, state_bytes
 
 
 def _bytes(tensors) -> int:
@@ -115,3 +116,28 @@ def test_flash_plan_names_what_does_not_fit(cli_zygote, port_base):
 def test_plan_refuses_an_unknown_gpu_in_one_line(cli_zygote, port_base):
     p = _plan(cli_zygote, port_base, "model=small", "cluster.gpu=a100")
     assert p.returncode == 2 and "cluster.gpu='a100': expected one of ['h100', 'h200']" in p.stderr, p.stderr
+
+
+def test_a_layout_that_cannot_fit_is_refused_before_anything_is_built(tiny):
+    _, meta = tiny
+    layout = Layout(world=1, micro_batch=2, seq_len=64)
+    fits = check_layout_fits(meta, MuonConfig(), layout, False, 2**30, "test GPU")  # 1 GiB: room to spare
+    assert fits.total < 2**30
+    with pytest.raises(ConfigError) as e:
+        check_layout_fits(meta, MuonConfig(), layout, False, fits.total // 2, "test GPU")
+    msg = str(e.value)
+    need = fits.total / 2**30
+    assert msg.startswith(f"trainer: this layout needs about {need:,.1f} GiB a GPU (parameters ")
+    assert "the test GPU has" in msg and "trainer.plan_check=false" in msg and "\n" not in msg
+    # within the planner's measured error of the card: left to run
+    check_layout_fits(meta, MuonConfig(), layout, False, int(fits.total / 1.05), "test GPU")
+
+
+@pytest.mark.gpu
+def test_a_gpu_run_too_big_for_the_card_stops_in_one_line(flashtrain, tmp_path):
+    p = flashtrain("pretrain", "model=small", "logger=none", "data.seq_len=4096",
+                   "trainer.micro_batch_size=64", "trainer.max_steps=1", f"hydra.run.dir={tmp_path / 'run'}",
+                   timeout=600)
+    assert p.returncode == 2, p.stderr[-3000:]
+    errors = [ln for ln in p.stderr.splitlines() if ln.startswith("flashtrain: error:")]
+    assert len(errors) == 1 and "this layout needs about" in errors[0], p.stderr[-3000:]

@@ -233,3 +233,21 @@ def candidate_layouts(optim: OptimConfig, world: int, n_routed_experts: int, seq
         out += [Layout(world, ep=ep, zero_stage=z, micro_batch=mb, seq_len=seq_len)
                 for z in stages for mb in micro_batches]
     return out
+
+
+# The planner's peaks were within 10% of every measured one (bench/reports/2026-12-06-planner.md):
+# a layout is refused only when even that error could not make it fit.
+REFUSE_OVER = 1.10
+
+
+def check_layout_fits(model: nn.Module, optim: OptimConfig, layout: Layout, checkpointing: bool,
+                      capacity: int, gpu: str) -> RankPlan:
+    """Before a GPU run builds anything: refuse, in one line, a layout whose fullest rank the planner
+    puts above the card's memory by more than its measured error. Returns the plan."""
+    rank = plan_rank(ModelFacts.of(model, optim), optim, layout, checkpointing, ActivationRates(), capacity)
+    if rank.total > REFUSE_OVER * capacity:
+        parts = ", ".join(f"{name} {size / GIB:,.1f}" for name, size in rank.parts.items())
+        raise ConfigError(f"trainer: this layout needs about {rank.total / GIB:,.1f} GiB a GPU ({parts}) "
+                          f"and the {gpu} has {capacity / GIB:,.1f} GiB; `flashtrain plan` lists the layouts "
+                          "that fit (trainer.plan_check=false runs it anyway)")
+    return rank

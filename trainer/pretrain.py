@@ -138,15 +138,17 @@ class Trainer:
 
         seed_everything(tc.seed)  # identical initial weights on every rank
         self.train_ds, self.val_ds, self.tokenizer = self.build_data()
+        d = self.dist
+        check_training_layout(cfg.model, cfg.data.seq_len, d.world_size, tc.expert_parallel,
+                              tc.context_parallel)
+        if tc.plan_check and d.device.type == "cuda":
+            self._check_layout_fits()
         self.model = build_model(cfg, self.tokenizer)
         if train_only_indexer:  # the indexer warm-up: everything else is frozen
             for name, p in self.model.named_parameters():
                 p.requires_grad_(".index_query." in name or ".index_key." in name)
-        d = self.dist
         self.total_params = sum(p.numel() for p in self.model.parameters())
         self.flops_per_token = train_flops_per_token(self.model, cfg.data.seq_len)  # before sharding
-        check_training_layout(self.model.cfg, cfg.data.seq_len, d.world_size, tc.expert_parallel,
-                              tc.context_parallel)
         self.layout = build_layout(d.rank, d.world_size, tc.expert_parallel, self.model.cfg.n_routed_experts,
                                    tc.context_parallel)
         self.expert_params = parallelize(self.model, self.layout)
@@ -182,6 +184,22 @@ class Trainer:
         self.peak_flops, self.peak_source = device_peak_flops(d.device, tc.peak_flops)
         if d.is_main:
             self._announce()
+
+    def _check_layout_fits(self) -> None:
+        """The planner's per-rank peak for this run's layout against this GPU, from a meta-device
+        model: a layout that cannot fit stops here, before anything is allocated."""
+        from trainer.plan import Layout, check_layout_fits
+
+        cfg, tc = self.cfg, self.cfg.trainer
+        model_cfg = cfg.model
+        if model_cfg.vocab_size is None:
+            model_cfg = dataclasses.replace(model_cfg, vocab_size=self.tokenizer.vocab_size)
+        with torch.device("meta"):
+            meta = Transformer(model_cfg)
+        layout = Layout(self.dist.world_size, ep=tc.expert_parallel, cp=tc.context_parallel,
+                        zero_stage=tc.zero_stage, micro_batch=tc.micro_batch_size, seq_len=cfg.data.seq_len)
+        gpu = torch.cuda.get_device_properties(self.dist.device)
+        check_layout_fits(meta, cfg.optim, layout, tc.activation_checkpointing, gpu.total_memory, gpu.name)
 
     def build_data(self):
         """(train split, validation split, tokenizer): the packed corpus of cfg.data. A stage that
