@@ -52,7 +52,9 @@ def model_config(name: str, vocab: int):
 
 
 def _bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+    """Bytes the tensors occupy; a sparse one (the Engram tables' row gradients) by its values and indices."""
+    return sum(_bytes((t._values(), t._indices())) if t.is_sparse else t.numel() * t.element_size()
+               for t in tensors)
 
 
 def measure(name: str, seq_len: int, micro_batch: int, checkpointing: bool, steps: int, vocab: int) -> dict:
