@@ -45,6 +45,7 @@ def test_kernels_match_the_reference_model(monkeypatch, chunk):
     Sparse attention takes the latent (C = 64) in one chunk a program: in Triton's interpreter
     the cost follows the number of programs and loop steps, and the chunked programs have their
     own tests (tests/test_kernels_sparse_attention.py)."""
+    import model.kernels.mhc as mhc
     import model.kernels.sparse_attention as sa
     import model.kernels.stream_mix as sm
 
@@ -53,6 +54,15 @@ def test_kernels_match_the_reference_model(monkeypatch, chunk):
     # tests (tests/test_kernels_stream_mix.py), and here they were a third of the interpreter's time
     for name, size in (("_MIX_T", 64), ("_MIX_D", 128), ("_RED_T", 64), ("_RED_D", 128)):
         monkeypatch.setattr(sm, name, size)
+    # the fused mHC steps in one tile a call too (64 tokens x dim 128; their small tiles and several
+    # D blocks have their own tests, tests/test_kernels_mhc.py): they were a quarter of the time here
+    resolved = mhc.MHCKernelConfig.resolved
+
+    def one_tile(self, dtype, narrow_io=False):
+        return dataclasses.replace(resolved(self, dtype, narrow_io), fwd_block_t=64, bwd_block_t=64,
+                                   fwd_block_d=128, bwd_block_d=128)
+
+    monkeypatch.setattr(mhc.MHCKernelConfig, "resolved", one_tile)
     torch.manual_seed(0)
     ref = apply_chunking(Transformer(CFG), chunk, 24)
     ker = apply_chunking(_with_kernels(Transformer(CFG)), chunk, 24)
