@@ -52,6 +52,7 @@ class PlanOptions:
     micro_batches: list[int] = field(default_factory=lambda: [1, 2, 4])
     # []: every degree that divides both the routed experts and the world size
     expert_parallel: list[int] = field(default_factory=list)
+    context_parallel: list[int] = field(default_factory=lambda: [1])  # each sequence cut over this many ranks
     zero_stages: list[int] = field(default_factory=lambda: [0, 1])
     checkpointing: list[bool] = field(default_factory=lambda: [False, True])
     top: int = 12  # rows of the table (feasible first)

@@ -141,3 +141,19 @@ def test_a_gpu_run_too_big_for_the_card_stops_in_one_line(flashtrain, tmp_path):
     assert p.returncode == 2, p.stderr[-3000:]
     errors = [ln for ln in p.stderr.splitlines() if ln.startswith("flashtrain: error:")]
     assert len(errors) == 1 and "this layout needs about" in errors[0], p.stderr[-3000:]
+
+
+def test_context_parallel_layouts_split_each_sequences_activations(tiny):
+    """CP degrees are planned as a run checks them; a CP rank keeps its slice's activations."""
+    _, meta = tiny
+    from conf.plan import ActivationRates
+    from trainer.plan import ModelFacts, candidate_layouts, plan_rank
+
+    layouts = candidate_layouts(MuonConfig(), 4, meta.cfg, 1024, [1], [1], [1], context_parallel=[1, 4])
+    assert [(lay.cp, lay.tokens_per_rank) for lay in layouts] == [(1, 1024), (4, 256)]
+    facts = ModelFacts.of(meta, MuonConfig())
+    whole, sliced = (plan_rank(facts, MuonConfig(), lay, False, ActivationRates(), 2**40) for lay in layouts)
+    assert sliced.parts["parameters"] == whole.parts["parameters"]
+    assert sliced.parts["activations"] * 4 == pytest.approx(whole.parts["activations"], rel=1e-6)
+    with pytest.raises(ConfigError, match="context_parallel=3 does not divide the world size 4"):
+        candidate_layouts(MuonConfig(), 4, meta.cfg, 1024, [1], [1], [1], context_parallel=[3])

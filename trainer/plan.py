@@ -215,23 +215,25 @@ def plan_rank(facts: ModelFacts, optim: OptimConfig, layout: Layout, checkpointi
     return RankPlan(layout, checkpointing, parts, FP32 * facts.of_kind("engram"), capacity)
 
 
-def candidate_layouts(optim: OptimConfig, world: int, n_routed_experts: int, seq_len: int, micro_batches,
-                      expert_parallel, zero_stages) -> list[Layout]:
+def candidate_layouts(optim: OptimConfig, world: int, model_cfg, seq_len: int, micro_batches, expert_parallel,
+                      zero_stages, context_parallel=(1,)) -> list[Layout]:
     """Every layout the trainer can run on `world` ranks among the given options: EP degrees that
-    divide both the routed experts and the world (all of them when none are given), and the ZeRO
-    stages the optimizer path accepts (0-1 for the composite optimizer, 0-3 for DeepSpeed's)."""
-    experts = n_routed_experts
+    divide both the routed experts and the world (all of them when none are given), each CP degree
+    (checked as a run checks it: it divides the world and cuts the sequence into valid slices),
+    and the ZeRO stages the optimizer path accepts (0-1 for the composite optimizer, 0-3 for
+    DeepSpeed's)."""
+    from trainer.parallelize import check_training_layout
+
+    experts = model_cfg.n_routed_experts
     degrees = list(expert_parallel) or [d for d in range(1, world + 1) if world % d == 0 and experts % d == 0]
     out = []
-    for ep in degrees:
-        if world % ep or experts % ep:
-            raise ConfigError(f"plan.expert_parallel: {ep} must divide the world size {world} and the "
-                              f"{experts} routed experts")
-        # one rank has nothing to shard: stage 0 only
-        allowed = (0,) if world == 1 else (0, 1) if holds_whole_parameters(optim, ep) else (0, 1, 2, 3)
-        stages = [z for z in zero_stages if z in allowed]
-        out += [Layout(world, ep=ep, zero_stage=z, micro_batch=mb, seq_len=seq_len)
-                for z in stages for mb in micro_batches]
+    for cp in context_parallel:
+        for ep in degrees:
+            check_training_layout(model_cfg, seq_len, world, ep, cp)
+            # one rank has nothing to shard: stage 0 only
+            allowed = (0,) if world == 1 else (0, 1) if holds_whole_parameters(optim, ep) else (0, 1, 2, 3)
+            out += [Layout(world, ep=ep, cp=cp, zero_stage=z, micro_batch=mb, seq_len=seq_len)
+                    for z in zero_stages if z in allowed for mb in micro_batches]
     return out
 
 

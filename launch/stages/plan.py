@@ -33,8 +33,8 @@ def plan(cfg: PlanConfig, run_dir: Path, config_yaml: str):
     capacity = int((GPUS[c.gpu].memory_gib - c.memory_headroom_gib) * GIB)
     facts = ModelFacts.of(model, cfg.optim)
     rows = [plan_rank(facts, cfg.optim, layout, ac, ActivationRates(), capacity)
-            for layout in candidate_layouts(cfg.optim, world, model_cfg.n_routed_experts, o.seq_len,
-                                            o.micro_batches, o.expert_parallel, o.zero_stages)
+            for layout in candidate_layouts(cfg.optim, world, model_cfg, o.seq_len, o.micro_batches,
+                                            o.expert_parallel, o.zero_stages, o.context_parallel)
             for ac in o.checkpointing]
     # fitting layouts first: the most tokens per micro-step, then no recompute, then the smallest EP
     # group (the least all-to-all traffic), then the most memory left; then the nearest to fitting
@@ -42,7 +42,7 @@ def plan(cfg: PlanConfig, run_dir: Path, config_yaml: str):
               if r.fits else (True, r.total))
     summary = {"model": model_cfg.name, "world": world, "gpu": c.gpu, "capacity_gib": capacity / GIB,
                "feasible": sum(r.fits for r in rows), "layouts": len(rows),
-               "rows": [{"ep": r.layout.ep, "zero_stage": r.layout.zero_stage,
+               "rows": [{"ep": r.layout.ep, "cp": r.layout.cp, "zero_stage": r.layout.zero_stage,
                          "micro_batch": r.layout.micro_batch, "seq_len": r.layout.seq_len,
                          "activation_checkpointing": r.checkpointing,
                          "fits": r.fits, "total_gib": r.total / GIB,
@@ -54,12 +54,12 @@ def plan(cfg: PlanConfig, run_dir: Path, config_yaml: str):
     print(f"flashtrain plan: model {model_cfg.name} on {c.nodes} x {c.gpus_per_node} {c.gpu.upper()} "
           f"({world} ranks, {capacity / GIB:,.1f} GiB usable each), {o.seq_len}-token sequences: "
           f"{summary['feasible']} of {len(rows)} layouts fit")
-    print(f"  {'EP':>4} {'ZeRO':>4} {'mb':>3} {'AC':>3} {'GiB':>8}  parameters / gradients / optimizer / "
-          "activations or optimizer workspace")
+    print(f"  {'EP':>4} {'CP':>3} {'ZeRO':>4} {'mb':>3} {'AC':>3} {'GiB':>8}  parameters / gradients / "
+          "optimizer / activations or optimizer workspace")
     for r in rows[:o.top]:
         parts = " / ".join(f"{v / GIB:,.1f}" for v in r.parts.values())
         verdict = "fits" if r.fits else r.why_not()
-        print(f"  {r.layout.ep:>4} {r.layout.zero_stage:>4} {r.layout.micro_batch:>3} "
+        print(f"  {r.layout.ep:>4} {r.layout.cp:>3} {r.layout.zero_stage:>4} {r.layout.micro_batch:>3} "
               f"{'on' if r.checkpointing else 'off':>3} {r.total / GIB:>8,.1f}  {parts}  {verdict}")
     if len(rows) > o.top:
         print(f"  ... {len(rows) - o.top} more (plan.top, plan.json=true)")
