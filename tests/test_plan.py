@@ -11,7 +11,7 @@ from conf.optim import MuonConfig
 from model.transformer import Transformer
 from optim import CompositeOptimizer, build_optimizer, route_parameters
 from tests.conftest import cli_env, run_cli
-from trainer.plan import Layout, check_layout_fits, state_bytes
+from trainer.plan import Layout, ModelFacts, check_layout_fits, state_bytes
 
 
 def _bytes(tensors) -> int:
@@ -49,7 +49,8 @@ def test_one_rank_holds_what_the_planner_says(tiny):
     grads = _bytes(p.grad for p in model.parameters() if p.grad is not None and not p.grad.is_sparse)
     grads += _bytes(t for g in sparse for t in (g._values(), g._indices()))
     opt.step()
-    want = state_bytes(meta, MuonConfig(), Layout(world=1, zero_stage=0, micro_batch=2, seq_len=64))
+    layout = Layout(world=1, zero_stage=0, micro_batch=2, seq_len=64)
+    want = state_bytes(ModelFacts.of(meta, MuonConfig()), layout)
     assert want == {"parameters": _bytes(model.parameters()), "gradients": grads, "optimizer": _state(opt)}
     model.zero_grad(set_to_none=True)
 
@@ -69,7 +70,8 @@ def test_sharded_state_is_the_fullest_ranks(tiny):
             inner.step()
         per_rank.append(_state(opt))
     model.zero_grad(set_to_none=True)
-    want = state_bytes(meta, MuonConfig(), Layout(world=world, zero_stage=1, seq_len=32))["optimizer"]
+    layout = Layout(world=world, zero_stage=1, seq_len=32)
+    want = state_bytes(ModelFacts.of(meta, MuonConfig()), layout)["optimizer"]
     assert want == max(per_rank) and sum(per_rank) > want  # the state really is spread
 
 
@@ -147,13 +149,13 @@ def test_context_parallel_layouts_split_each_sequences_activations(tiny):
     """CP degrees are planned as a run checks them; a CP rank keeps its slice's activations."""
     _, meta = tiny
     from conf.plan import ActivationRates
-    from trainer.plan import ModelFacts, candidate_layouts, plan_rank
+    from trainer.plan import candidate_layouts, plan_rank
 
-    layouts = candidate_layouts(MuonConfig(), 4, meta.cfg, 1024, [1], [1], [1], context_parallel=[1, 4])
-    assert [(lay.cp, lay.tokens_per_rank) for lay in layouts] == [(1, 1024), (4, 256)]
     facts = ModelFacts.of(meta, MuonConfig())
-    whole, sliced = (plan_rank(facts, MuonConfig(), lay, False, ActivationRates(), 2**40) for lay in layouts)
+    layouts = candidate_layouts(facts, 4, meta.cfg, 1024, [1], [1], [1], context_parallel=[1, 4])
+    assert [(lay.cp, lay.tokens_per_rank) for lay in layouts] == [(1, 1024), (4, 256)]
+    whole, sliced = (plan_rank(facts, lay, False, ActivationRates(), 2**40) for lay in layouts)
     assert sliced.parts["parameters"] == whole.parts["parameters"]
     assert sliced.parts["activations"] * 4 == pytest.approx(whole.parts["activations"], rel=1e-6)
     with pytest.raises(ConfigError, match="context_parallel=3 does not divide the world size 4"):
-        candidate_layouts(MuonConfig(), 4, meta.cfg, 1024, [1], [1], [1], context_parallel=[3])
+        candidate_layouts(facts, 4, meta.cfg, 1024, [1], [1], [1], context_parallel=[3])

@@ -9,7 +9,7 @@ The trainer has two ways of holding a model (trainer/engine.py, optim/__init__.p
                    parameter's state lives only on its owner (optim/composite.py assign_owners).
                    Routed experts are sharded over the EP group and replicated over the ranks that
                    hold the same experts; Engram tables take sparse row gradients.
-  DeepSpeed ZeRO   optim=adamw without EP: bf16 weights and gradients with fp32 master weights and
+  DeepSpeed ZeRO   every route to AdamW and no EP: bf16 weights and gradients with fp32 master weights and
                    Adam moments that ZeRO stage 1, 2 and 3 partition over the ranks (2 + 2 + 12
                    bytes a parameter; stage 0 keeps fp32 gradients too).
 """
@@ -45,18 +45,9 @@ class Layout:
     seq_len: int = 4096
 
     @property
-    def dp(self) -> int:
-        return self.world // self.cp
-
-    @property
     def tokens_per_rank(self) -> int:
         """Tokens one rank runs through the model in a micro-step (its CP slice of each sequence)."""
         return self.micro_batch * self.seq_len // self.cp
-
-
-def holds_whole_parameters(optim: OptimConfig, ep: int) -> bool:
-    """The composite optimizer's path (ZeRO-0/1 by hand) rather than DeepSpeed's ZeRO."""
-    return optim.name != "adamw" or bool(optim.rules) or ep > 1
 
 
 def _kinds(model: nn.Module) -> dict[int, str]:
@@ -96,6 +87,11 @@ class ModelFacts:
         return cls(routes, names, engram_rows_per_token(model), max(tables, default=0), cfg.dim, cfg.n_layers,
                    cfg.n_activated_experts)
 
+    def holds_whole_parameters(self, ep: int) -> bool:
+        """The composite optimizer's path (ZeRO-0/1 by hand) rather than DeepSpeed's ZeRO: what
+        optim.build_optimizer picks, any route not to AdamW or expert shards."""
+        return ep > 1 or any(r.optimizer != "adamw" for r in self.routes)
+
     def local(self, name: str, numel: int, ep: int) -> int:
         return numel // (ep if self.kinds[name] == "routed" else 1)
 
@@ -103,16 +99,14 @@ class ModelFacts:
         return sum(r.param.numel() for r in self.routes if self.kinds[r.name] == kind)
 
 
-def state_bytes(model: nn.Module | ModelFacts, optim: OptimConfig, layout: Layout) -> dict[str, int]:
+def state_bytes(facts: ModelFacts, layout: Layout) -> dict[str, int]:
     """Bytes of weights, gradients and optimizer state on the rank that holds the most:
-    {"parameters", "gradients", "optimizer"}."""
-    facts = model if isinstance(model, ModelFacts) else ModelFacts.of(model, optim)
-    if layout.world % layout.ep or layout.world % layout.cp:
-        raise ConfigError(f"plan: EP {layout.ep} and CP {layout.cp} must divide the {layout.world} ranks")
-    if not holds_whole_parameters(optim, layout.ep):
+    {"parameters", "gradients", "optimizer"}. The layout's degrees are checked before
+    (trainer/parallelize.py check_training_layout)."""
+    if not facts.holds_whole_parameters(layout.ep):
         return _deepspeed_bytes(sum(r.param.numel() for r in facts.routes), layout)
     if layout.zero_stage not in (0, 1):
-        raise ConfigError(f"plan: zero_stage {layout.zero_stage} with optim={optim.name} or expert "
+        raise ConfigError(f"trainer.zero_stage={layout.zero_stage} with Muon/Sinkhorn routes or expert "
                           "parallelism: the composite optimizer shards whole parameters (0 or 1)")
     local = {r.name: facts.local(r.name, r.param.numel(), layout.ep) for r in facts.routes}
     dense_grads = sum(n for name, n in local.items() if facts.kinds[name] != "engram")
@@ -149,7 +143,7 @@ def _deepspeed_bytes(n: int, layout: Layout) -> dict[str, int]:
     w = layout.world
     stage = layout.zero_stage
     if stage not in (0, 1, 2, 3):
-        raise ConfigError(f"plan: zero_stage {stage}: expected 0-3")
+        raise ConfigError(f"trainer.zero_stage={stage}: expected 0-3")
     params = 2 * n // (w if stage == 3 else 1)
     grads = (FP32 * n) if stage == 0 else 2 * n // (w if stage >= 2 else 1)
     optimizer = 12 * n // (w if stage >= 1 else 1)
@@ -204,18 +198,18 @@ class RankPlan:
         return line
 
 
-def plan_rank(facts: ModelFacts, optim: OptimConfig, layout: Layout, checkpointing: bool,
-              rates: ActivationRates, capacity: int) -> RankPlan:
+def plan_rank(facts: ModelFacts, layout: Layout, checkpointing: bool, rates: ActivationRates,
+              capacity: int) -> RankPlan:
     """Per-rank memory of one layout: the kept state, then the larger of a micro-step's
     activations (with the EP exchange buffers) and the optimizer step's workspace."""
-    parts = state_bytes(facts, optim, layout)
+    parts = state_bytes(facts, layout)
     acts = activation_bytes(facts, layout, checkpointing, rates) + dispatch_bytes(facts, layout)
     workspace = int(rates.optimizer_workspace * FP32 * optimizer_workspace_elements(facts, layout.ep))
     parts["activations" if acts >= workspace else "optimizer workspace"] = max(acts, workspace)
     return RankPlan(layout, checkpointing, parts, FP32 * facts.of_kind("engram"), capacity)
 
 
-def candidate_layouts(optim: OptimConfig, world: int, model_cfg, seq_len: int, micro_batches, expert_parallel,
+def candidate_layouts(facts: ModelFacts, world: int, model_cfg, seq_len: int, micro_batches, expert_parallel,
                       zero_stages, context_parallel=(1,)) -> list[Layout]:
     """Every layout the trainer can run on `world` ranks among the given options: EP degrees that
     divide both the routed experts and the world (all of them when none are given), each CP degree
@@ -231,7 +225,7 @@ def candidate_layouts(optim: OptimConfig, world: int, model_cfg, seq_len: int, m
         for ep in degrees:
             check_training_layout(model_cfg, seq_len, world, ep, cp)
             # one rank has nothing to shard: stage 0 only
-            allowed = (0,) if world == 1 else (0, 1) if holds_whole_parameters(optim, ep) else (0, 1, 2, 3)
+            allowed = (0,) if world == 1 else (0, 1) if facts.holds_whole_parameters(ep) else (0, 1, 2, 3)
             out += [Layout(world, ep=ep, cp=cp, zero_stage=z, micro_batch=mb, seq_len=seq_len)
                     for z in zero_stages if z in allowed for mb in micro_batches]
     return out
@@ -246,7 +240,7 @@ def check_layout_fits(model: nn.Module, optim: OptimConfig, layout: Layout, chec
                       capacity: int, gpu: str) -> RankPlan:
     """Before a GPU run builds anything: refuse, in one line, a layout whose fullest rank the planner
     puts above the card's memory by more than its measured error. Returns the plan."""
-    rank = plan_rank(ModelFacts.of(model, optim), optim, layout, checkpointing, ActivationRates(), capacity)
+    rank = plan_rank(ModelFacts.of(model, optim), layout, checkpointing, ActivationRates(), capacity)
     if rank.total > REFUSE_OVER * capacity:
         parts = ", ".join(f"{name} {size / GIB:,.1f}" for name, size in rank.parts.items())
         raise ConfigError(f"trainer: this layout needs about {rank.total / GIB:,.1f} GiB a GPU ({parts}) "

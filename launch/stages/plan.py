@@ -32,8 +32,8 @@ def plan(cfg: PlanConfig, run_dir: Path, config_yaml: str):
     world = c.nodes * c.gpus_per_node
     capacity = int((GPUS[c.gpu].memory_gib - c.memory_headroom_gib) * GIB)
     facts = ModelFacts.of(model, cfg.optim)
-    rows = [plan_rank(facts, cfg.optim, layout, ac, ActivationRates(), capacity)
-            for layout in candidate_layouts(cfg.optim, world, model_cfg, o.seq_len, o.micro_batches,
+    rows = [plan_rank(facts, layout, ac, ActivationRates(), capacity)
+            for layout in candidate_layouts(facts, world, model_cfg, o.seq_len, o.micro_batches,
                                             o.expert_parallel, o.zero_stages, o.context_parallel)
             for ac in o.checkpointing]
     # fitting layouts first: the most tokens per micro-step, then no recompute, then the smallest EP
