@@ -81,17 +81,23 @@ def assemble_model(model_cfg, lookup_map: Optional[torch.Tensor] = None,
     return model, policy
 
 
+def model_config_for(model_cfg, tokenizer):
+    """The model config with its vocabulary resolved against the tokenizer (None: the tokenizer's)."""
+    if model_cfg.vocab_size is None:
+        return dataclasses.replace(model_cfg, vocab_size=tokenizer.vocab_size)
+    if model_cfg.vocab_size < tokenizer.vocab_size:
+        raise ConfigError(f"model.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's "
+                          f"{tokenizer.vocab_size}")
+    return model_cfg
+
+
 def build_model(cfg: PretrainConfig, tokenizer) -> Transformer:
     model_cfg = cfg.model
     for name, allowed in (("attn_impl", tuple(ATTENTION_IMPLS)), ("indexer_mode", ("sparse", "dense"))):
         if getattr(model_cfg, name) not in allowed:
             raise ConfigError(f"model.{name}={getattr(model_cfg, name)!r}: expected one of "
                               f"{', '.join(allowed)}")
-    if model_cfg.vocab_size is None:
-        model_cfg = dataclasses.replace(model_cfg, vocab_size=tokenizer.vocab_size)
-    elif model_cfg.vocab_size < tokenizer.vocab_size:
-        raise ConfigError(f"model.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's "
-                          f"{tokenizer.vocab_size}")
+    model_cfg = model_config_for(model_cfg, tokenizer)
     lookup, pad = None, 0
     if model_cfg.engram_layers:
         lookup, _ = build_compression_map(tokenizer.tokenizer, model_cfg.vocab_size)
@@ -191,11 +197,8 @@ class Trainer:
         from trainer.plan import Layout, check_layout_fits
 
         cfg, tc = self.cfg, self.cfg.trainer
-        model_cfg = cfg.model
-        if model_cfg.vocab_size is None:
-            model_cfg = dataclasses.replace(model_cfg, vocab_size=self.tokenizer.vocab_size)
         with torch.device("meta"):
-            meta = Transformer(model_cfg)
+            meta = Transformer(model_config_for(cfg.model, self.tokenizer))
         layout = Layout(self.dist.world_size, ep=tc.expert_parallel, cp=tc.context_parallel,
                         zero_stage=tc.zero_stage, micro_batch=tc.micro_batch_size, seq_len=cfg.data.seq_len)
         gpu = torch.cuda.get_device_properties(self.dist.device)
