@@ -17,8 +17,8 @@ class GPUSpec:
     network_gbs: float  # per GPU and direction, between nodes (one 400 Gb/s NIC a GPU)
 
 
-# Memory as torch reports it on the lent machines (H100 80GB HBM3: 79.18 GiB; H200: about 139 GiB);
-# NVLink 4 at 900 GB/s both directions; 400 Gb/s InfiniBand NDR a GPU.
+# memory_gib is the card's total as torch reports it (what allocations can reach, below the marketed
+# size); the link rates are NVLink 4 (900 GB/s both directions) and one 400 Gb/s NIC a GPU.
 GPUS = {
     "h100": GPUSpec(memory_gib=79.18, bf16_tflops=989.4, nvlink_gbs=450.0, network_gbs=50.0),
     "h200": GPUSpec(memory_gib=139.0, bf16_tflops=989.4, nvlink_gbs=450.0, network_gbs=50.0),
