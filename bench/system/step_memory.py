@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import statistics
 import time
@@ -128,8 +129,11 @@ def main() -> None:
             row = measure(name, int(seq_len), int(micro_batch), ac == "1", args.steps, args.vocab)
         except torch.OutOfMemoryError as e:
             row = {"model": name, "seq_len": int(seq_len), "micro_batch": int(micro_batch),
-                   "activation_checkpointing": ac == "1", "oom": str(e).split(".")[0]}
-            torch.cuda.empty_cache()
+                   "activation_checkpointing": ac == "1", "oom": " ".join(str(e).split())[:400]}
+        # A failed row's tensors stay reachable from its traceback's frames until the cycle
+        # collector runs; without this every later row would start on a full device.
+        gc.collect()
+        torch.cuda.empty_cache()
         print(json.dumps(row), flush=True)
         result["rows"].append(row)
     provenance.emit(result, None)
