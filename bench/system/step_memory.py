@@ -2,9 +2,10 @@
 JSON object. These are the measured points a memory and step-time model (a planner) is fitted to
 and checked against.
 
-For each row (a model, a sequence length, a micro-batch, activation checkpointing on or off):
-the bytes of the parameters, of the gradients and of the optimizer state (read off the tensors),
-the allocator's peak during a step, and the median step time and MFU of the timed steps. Kernels
+For each row (a model, a sequence length, a micro-batch, activation checkpointing on or off, and
+optionally the micro-steps a step accumulates): the bytes of the parameters, of the gradients and
+of the optimizer state (read off the tensors), the allocator's peak during a step, and the median
+step time, the optimizer's share of it and the MFU of the timed steps. Kernels
 on, bf16 autocast with fp32 master weights, the Muon + Sinkhorn + AdamW composite with sparse
 Engram gradients, as the trainer sets a one-GPU run up; random tokens.
 
@@ -12,7 +13,7 @@ Models: `small`, and `flash` at its own widths (hidden size, 64 heads on the 512
 indexer, o-groups, expert width, 4 mHC streams) with fewer layers and 12 routed experts (one
 rank's share at EP=32), top-6 routing, and small Engram tables: `flash-L<layers>`.
 
-    python -m bench.system.step_memory [--rows small:4096:2:0,flash-L4:4096:1:1] [--steps 3]
+    python -m bench.system.step_memory [--rows small:4096:2:0,flash-L4:4096:1:1:4] [--steps 3]
 """
 from __future__ import annotations
 
@@ -58,7 +59,8 @@ def _bytes(tensors) -> int:
                for t in tensors)
 
 
-def measure(name: str, seq_len: int, micro_batch: int, checkpointing: bool, steps: int, vocab: int) -> dict:
+def measure(name: str, seq_len: int, micro_batch: int, checkpointing: bool, steps: int, vocab: int,
+            accumulation: int = 1) -> dict:
     torch.manual_seed(0)
     with torch.device("cuda"):
         model, _ = assemble_model(model_config(name, vocab))
@@ -68,37 +70,43 @@ def measure(name: str, seq_len: int, micro_batch: int, checkpointing: bool, step
     opt.enable_sparse_table_grads(model)
     params = _bytes(model.parameters())
     g = torch.Generator(device="cuda").manual_seed(0)
-    times, grads = [], 0
+    times, optimizer_times, grads = [], [], 0
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     for step in range(steps + 2):  # two warm-up steps: autotuning, allocator growth, optimizer state
-        ids = torch.randint(0, vocab, (micro_batch, seq_len + 1), device="cuda", generator=g)
+        batches = [torch.randint(0, vocab, (micro_batch, seq_len + 1), device="cuda", generator=g)
+                   for _ in range(accumulation)]
         torch.cuda.synchronize()
         start = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            out = model(ids[:, :-1], labels=ids[:, 1:])
-        out.loss.backward()
+        for ids in batches:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = model(ids[:, :-1], labels=ids[:, 1:])
+            (out.loss / accumulation).backward()
         grads = _bytes(p.grad for p in model.parameters() if p.grad is not None)
+        torch.cuda.synchronize()
+        optimizer_start = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         if step >= 2:
             times.append(time.perf_counter() - start)
+            optimizer_times.append(time.perf_counter() - optimizer_start)
     state = _bytes(t for inner in _inner_optimizers(opt) for st in inner.state.values() for t in st.values()
                    if torch.is_tensor(t))
     step_s = statistics.median(times)
     flops = train_flops_per_token(model, seq_len)
     peak, source = device_peak_flops(torch.device("cuda"), None)
     summary = model_summary(model)
-    tokens_per_s = micro_batch * seq_len / step_s
+    tokens_per_s = accumulation * micro_batch * seq_len / step_s
     row = {"model": name, "seq_len": seq_len, "micro_batch": micro_batch,
-           "activation_checkpointing": checkpointing, "layers": model.cfg.n_layers,
+           "activation_checkpointing": checkpointing, "accumulation": accumulation,
+           "layers": model.cfg.n_layers,
            "params": summary["all_params"],
            "routed_expert_params": summary["routed_expert_params"],
            "param_gib": params / GIB, "grad_gib": grads / GIB, "optimizer_state_gib": state / GIB,
            "peak_gib": torch.cuda.max_memory_allocated() / GIB,
            "reserved_peak_gib": torch.cuda.max_memory_reserved() / GIB,
-           "step_s": step_s, "tokens_per_s": tokens_per_s,
+           "step_s": step_s, "optimizer_s": statistics.median(optimizer_times), "tokens_per_s": tokens_per_s,
            "flops_per_token": flops, "mfu": tokens_per_s * flops / peak, "peak_source": source,
            "lm_loss_last": out.lm_loss.item()}
     # what the step adds on top of the states it keeps: activations, workspaces, the transient gradients
@@ -118,15 +126,16 @@ def _inner_optimizers(opt):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default=DEFAULT_ROWS,
-                    help="comma-separated model:seq_len:micro_batch:checkpointing(0/1)")
+                    help="comma-separated model:seq_len:micro_batch:checkpointing(0/1)[:micro-steps a step]")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--vocab", type=int, default=129_280)
     args = ap.parse_args()
     result = {**provenance.header("step_memory"), "rows": []}
     for spec in args.rows.split(","):
-        name, seq_len, micro_batch, ac = spec.split(":")
+        name, seq_len, micro_batch, ac, *accumulation = spec.split(":")
         try:
-            row = measure(name, int(seq_len), int(micro_batch), ac == "1", args.steps, args.vocab)
+            row = measure(name, int(seq_len), int(micro_batch), ac == "1", args.steps, args.vocab,
+                          int(accumulation[0]) if accumulation else 1)
         except torch.OutOfMemoryError as e:
             row = {"model": name, "seq_len": int(seq_len), "micro_batch": int(micro_batch),
                    "activation_checkpointing": ac == "1", "oom": " ".join(str(e).split())[:400]}
