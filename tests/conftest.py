@@ -1,6 +1,7 @@
 """Test session setup: offline tracking and hub access, GPU tests skipped without a GPU, and
 helpers that run the CLI as a user would (a process per run)."""
 import collections
+import json
 import os
 import shutil
 import subprocess
@@ -40,18 +41,46 @@ FAST = ["model=tiny", "data.seq_len=128", "trainer.micro_batch_size=4", "trainer
         "optim.warmup_steps=2"]
 
 
+# Seconds each test file took on a 2-core machine (setup, call and teardown of its tests), written by
+# `pytest --write-file-durations=tests/file_durations.json`. Used only to order the files.
+FILE_DURATIONS = REPO / "tests" / "file_durations.json"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--write-file-durations", metavar="PATH", default=None,
+                     help="write each test file's total seconds to PATH (the order the suite runs files in)")
+
+
 def pytest_collection_modifyitems(config, items):
-    # Files with the most `slow` tests first (stable: a file's tests stay together and in order).
-    # With `--no-loadscope-reorder` xdist hands out files in this order, so the long ones start
-    # early instead of leaving one worker busy at the end.
-    slow = collections.Counter(item.path for item in items if "slow" in item.keywords)
-    items.sort(key=lambda item: -slow[item.path])
+    # The longest files first, a file's tests together and in order. With `--no-loadscope-reorder`
+    # xdist hands out files in this order to whichever worker is free, so the workers finish
+    # together instead of one running a long file alone at the end. A file with no recorded time
+    # goes first: it may be long, and a short one costs nothing there.
+    known = json.loads(FILE_DURATIONS.read_text()) if FILE_DURATIONS.exists() else {}
+    rel = {item.path: item.path.relative_to(REPO).as_posix() for item in items}
+    items.sort(key=lambda item: -known.get(rel[item.path], float("inf")))
     if torch_has_cuda:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+_file_seconds: collections.Counter = collections.Counter()
+
+
+def pytest_runtest_logreport(report):
+    # on the controller (or the one process): every worker's reports pass through it
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        _file_seconds[report.nodeid.split("::")[0]] += report.duration
+
+
+def pytest_sessionfinish(session):
+    path = session.config.getoption("--write-file-durations")
+    if path and not os.environ.get("PYTEST_XDIST_WORKER"):
+        Path(path).write_text(json.dumps({f: round(s, 1) for f, s in sorted(_file_seconds.items())}, indent=1)
+                              + "\n")
 
 
 @pytest.fixture(scope="session")
