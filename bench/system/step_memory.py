@@ -4,10 +4,10 @@ and checked against.
 
 For each row (a model, a sequence length, a micro-batch, activation checkpointing on or off, and
 optionally the micro-steps a step accumulates): the bytes of the parameters, of the gradients and
-of the optimizer state (read off the tensors), the allocator's peak during a step, and the median
-step time, the optimizer's share of it and the MFU of the timed steps. Kernels
-on, bf16 autocast with fp32 master weights, the Muon + Sinkhorn + AdamW composite with sparse
-Engram gradients, as the trainer sets a one-GPU run up; random tokens.
+of the optimizer state (read off the tensors), the allocator's peak over the whole run and over
+the timed steps alone, and the median step time, the optimizer's share of it and the MFU of the
+timed steps. Kernels on, bf16 autocast with fp32 master weights, the Muon + Sinkhorn + AdamW
+composite with sparse Engram gradients, as the trainer sets a one-GPU run up; random tokens.
 
 Models: `small`, and `flash` at its own widths (hidden size, 64 heads on the 512-d latent, the
 indexer, o-groups, expert width, 4 mHC streams) with fewer layers and 12 routed experts (one
@@ -70,13 +70,16 @@ def measure(name: str, seq_len: int, micro_batch: int, checkpointing: bool, step
     opt.enable_sparse_table_grads(model)
     params = _bytes(model.parameters())
     g = torch.Generator(device="cuda").manual_seed(0)
-    times, optimizer_times, grads = [], [], 0
+    times, optimizer_times, grads, warmup_peak = [], [], 0, 0
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     for step in range(steps + 2):  # two warm-up steps: autotuning, allocator growth, optimizer state
         batches = [torch.randint(0, vocab, (micro_batch, seq_len + 1), device="cuda", generator=g)
                    for _ in range(accumulation)]
         torch.cuda.synchronize()
+        if step == 2:  # the timed steps' own peak, apart from the warm-up's (autotuning runs there)
+            warmup_peak = torch.cuda.max_memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         for ids in batches:
             with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -104,7 +107,8 @@ def measure(name: str, seq_len: int, micro_batch: int, checkpointing: bool, step
            "params": summary["all_params"],
            "routed_expert_params": summary["routed_expert_params"],
            "param_gib": params / GIB, "grad_gib": grads / GIB, "optimizer_state_gib": state / GIB,
-           "peak_gib": torch.cuda.max_memory_allocated() / GIB,
+           "peak_gib": max(warmup_peak, torch.cuda.max_memory_allocated()) / GIB,
+           "steady_peak_gib": torch.cuda.max_memory_allocated() / GIB,
            "reserved_peak_gib": torch.cuda.max_memory_reserved() / GIB,
            "step_s": step_s, "optimizer_s": statistics.median(optimizer_times), "tokens_per_s": tokens_per_s,
            "flops_per_token": flops, "mfu": tokens_per_s * flops / peak, "peak_source": source,
