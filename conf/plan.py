@@ -39,6 +39,20 @@ class ActivationRates:
     optimizer_workspace: float = 4.2
 
 
+@dataclass(frozen=True)
+class StepRates:
+    """What a step's time is built from besides the links' bandwidths, measured on one H100 and one
+    H200 with kernels on (bench/system/step_memory.py at flash's and small's widths;
+    bench/reports/2026-12-06-planner.md): the model's FLOPs run at a fraction of the bf16 peak,
+    each layer adds a fixed cost per micro-step (the memory-bound rest and kernel launches), and
+    the optimizer step costs a fixed time per element it updates."""
+    compute_efficiency: float = 0.43
+    layer_overhead_s: float = 0.0079
+    optimizer_s_per_element: float = 0.086e-9
+    # with every block checkpointed the forward runs twice: 4/3 of the FLOPs and of the layer cost
+    recompute: float = 4 / 3
+
+
 @dataclass
 class ClusterConfig:
     nodes: int = 1
@@ -55,6 +69,8 @@ class PlanOptions:
     expert_parallel: list[int] = field(default_factory=list)
     context_parallel: list[int] = field(default_factory=lambda: [1])  # each sequence cut over this many ranks
     zero_stages: list[int] = field(default_factory=lambda: [0, 1])
+    # sequences per optimizer step over the whole cluster; 0: one micro-step per rank and step
+    global_batch: int = 0
     checkpointing: list[bool] = field(default_factory=lambda: [False, True])
     top: int = 12  # rows of the table (feasible first)
     json: bool = False  # one JSON object instead of the table

@@ -159,3 +159,55 @@ def test_context_parallel_layouts_split_each_sequences_activations(tiny):
     assert sliced.parts["activations"] * 4 == pytest.approx(whole.parts["activations"], rel=1e-6)
     with pytest.raises(ConfigError, match="context_parallel=3 does not divide the world size 4"):
         candidate_layouts(facts, 4, meta.cfg, 1024, [1], [1], [1], context_parallel=[3])
+
+
+def test_the_step_time_estimate_is_within_a_quarter_of_every_measured_step():
+    """Every step `bench/system/step_memory.py` timed (small and flash-width slices, H100 and H200,
+    one or four micro-steps, checkpointing on and off) against the planner's estimate."""
+    from bench.system.step_memory import model_config
+    from conf.plan import GPUS, StepRates
+    from tests.conftest import REPO
+    from trainer.plan import step_time
+
+    facts, checked = {}, 0
+    for path in sorted((REPO / "bench" / "results" / "system").glob("step-memory-*.json")):
+        result = json.loads(path.read_text())
+        gpu = GPUS["h200" if "H200" in result["device"] else "h100"]
+        for row in result["rows"]:
+            if "oom" in row:
+                continue
+            if row["model"] not in facts:
+                with torch.device("meta"):
+                    facts[row["model"]] = ModelFacts.of(Transformer(model_config(row["model"], 129_280)),
+                                                        MuonConfig())
+            layout = Layout(world=1, zero_stage=0, micro_batch=row["micro_batch"], seq_len=row["seq_len"])
+            parts = step_time(facts[row["model"]], layout, row["activation_checkpointing"],
+                              row.get("accumulation", 1), gpu, 8, StepRates())
+            assert sum(parts.values()) == pytest.approx(row["step_s"], rel=0.25), (path.name, row)
+            checked += 1
+    assert checked >= 10
+
+
+def test_step_time_parts_follow_the_layout():
+    """No exchange without EP or replicas; a group that spans nodes runs at the network's rate; the
+    optimizer's share shrinks with ZeRO-1; micro-steps come from the global batch."""
+    from conf.model import SmallModelConfig
+    from conf.plan import GPUS, StepRates
+    from trainer.plan import accumulation_steps, step_time
+
+    with torch.device("meta"):
+        facts = ModelFacts.of(Transformer(SmallModelConfig(vocab_size=1024)), MuonConfig())
+    gpu, rates = GPUS["h100"], StepRates()
+
+    def parts(world, ep, zero=1, gpus_per_node=8):
+        return step_time(facts, Layout(world, ep=ep, zero_stage=zero), False, 1, gpu, gpus_per_node, rates)
+
+    one = parts(1, 1, zero=0)
+    assert one["all-to-all"] == one["gradient reduction"] == one["host traffic"] == 0
+    inside, across = parts(8, 8), parts(16, 8, gpus_per_node=4)
+    assert inside["all-to-all"] > 0 and across["all-to-all"] > 0
+    # the same 8-rank EP group over two nodes of 4: the exchange runs at the network's rate
+    assert across["all-to-all"] / inside["all-to-all"] == pytest.approx(gpu.nvlink_gbs / gpu.network_gbs)
+    assert parts(8, 1)["optimizer"] < parts(8, 1, zero=0)["optimizer"] == one["optimizer"]
+    assert accumulation_steps(Layout(16, cp=2, micro_batch=2), 100) == 7  # 100 / (2 x 8), rounded up
+    assert accumulation_steps(Layout(16, micro_batch=2), 0) == 1

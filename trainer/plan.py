@@ -22,7 +22,8 @@ from torch import nn
 
 from conf.errors import ConfigError
 from conf.optim import OptimConfig
-from conf.plan import ActivationRates
+from conf.plan import ActivationRates, GPUSpec, StepRates
+from model.accounting import active_matmul_params, attention_flops_per_token, indexer_train_flops_per_token
 from model.engram import Engram, EngramTable
 from model.moe import RoutedExperts
 from optim.composite import assign_owners
@@ -68,7 +69,7 @@ def engram_rows_per_token(model: nn.Module) -> int:
 @dataclass(frozen=True)
 class ModelFacts:
     """What the planner reads off a model once: each trainable tensor's size, optimizer and kind
-    (dense, routed or engram), and the Engram rows a token reads."""
+    (dense, routed or engram), the Engram rows a token reads, and what a token's FLOPs depend on."""
     routes: list
     kinds: dict[str, str]  # route name -> dense | routed | engram
     engram_rows_per_token: int
@@ -76,6 +77,9 @@ class ModelFacts:
     dim: int
     n_layers: int
     n_activated_experts: int
+    active_params: float  # weights one token multiplies through (experts at top-k / experts)
+    cfg: object  # the model config
+    layer_plan: object  # the model's per-layer attention plan
 
     @classmethod
     def of(cls, model: nn.Module, optim: OptimConfig) -> ModelFacts:
@@ -85,7 +89,12 @@ class ModelFacts:
         cfg = model.cfg
         names = {r.name: kinds.get(id(r.param), "dense") for r in routes}
         return cls(routes, names, engram_rows_per_token(model), max(tables, default=0), cfg.dim, cfg.n_layers,
-                   cfg.n_activated_experts)
+                   cfg.n_activated_experts, active_matmul_params(model), cfg, model.plan)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Model FLOPs of a trained token (model/accounting.py train_flops_per_token)."""
+        forward = 2 * self.active_params + attention_flops_per_token(self.cfg, self.layer_plan, seq_len)
+        return 3 * forward + indexer_train_flops_per_token(self.cfg, self.layer_plan, seq_len)
 
     def holds_whole_parameters(self, ep: int) -> bool:
         """The composite optimizer's path (ZeRO-0/1 by hand) rather than DeepSpeed's ZeRO: what
@@ -169,6 +178,55 @@ def dispatch_bytes(facts: ModelFacts, layout: Layout) -> int:
     if layout.ep == 1:
         return 0
     return 2 * 2 * layout.tokens_per_rank * facts.n_activated_experts * facts.dim * 2
+
+
+def accumulation_steps(layout: Layout, global_batch: int) -> int:
+    """Micro-steps a rank runs per optimizer step for `global_batch` sequences over the cluster
+    (0: one). Each data-parallel group (world / CP ranks) takes micro_batch sequences a micro-step."""
+    if global_batch <= 0:
+        return 1
+    per_micro_step = layout.micro_batch * (layout.world // layout.cp)
+    return max(1, -(-global_batch // per_micro_step))
+
+
+def _link_gbs(ranks: int, gpus_per_node: int, gpu: GPUSpec) -> float:
+    """GB/s per GPU of a collective among `ranks` consecutive ranks: NVLink inside a node, the
+    network once the group spans nodes."""
+    return (gpu.nvlink_gbs if ranks <= gpus_per_node else gpu.network_gbs) * 1e9
+
+
+def step_time(facts: ModelFacts, layout: Layout, checkpointing: bool, accumulation: int, gpu: GPUSpec,
+              gpus_per_node: int, rates: StepRates) -> dict[str, float]:
+    """Seconds of one optimizer step on a rank, by part, none overlapped (an upper bound where the
+    trainer overlaps): the model's FLOPs at the measured fraction of the peak, the per-layer rest,
+    the EP all-to-all, the gradient reduction, the optimizer's update, and host traffic (none:
+    Engram tables live on the GPU)."""
+    tokens = layout.tokens_per_rank * accumulation
+    again = rates.recompute if checkpointing else 1.0
+    peak = gpu.bf16_tflops * 1e12
+    flops = tokens * facts.flops_per_token(layout.seq_len) * again
+    parts = {"compute": flops / (peak * rates.compute_efficiency),
+             "layers": accumulation * facts.n_layers * rates.layer_overhead_s * again}
+    ep, world = layout.ep, layout.world
+    # each routed copy of a token goes out and its result comes back, in the forward and again in
+    # the backward, bf16; (ep - 1) / ep of it leaves the rank
+    exchanged = 2 * 2 * tokens * facts.n_activated_experts * facts.dim * 2 * facts.n_layers * (ep - 1) / ep
+    parts["all-to-all"] = exchanged / _link_gbs(ep, gpus_per_node, gpu) if ep > 1 else 0.0
+    # fp32 gradients: dense ones reduced over every rank, expert shards over the world / EP ranks
+    # that hold the same experts; a ring moves 2 (n - 1) / n of the bytes per rank
+    dense = sum(r.param.numel() for r in facts.routes if facts.kinds[r.name] == "dense")
+    routed = sum(facts.local(r.name, r.param.numel(), ep) for r in facts.routes
+                 if facts.kinds[r.name] == "routed")
+    replicas = world // ep
+    parts["gradient reduction"] = (
+        (FP32 * dense * 2 * (world - 1) / world / _link_gbs(world, gpus_per_node, gpu) if world > 1 else 0.0)
+        + (FP32 * routed * 2 * (replicas - 1) / replicas / _link_gbs(world, gpus_per_node, gpu)
+           if replicas > 1 else 0.0))
+    # ZeRO-1: a rank updates its share of what it holds (the owners balance it)
+    updated = dense / world + routed / replicas if layout.zero_stage >= 1 else dense + routed
+    parts["optimizer"] = updated * rates.optimizer_s_per_element
+    parts["host traffic"] = 0.0
+    return parts
 
 
 @dataclass

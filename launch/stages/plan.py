@@ -1,12 +1,13 @@
 """`flashtrain plan model=flash cluster.nodes=8 cluster.gpu=h200`: every parallel layout the
-trainer can run on that cluster, with what its fullest rank holds in GPU memory, the layouts
-that fit first; a layout that does not fit names the number that does not."""
+trainer can run on that cluster, with what its fullest rank holds in GPU memory and an estimate of
+its step time; the layouts that fit first, the fastest first; a layout that does not fit names the
+number that does not."""
 import dataclasses
 import json
 from pathlib import Path
 
 from conf.errors import ConfigError
-from conf.plan import GPUS, ActivationRates, PlanConfig
+from conf.plan import GPUS, ActivationRates, PlanConfig, StepRates
 from launch.stages import register_stage
 
 GIB = 2**30
@@ -17,7 +18,7 @@ def plan(cfg: PlanConfig, run_dir: Path, config_yaml: str):
     import torch
 
     from model.transformer import Transformer
-    from trainer.plan import ModelFacts, candidate_layouts, plan_rank
+    from trainer.plan import ModelFacts, accumulation_steps, candidate_layouts, plan_rank, step_time
 
     c, o = cfg.cluster, cfg.plan
     if c.gpu not in GPUS:
@@ -32,14 +33,26 @@ def plan(cfg: PlanConfig, run_dir: Path, config_yaml: str):
     world = c.nodes * c.gpus_per_node
     capacity = int((GPUS[c.gpu].memory_gib - c.memory_headroom_gib) * GIB)
     facts = ModelFacts.of(model, cfg.optim)
-    rows = [plan_rank(facts, layout, ac, ActivationRates(), capacity)
-            for layout in candidate_layouts(facts, world, model_cfg, o.seq_len, o.micro_batches,
-                                            o.expert_parallel, o.zero_stages, o.context_parallel)
-            for ac in o.checkpointing]
-    # fitting layouts first: the most tokens per micro-step, then no recompute, then the smallest EP
-    # group (the least all-to-all traffic), then the most memory left; then the nearest to fitting
-    rows.sort(key=lambda r: (not r.fits, -r.layout.micro_batch, r.checkpointing, r.layout.ep, r.total)
-              if r.fits else (True, r.total))
+    if o.global_batch < 0:
+        raise ConfigError(f"plan.global_batch={o.global_batch}: expected sequences per step, or 0")
+    gpu = GPUS[c.gpu]
+    rows, times = [], {}
+    for layout in candidate_layouts(facts, world, model_cfg, o.seq_len, o.micro_batches, o.expert_parallel,
+                                    o.zero_stages, o.context_parallel):
+        for ac in o.checkpointing:
+            row = plan_rank(facts, layout, ac, ActivationRates(), capacity)
+            accumulation = accumulation_steps(layout, o.global_batch)
+            parts = step_time(facts, layout, ac, accumulation, gpu, c.gpus_per_node, StepRates())
+            step_s = sum(parts.values())
+            tokens = layout.tokens_per_rank * accumulation
+            flops = tokens * facts.flops_per_token(layout.seq_len)
+            times[id(row)] = {"accumulation": accumulation, "step_s": step_s,
+                              "tokens_per_s_per_gpu": tokens / step_s,
+                              "mfu": flops / step_s / (gpu.bf16_tflops * 1e12),
+                              **{f"{k.replace(' ', '_').replace('-', '_')}_s": v for k, v in parts.items()}}
+            rows.append(row)
+    # fitting layouts first, the fastest (estimated tokens/s per GPU) first; then the nearest to fitting
+    rows.sort(key=lambda r: (False, -times[id(r)]["tokens_per_s_per_gpu"]) if r.fits else (True, r.total))
     summary = {"model": model_cfg.name, "world": world, "gpu": c.gpu, "capacity_gib": capacity / GIB,
                "feasible": sum(r.fits for r in rows), "layouts": len(rows),
                "rows": [{"ep": r.layout.ep, "cp": r.layout.cp, "zero_stage": r.layout.zero_stage,
@@ -47,6 +60,7 @@ def plan(cfg: PlanConfig, run_dir: Path, config_yaml: str):
                          "activation_checkpointing": r.checkpointing,
                          "fits": r.fits, "total_gib": r.total / GIB,
                          **{f"{k.replace(' ', '_')}_gib": v / GIB for k, v in r.parts.items()},
+                         **times[id(r)],
                          **({} if r.fits else {"why": r.why_not()})} for r in rows]}
     if o.json:
         print(json.dumps(summary))
@@ -54,13 +68,18 @@ def plan(cfg: PlanConfig, run_dir: Path, config_yaml: str):
     print(f"flashtrain plan: model {model_cfg.name} on {c.nodes} x {c.gpus_per_node} {c.gpu.upper()} "
           f"({world} ranks, {capacity / GIB:,.1f} GiB usable each), {o.seq_len}-token sequences: "
           f"{summary['feasible']} of {len(rows)} layouts fit")
-    print(f"  {'EP':>4} {'CP':>3} {'ZeRO':>4} {'mb':>3} {'AC':>3} {'GiB':>8}  parameters / gradients / "
-          "optimizer / activations or optimizer workspace")
+    print(f"  {'EP':>4} {'CP':>3} {'ZeRO':>4} {'mb':>3} {'AC':>3} {'GiB':>8} {'step s':>7} {'tok/s/GPU':>9} "
+          f"{'MFU':>5}  parameters / gradients / optimizer / activations or optimizer workspace (GiB)")
     for r in rows[:o.top]:
         parts = " / ".join(f"{v / GIB:,.1f}" for v in r.parts.values())
         verdict = "fits" if r.fits else r.why_not()
+        t = times[id(r)]
         print(f"  {r.layout.ep:>4} {r.layout.cp:>3} {r.layout.zero_stage:>4} {r.layout.micro_batch:>3} "
-              f"{'on' if r.checkpointing else 'off':>3} {r.total / GIB:>8,.1f}  {parts}  {verdict}")
+              f"{'on' if r.checkpointing else 'off':>3} {r.total / GIB:>8,.1f} {t['step_s']:>7.2f} "
+              f"{t['tokens_per_s_per_gpu']:>9,.0f} {t['mfu']:>5.1%}  {parts}  {verdict}")
+    print("  step time: the model's FLOPs and each layer's rest at rates measured on one GPU, the EP "
+          "all-to-all and the gradient reduction at link bandwidth, the optimizer per element updated; "
+          "nothing overlapped (plan.json=true gives each part)")
     if len(rows) > o.top:
         print(f"  ... {len(rows) - o.top} more (plan.top, plan.json=true)")
     return summary
