@@ -14,6 +14,8 @@ import torch
 
 from data.chat import EFFORT_MAX, EFFORT_MIN
 
+MAX_PENALTY = 700.0  # exp(-700) ~ 1e-304, still a positive float64
+
 
 def length_penalty_coef(effort: torch.Tensor | int, base: float, scale: float) -> torch.Tensor:
     """scale * base ** ((100 - effort) / 99): `scale` at effort 100, `base` times stronger at
@@ -23,17 +25,25 @@ def length_penalty_coef(effort: torch.Tensor | int, base: float, scale: float) -
         raise ValueError(f"effort must be in {EFFORT_MIN}-{EFFORT_MAX}, got {effort.tolist()}")
     if base < 1 or scale < 0:
         raise ValueError(f"length penalty needs base >= 1 and scale >= 0, got base={base}, scale={scale}")
+    if scale * base > MAX_PENALTY:
+        # exp(-coef) of a full-length answer would underflow float64 to 0, a wrong answer's reward
+        raise ValueError(f"length penalty scale * base = {scale * base:g} is above {MAX_PENALTY:g}: a right "
+                         "full-length answer's reward would underflow to 0")
     return scale * base ** ((EFFORT_MAX - effort) / (EFFORT_MAX - EFFORT_MIN))
 
 
 def shaped_reward(task_reward: torch.Tensor, length: torch.Tensor, effort: torch.Tensor, max_len: int,
                   base: float, scale: float) -> torch.Tensor:
-    """task reward * (1 - coef(effort) * length / max_len), per sample [N]. The penalty scales
-    with the task reward: a wrong answer scores 0 whatever its length, so a group of wrong answers
-    carries no length signal (without that, a weak policy learns to be short before it learns
-    to be right) and, while coef <= 1, a right answer always beats a wrong one."""
+    """task reward * exp(-coef(effort) * length / max_len), per sample [N].
+
+    The penalty multiplies the task reward, so a wrong answer scores 0 whatever its length and a
+    group of wrong answers carries no length signal (without that, a weak policy learns to be
+    short before it learns to be right). Being a factor in (0, 1] rather than 1 - coef * length,
+    it never turns a right answer's reward negative: at every effort and length a right answer
+    scores above a wrong one, however strong the penalty at low effort (coef > 1 included).
+    For small coef * length it is 1 - coef * length / max_len to first order."""
     coef = length_penalty_coef(effort, base, scale)
-    return task_reward.double() * (1 - coef * length.double() / max_len)
+    return task_reward.double() * torch.exp(-coef * length.double() / max_len)
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, std_floor: float = 0.0,

@@ -77,6 +77,8 @@ def run_rl(cfg, run_dir: Path, config_yaml: str, builtin_sft=None, make_coordina
     import ray
 
     from data import build_datasets
+    from data.chat import EFFORT_MAX
+    from rl.algorithm import length_penalty_coef
     from rl.coordinator import Coordinator
     from trainer.engine import check_trainer_counts
     from trainer.metrics import MetricsLog
@@ -84,6 +86,10 @@ def run_rl(cfg, run_dir: Path, config_yaml: str, builtin_sft=None, make_coordina
 
     check_trainer_counts(cfg.trainer)  # before the built-in SFT, not when the trainer actors start after it
     rl = cfg.rl
+    try:  # the reward's settings, before any work rather than at the first scored sample
+        length_penalty_coef(EFFORT_MAX, rl.length_penalty_base, rl.length_penalty_scale)
+    except ValueError as e:
+        raise ConfigError(f"rl.length_penalty_base/rl.length_penalty_scale: {e}") from None
     need = actor_demand(rl, extra_actors)
     if rl.ray_address is None and rl.ray_num_cpus:  # a local cluster of that size: known before any work
         problem = resource_shortfall({"CPU": float(rl.ray_num_cpus), "GPU": float(torch.cuda.device_count())},

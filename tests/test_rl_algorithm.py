@@ -25,15 +25,31 @@ def test_length_penalty_grows_exponentially_as_effort_falls():
     torch.testing.assert_close(steps, torch.full_like(steps, base ** (1 / 99)))
     # same answer, same length: the lower effort pays more
     r = shaped_reward(torch.ones(3), torch.full((3,), 20.0), torch.tensor([100, 75, 50]), 40, base, scale)
-    assert r[0] > r[1] > r[2] and float(r[0]) == pytest.approx(1 - scale * 0.5)
-    # a wrong answer scores 0 at any length; a right one always beats it
+    assert r[0] > r[1] > r[2] and float(r[0]) == pytest.approx(math.exp(-scale * 0.5))
+    # a wrong answer scores 0 at any length
     wrong = shaped_reward(torch.zeros(2), torch.tensor([2.0, 40.0]), torch.tensor([1, 1]), 40, base, scale)
     assert wrong.tolist() == [0.0, 0.0]
-    assert float(shaped_reward(torch.ones(1), torch.tensor([40.0]), torch.tensor([1]), 40, 4.0, 0.2)) > 0
     with pytest.raises(ValueError, match="effort"):
         length_penalty_coef(0, base, scale)
     with pytest.raises(ValueError, match="base"):
         length_penalty_coef(50, 0.5, scale)
+    with pytest.raises(ValueError, match="underflow"):
+        length_penalty_coef(50, 1000.0, 1.0)
+
+
+@pytest.mark.parametrize("base,scale", [(8.0, 0.2), (50.0, 0.5), (1000.0, 0.7)])
+def test_a_right_answer_beats_a_wrong_one_at_every_effort_and_length(base, scale):
+    """The whole surface, efforts 1-100 x lengths 0-max_len, including penalties far above 1 at low
+    effort (8 x 0.2 = 1.6 is the default's at effort 1): a right answer keeps a positive reward,
+    shorter is better at a given effort, and lower effort penalises the same length more."""
+    max_len = 64
+    effort, length = torch.meshgrid(torch.arange(1, 101), torch.arange(0, max_len + 1), indexing="ij")
+    args = (length.flatten(), effort.flatten(), max_len, base, scale)
+    right = shaped_reward(torch.ones(effort.numel()), *args).view(effort.shape)
+    wrong = shaped_reward(torch.zeros(effort.numel()), *args).view(effort.shape)
+    assert bool((right > wrong).all()) and bool((wrong == 0).all())
+    assert bool((right[:, 1:] < right[:, :-1]).all())  # each token longer costs, at every effort
+    assert bool((right[1:, 1:] > right[:-1, 1:]).all())  # the same length costs more at a lower effort
 
 
 def test_group_advantages_are_normalised_per_group():
