@@ -40,6 +40,10 @@ class RLLoopConfig:
     trainer_workers: int = 1  # DeepSpeed data-parallel ranks (one Ray actor each)
     prompts_per_request: int = 2  # prompts per rollout call
     rollout_batch: int = 16  # sequences a rollout worker decodes together
+    # the rollout engine computes what the trainer's forward does: a quantised (packed) KV cache only
+    # when the policy trains with model.kv_quant=qat, and CED prefill only for prompts longer than
+    # rollout_replay (null: every layer over the whole prompt, exactly the training forward)
+    rollout_replay: Optional[int] = 128
     rollout_threads: int = 1  # torch threads per rollout worker (CPU)
     trainer_gpus: float = 0.0  # GPUs per trainer actor (0 on CPU)
     rollout_gpus: float = 0.0

@@ -90,6 +90,9 @@ def run_rl(cfg, run_dir: Path, config_yaml: str, builtin_sft=None, make_coordina
         length_penalty_coef(EFFORT_MAX, rl.length_penalty_base, rl.length_penalty_scale)
     except ValueError as e:
         raise ConfigError(f"rl.length_penalty_base/rl.length_penalty_scale: {e}") from None
+    if rl.rollout_replay is not None and rl.rollout_replay < 1:
+        raise ConfigError(f"rl.rollout_replay={rl.rollout_replay}: expected tokens >= 1, or null for no "
+                          "CED prefill")
     need = actor_demand(rl, extra_actors)
     if rl.ray_address is None and rl.ray_num_cpus:  # a local cluster of that size: known before any work
         problem = resource_shortfall({"CPU": float(rl.ray_num_cpus), "GPU": float(torch.cuda.device_count())},

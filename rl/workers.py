@@ -44,10 +44,13 @@ class RolloutWorker:
         n = 1 if greedy else self.rl.group_size
         flat = [p for p in prompts for _ in range(n)]
         self.calls += 1
+        # the cache quantises KV exactly as the QAT training forward does, and only then: the
+        # behaviour log-probs are the trainer's own for prompts within the replay
         gens = generate(self.model, [p["ids"] for p in flat], self.rl.max_new_tokens,
                         temperature=0.0 if greedy else self.rl.temperature, top_p=self.rl.top_p,
                         stop=self.chat.stop_ids(), seed=self.seed * 1_000_003 + self.calls,
-                        policy_version=self.version, max_batch=self.rl.rollout_batch)
+                        policy_version=self.version, max_batch=self.rl.rollout_batch,
+                        packed=self.cfg.model.kv_quant == "qat", replay=self.rl.rollout_replay)
         samples = [{"id": p["id"], "effort": p["effort"], "prompt": p["ids"], "response": g.tokens,
                     "behaviour": g.logprobs, "version": g.policy_version, "finish": g.finish}
                    for p, g in zip(flat, gens)]

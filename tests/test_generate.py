@@ -253,3 +253,29 @@ def test_continuous_batching_gives_each_prompt_what_it_gets_alone(model):
                 and a.finish == ("stop" if cut < len(b.tokens) or b.tokens[-1] in stop else "length"))
     with pytest.raises(ValueError, match="max_batch"):
         generate(model, prompts, max_new_tokens=1, max_batch=0)
+
+
+def test_rollout_log_probs_are_the_training_forwards(model):
+    """What RL trains against: the engine's log-prob of each token it sampled (temperature 1, top-p
+    1) equals the policy's training forward over prompt + response (rl/policy.py), when the cache
+    stores what that forward computes (packed only for a model trained with KV QAT, as
+    rl/workers.py picks) and the prompt fits the replay. A packed cache under a model trained
+    without QAT, or a prompt longer than the replay, gives measurably different log-probs."""
+    from rl.policy import response_logprobs
+
+    def gap(prompts, packed, replay):
+        gens = generate(model, prompts, 12, temperature=1.0, packed=packed, replay=replay, seed=3)
+        samples = [{"prompt": p, "response": g.tokens} for p, g in zip(prompts, gens)]
+        logp, mask = response_logprobs(model, samples, pad_id=0)
+        behaviour = torch.zeros_like(logp)
+        for i, g in enumerate(gens):
+            behaviour[i, :len(g.logprobs)] = torch.tensor(g.logprobs, dtype=logp.dtype)
+        return float(((logp - behaviour).abs() * mask).max())
+
+    short = [_ids(20, seed=s)[0].tolist() for s in (1, 2)]
+    long = [_ids(48, seed=s)[0].tolist() for s in (4, 5)]
+    assert gap(short, model.packed_cache, 128) < 1e-5
+    assert gap(long, model.packed_cache, 128) < 1e-5
+    assert gap(long, model.packed_cache, 16) > 1e-6  # CED's boundary: the rollout is not the forward
+    if not model.packed_cache:
+        assert gap(short, True, 128) > 1e-6  # a quantised cache under an unquantised forward
