@@ -94,9 +94,14 @@ def indexer_train_flops_per_token(cfg, plan, seq_len: int) -> float:
 def train_flops_per_token(model: nn.Module, seq_len: int) -> float:
     """Model FLOPs per trained token, forward + backward: matmuls and attention at 3x their
     forward, plus the indexers' (`indexer_train_flops_per_token`)."""
-    cfg = model.cfg
-    forward = 2 * active_matmul_params(model) + attention_flops_per_token(cfg, model.plan, seq_len)
-    return 3 * forward + indexer_train_flops_per_token(cfg, model.plan, seq_len)
+    return train_flops(model.cfg, model.plan, active_matmul_params(model), seq_len)
+
+
+def train_flops(cfg, plan, active_params: float, seq_len: int) -> float:
+    """`train_flops_per_token` from the config, the layer plan and the active matmul weights, for
+    callers that keep those rather than the model (the planner)."""
+    forward = 2 * active_params + attention_flops_per_token(cfg, plan, seq_len)
+    return 3 * forward + indexer_train_flops_per_token(cfg, plan, seq_len)
 
 
 def ced_kv_writer_params(model: nn.Module) -> int:

@@ -190,7 +190,8 @@ def test_the_step_time_estimate_is_within_a_quarter_of_every_measured_step():
 
 def test_step_time_parts_follow_the_layout():
     """No exchange without EP or replicas; a group that spans nodes runs at the network's rate; the
-    optimizer's share shrinks with ZeRO-1; micro-steps come from the global batch."""
+    optimizer's share shrinks with ZeRO-1, which broadcasts the new weights; micro-steps come from
+    the global batch."""
     from conf.model import SmallModelConfig
     from conf.plan import GPUS, StepRates
     from trainer.plan import accumulation_steps, step_time
@@ -209,5 +210,8 @@ def test_step_time_parts_follow_the_layout():
     # the same 8-rank EP group over two nodes of 4: the exchange runs at the network's rate
     assert across["all-to-all"] / inside["all-to-all"] == pytest.approx(gpu.nvlink_gbs / gpu.network_gbs)
     assert parts(8, 1)["optimizer"] < parts(8, 1, zero=0)["optimizer"] == one["optimizer"]
+    # ZeRO-1's owners send their new weights; ZeRO-0 updates every replica in place
+    assert parts(8, 1)["weight broadcast"] > 0 == parts(8, 1, zero=0)["weight broadcast"]
+    assert one["weight broadcast"] == 0
     assert accumulation_steps(Layout(16, cp=2, micro_batch=2), 100) == 7  # 100 / (2 x 8), rounded up
     assert accumulation_steps(Layout(16, micro_batch=2), 0) == 1

@@ -23,7 +23,7 @@ from torch import nn
 from conf.errors import ConfigError
 from conf.optim import OptimConfig
 from conf.plan import ActivationRates, GPUSpec, StepRates
-from model.accounting import active_matmul_params, attention_flops_per_token, indexer_train_flops_per_token
+from model.accounting import active_matmul_params, train_flops
 from model.engram import Engram, EngramTable
 from model.moe import RoutedExperts
 from optim.composite import assign_owners
@@ -93,8 +93,7 @@ class ModelFacts:
 
     def flops_per_token(self, seq_len: int) -> float:
         """Model FLOPs of a trained token (model/accounting.py train_flops_per_token)."""
-        forward = 2 * self.active_params + attention_flops_per_token(self.cfg, self.layer_plan, seq_len)
-        return 3 * forward + indexer_train_flops_per_token(self.cfg, self.layer_plan, seq_len)
+        return train_flops(self.cfg, self.layer_plan, self.active_params, seq_len)
 
     def holds_whole_parameters(self, ep: int) -> bool:
         """The composite optimizer's path (ZeRO-0/1 by hand) rather than DeepSpeed's ZeRO: what
@@ -199,8 +198,9 @@ def step_time(facts: ModelFacts, layout: Layout, checkpointing: bool, accumulati
               gpus_per_node: int, rates: StepRates) -> dict[str, float]:
     """Seconds of one optimizer step on a rank, by part, none overlapped (an upper bound where the
     trainer overlaps): the model's FLOPs at the measured fraction of the peak, the per-layer rest,
-    the EP all-to-all, the gradient reduction, the optimizer's update, and host traffic (none:
-    Engram tables live on the GPU)."""
+    the EP all-to-all, the gradient reduction (dense and expert gradients in a ring, the Engram
+    tables' sparse rows gathered from every rank), the optimizer's update and, at ZeRO-1, the
+    owners' broadcast of the new weights, and host traffic (none: Engram tables live on the GPU)."""
     tokens = layout.tokens_per_rank * accumulation
     again = rates.recompute if checkpointing else 1.0
     peak = gpu.bf16_tflops * 1e12
@@ -218,13 +218,18 @@ def step_time(facts: ModelFacts, layout: Layout, checkpointing: bool, accumulati
     routed = sum(facts.local(r.name, r.param.numel(), ep) for r in facts.routes
                  if facts.kinds[r.name] == "routed")
     replicas = world // ep
-    parts["gradient reduction"] = (
-        (FP32 * dense * 2 * (world - 1) / world / _link_gbs(world, gpus_per_node, gpu) if world > 1 else 0.0)
-        + (FP32 * routed * 2 * (replicas - 1) / replicas / _link_gbs(world, gpus_per_node, gpu)
-           if replicas > 1 else 0.0))
-    # ZeRO-1: a rank updates its share of what it holds (the owners balance it)
-    updated = dense / world + routed / replicas if layout.zero_stage >= 1 else dense + routed
+    link = _link_gbs(world, gpus_per_node, gpu)
+    # the tables' sparse row gradients are all-gathered: a rank receives every other rank's rows
+    rows = facts.engram_rows_per_token * tokens * (facts.table_dim * FP32 + 8)
+    parts["gradient reduction"] = ((FP32 * dense * 2 * (world - 1) / world + rows * (world - 1)) / link
+                                   + FP32 * routed * 2 * (replicas - 1) / replicas / link)
+    # ZeRO-1: a rank updates its share of what it holds (the owners balance it), then each owner
+    # broadcasts its new weights to the other replicas
+    zero1 = layout.zero_stage >= 1
+    updated = dense / world + routed / replicas if zero1 else dense + routed
     parts["optimizer"] = updated * rates.optimizer_s_per_element
+    broadcast = FP32 * (dense * (world - 1) / world + routed * (replicas - 1) / replicas)
+    parts["weight broadcast"] = broadcast / link if zero1 else 0.0
     parts["host traffic"] = 0.0
     return parts
 
