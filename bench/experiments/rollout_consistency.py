@@ -2,7 +2,9 @@
 RL's importance ratio is exp(training log-prob - rollout log-prob) per sampled token; any gap
 that is not a policy update is train/inference mismatch. For each rollout setting and prompt
 length: the per-token |gap| (mean, p99, max) and the ratio's spread and share outside the clip
-range (rl.clip_low / rl.clip_high), sampling at temperature 1, top-p 1.
+range (rl.clip_low / rl.clip_high), sampling at temperature 1, top-p 1; and under greedy decoding,
+the share of prompts whose continuation is token for token the one that repeated full forwards
+pick.
 
 Settings: `matched` is what rl/workers.py runs now (a quantised KV cache only under
 model.kv_quant=qat; CED prefill past rl.rollout_replay tokens); `packed` stores FP4/FP8 KV for a
@@ -59,6 +61,22 @@ def gaps(model, prompts: list[list[int]], new_tokens: int, packed: bool, replay,
     return (logp - behaviour)[mask].double()
 
 
+@torch.no_grad()
+def greedy_agreement(model, prompts: list[list[int]], new_tokens: int, packed: bool, replay) -> dict:
+    """The engine's greedy continuation against argmax over repeated full forwards (no cache)."""
+    gens = generate(model, prompts, new_tokens, temperature=0.0, packed=packed, replay=replay)
+    same, first_diff = 0, []
+    for prompt, g in zip(prompts, gens):
+        ids = list(prompt)
+        for _ in range(len(g.tokens)):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+        want = ids[len(prompt):]
+        same += want == g.tokens
+        first_diff += [next((i for i, (a, b) in enumerate(zip(want, g.tokens)) if a != b), len(want))]
+    return {"greedy_same": same / len(prompts),
+            "greedy_first_difference_mean": sum(first_diff) / len(first_diff)}
+
+
 def summary(gap: torch.Tensor, clip_low: float, clip_high: float) -> dict:
     ratio = gap.exp()
     q = torch.tensor([0.01, 0.99], dtype=torch.float64)
@@ -90,7 +108,8 @@ def main() -> None:
         for name, (packed, replay) in settings.items():
             gap = gaps(model, prompts, args.new_tokens, packed, replay, seed=length)
             rows.append({"prompt_tokens": length, "setting": name, "packed_cache": packed, "replay": replay,
-                         **summary(gap, rl.clip_low, rl.clip_high)})
+                         **summary(gap, rl.clip_low, rl.clip_high),
+                         **greedy_agreement(model, prompts, args.new_tokens, packed, replay)})
             print(rows[-1], flush=True)
     result = {**provenance.header("rollout_consistency"), "run": str(args.run), "model": cfg.model.name,
               "kv_quant": cfg.model.kv_quant, "clip": [rl.clip_low, rl.clip_high], "rows": rows}
