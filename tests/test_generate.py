@@ -266,7 +266,8 @@ def test_rollout_log_probs_are_the_training_forwards(model):
     def gap(prompts, packed, replay):
         gens = generate(model, prompts, 12, temperature=1.0, packed=packed, replay=replay, seed=3)
         samples = [{"prompt": p, "response": g.tokens} for p, g in zip(prompts, gens)]
-        logp, mask = response_logprobs(model, samples, pad_id=0)
+        with torch.no_grad():
+            logp, mask = response_logprobs(model, samples, pad_id=0)
         behaviour = torch.zeros_like(logp)
         for i, g in enumerate(gens):
             behaviour[i, :len(g.logprobs)] = torch.tensor(g.logprobs, dtype=logp.dtype)
