@@ -215,3 +215,47 @@ def test_step_time_parts_follow_the_layout():
     assert one["weight broadcast"] == 0
     assert accumulation_steps(Layout(16, cp=2, micro_batch=2), 100) == 7  # 100 / (2 x 8), rounded up
     assert accumulation_steps(Layout(16, micro_batch=2), 0) == 1
+
+
+# One rank of the trainer's DeepSpeed path (every route to AdamW): `tiny` in a bf16 engine, one
+# backward after two steps, then the bytes of every live tensor (weights, gradients, master weights,
+# moments and the model's small buffers).
+ENGINE_BYTES = r"""
+import gc, sys, torch, deepspeed
+from conf.model import TinyModelConfig
+from model.transformer import Transformer
+torch.manual_seed(0)
+model = Transformer(TinyModelConfig(vocab_size=97))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config={
+    "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 2**31 - 1,
+    "zero_optimization": {"stage": int(sys.argv[1])}, "bf16": {"enabled": True}})
+ids = torch.randint(0, 97, (2, 65))
+for step in range(3):
+    engine.backward(engine(ids[:, :-1], labels=ids[:, 1:]).loss)
+    if step < 2:
+        engine.step()
+gc.collect()
+storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for t in gc.get_objects() if isinstance(t, torch.Tensor)}
+print("bytes", sum(storages.values()))
+"""
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_the_deepspeed_path_holds_what_the_planner_says(tiny, port_base, stage):
+    import subprocess
+    import sys
+
+    from conf.optim import AdamWConfig
+    from tests.conftest import REPO
+
+    _, meta = tiny
+    facts = ModelFacts.of(meta, AdamWConfig())
+    assert not facts.holds_whole_parameters(1)  # the DeepSpeed path, as build_optimizer picks it
+    p = subprocess.run([sys.executable, "-c", ENGINE_BYTES, str(stage)], cwd=REPO, env=cli_env(port_base()),
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    held = int(next(ln.split()[1] for ln in p.stdout.splitlines() if ln.startswith("bytes")))
+    planned = sum(state_bytes(facts, Layout(world=1, zero_stage=stage)).values())
+    assert planned == pytest.approx(held, rel=0.005)

@@ -146,14 +146,15 @@ def _composite_state_bytes(facts: ModelFacts, local: dict[str, int], layout: Lay
 
 
 def _deepspeed_bytes(n: int, layout: Layout) -> dict[str, int]:
-    """DeepSpeed's bf16 ZeRO: bf16 weights (2 bytes), gradients (bf16; fp32 at stage 0, which
-    accumulates in fp32), fp32 master weights and Adam moments (12), partitioned by stage."""
+    """DeepSpeed's bf16 ZeRO: bf16 weights and gradients (2 bytes each), fp32 master weights and
+    Adam moments (12), partitioned by stage (what an engine holds after a backward on one rank:
+    tests/test_plan.py)."""
     w = layout.world
     stage = layout.zero_stage
     if stage not in (0, 1, 2, 3):
         raise ConfigError(f"trainer.zero_stage={stage}: expected 0-3")
     params = 2 * n // (w if stage == 3 else 1)
-    grads = (FP32 * n) if stage == 0 else 2 * n // (w if stage >= 2 else 1)
+    grads = 2 * n // (w if stage >= 2 else 1)
     optimizer = 12 * n // (w if stage >= 1 else 1)
     return {"parameters": params, "gradients": grads, "optimizer": optimizer}
 
