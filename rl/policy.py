@@ -41,6 +41,15 @@ def response_logprobs(model, samples: list[dict], pad_id: int) -> tuple[torch.Te
     return logp, mask
 
 
+def behaviour_logprobs(samples: list[dict], like: torch.Tensor) -> torch.Tensor:
+    """Each sample's rollout log-probs ("behaviour") laid out as response_logprobs lays out the
+    training forward's: [N, R] like `like` (its dtype and device), zero past a response."""
+    behaviour = torch.zeros(like.shape, dtype=like.dtype)
+    for i, s in enumerate(samples):
+        behaviour[i, :len(s["behaviour"])] = torch.tensor(s["behaviour"], dtype=like.dtype)
+    return behaviour.to(like.device)
+
+
 class PolicyTrainer:
     def __init__(self, cfg, tokenizer_path: str, policy: Optional[str], run_dir: str, env: dict[str, str]):
         os.environ.update(env)  # this rank's RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT
@@ -129,10 +138,7 @@ class PolicyTrainer:
         KL(behaviour || policy))."""
         rl = self.rl
         logp, mask = response_logprobs(self.engine, batch, self.tokenizer.pad_id)
-        behaviour = torch.zeros_like(logp)
-        for i, s in enumerate(batch):
-            behaviour[i, :len(s["behaviour"])] = torch.tensor(s["behaviour"], dtype=logp.dtype)
-        behaviour = behaviour.to(logp.device)
+        behaviour = behaviour_logprobs(batch, logp)
         mask = mask & fresh.to(mask.device)[:, None]
         adv = torch.tensor([s["advantage"] for s in batch], dtype=logp.dtype, device=logp.device)
         loss, stats = policy_loss(logp, behaviour, adv, mask, rl.clip_low, rl.clip_high, rl.is_cap)

@@ -261,17 +261,15 @@ def test_rollout_log_probs_are_the_training_forwards(model):
     stores what that forward computes (packed only for a model trained with KV QAT, as
     rl/workers.py picks) and the prompt fits the replay. A packed cache under a model trained
     without QAT, or a prompt longer than the replay, gives measurably different log-probs."""
-    from rl.policy import response_logprobs
+    from rl.policy import behaviour_logprobs, response_logprobs
 
     def gap(prompts, packed, replay):
         gens = generate(model, prompts, 12, temperature=1.0, packed=packed, replay=replay, seed=3)
-        samples = [{"prompt": p, "response": g.tokens} for p, g in zip(prompts, gens)]
+        samples = [{"prompt": p, "response": g.tokens, "behaviour": g.logprobs}
+                   for p, g in zip(prompts, gens)]
         with torch.no_grad():
             logp, mask = response_logprobs(model, samples, pad_id=0)
-        behaviour = torch.zeros_like(logp)
-        for i, g in enumerate(gens):
-            behaviour[i, :len(g.logprobs)] = torch.tensor(g.logprobs, dtype=logp.dtype)
-        return float(((logp - behaviour).abs() * mask).max())
+        return float(((logp - behaviour_logprobs(samples, logp)).abs() * mask).max())
 
     short = [_ids(20, seed=s)[0].tolist() for s in (1, 2)]
     long = [_ids(48, seed=s)[0].tolist() for s in (4, 5)]

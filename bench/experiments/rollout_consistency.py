@@ -27,7 +27,7 @@ from omegaconf import OmegaConf
 from bench import provenance
 from conf.rl import RLLoopConfig
 from inference.generate import generate
-from rl.policy import response_logprobs
+from rl.policy import behaviour_logprobs, response_logprobs
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -52,13 +52,10 @@ def gaps(model, prompts: list[list[int]], new_tokens: int, packed: bool, replay,
     """Per sampled token: training log-prob - rollout log-prob [tokens]."""
     gens = generate(model, prompts, new_tokens, temperature=1.0, top_p=1.0, packed=packed, replay=replay,
                     seed=seed)
-    samples = [{"prompt": p, "response": g.tokens} for p, g in zip(prompts, gens)]
+    samples = [{"prompt": p, "response": g.tokens, "behaviour": g.logprobs} for p, g in zip(prompts, gens)]
     with torch.no_grad():
         logp, mask = response_logprobs(model, samples, pad_id=0)
-    behaviour = torch.zeros_like(logp)
-    for i, g in enumerate(gens):
-        behaviour[i, :len(g.logprobs)] = torch.tensor(g.logprobs, dtype=logp.dtype)
-    return (logp - behaviour)[mask].double()
+    return (logp - behaviour_logprobs(samples, logp))[mask].double()
 
 
 @torch.no_grad()
