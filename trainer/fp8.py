@@ -74,7 +74,6 @@ def check_fp8(recipe: str, emulate: bool, precision: str = "auto", zero_stage: i
         raise ConfigError(f"trainer.fp8={recipe!r}: expected one of {', '.join(RECIPES)}")
     if recipe == "none":
         return
-    _torchao(recipe)
     if precision == "fp64":
         raise ConfigError(f"trainer.fp8={recipe} with trainer.precision=fp64: the fp64 checks need exact "
                           f"matmuls; use trainer.fp8=none")
@@ -89,8 +88,12 @@ def check_fp8(recipe: str, emulate: bool, precision: str = "auto", zero_stage: i
         if precision not in ("auto", "bf16"):
             raise ConfigError(f"trainer.fp8=blockwise needs trainer.precision=bf16 (got {precision}): "
                               f"torchao's blockwise GEMM writes bf16")
-    if emulate or device is None:
-        return
+    if not emulate and device is not None:
+        _check_device(recipe, device)
+    _torchao(recipe)
+
+
+def _check_device(recipe: str, device: torch.device) -> None:
     if device.type != "cuda":
         raise ConfigError(f"trainer.fp8={recipe} needs a CUDA GPU of compute capability 9.0+ (this run is on "
                           f"{device.type}); trainer.fp8_emulate=true runs it emulated (numerics only, slow)")
