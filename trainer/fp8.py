@@ -7,7 +7,7 @@ the optimiser and the checkpoints stay as they are (a float8 copy exists only in
 | --- | --- | --- |
 | tensorwise | Float8Linear: a scale per tensor (gradients E5M2) | rowwise grouped GEMM |
 | rowwise | Float8Linear: a scale per row, powers of two (all E4M3) | rowwise grouped GEMM |
-| blockwise | Float8BlockwiseLinear: 1x128 activation, 128x128 weight tiles | blockwise grouped GEMM |
+| blockwise | blockwise GEMM: 1x128 activation, 128x128 weight tiles | blockwise grouped GEMM |
 
 (all torchao; blockwise is DeepSeek-V3's recipe)
 
@@ -123,12 +123,33 @@ class Float8Matmul:
 
 
 class BlockwiseMatmul:
-    """F.linear(x, weight) with torchao's blockwise float8 GEMM (1x128 / 128x128 scales), bf16 out."""
+    """F.linear(x, weight) with torchao's blockwise float8 GEMM (1x128 activation tiles, 128x128
+    weight blocks), bf16 out. Its quantisation kernels read bf16 rows: x (which autocast leaves in
+    the dtype the previous op wrote) and the fp32 master weight are cast first, as autocast would
+    for a bf16 matmul; bf16 rounding is far finer than E4M3's."""
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         from torchao.prototype.blockwise_fp8_training.linear import fp8_blockwise_mm
 
-        return fp8_blockwise_mm.apply(x, weight, 128, torch.bfloat16, False)
+        return fp8_blockwise_mm.apply(x.to(torch.bfloat16).contiguous(), weight.to(torch.bfloat16), 128,
+                                      torch.bfloat16, False)
+
+
+class BlockwiseFloat8Linear(nn.Linear):
+    """An nn.Linear (no bias) computed by `BlockwiseMatmul`. torchao's own Float8BlockwiseLinear
+    runs the same function but takes its input as it comes, and under autocast that is fp32."""
+
+    matmul = BlockwiseMatmul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x, self.weight)
+
+    @classmethod
+    def from_linear(cls, module: nn.Linear) -> BlockwiseFloat8Linear:
+        with torch.device("meta"):
+            new = cls(module.in_features, module.out_features, bias=False)
+        new.weight = module.weight  # the same Parameter: its name, optimiser state and checkpoint entry
+        return new
 
 
 def pad_groups(offsets: torch.Tensor, rows: int, align: int) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -142,7 +163,8 @@ def pad_groups(offsets: torch.Tensor, rows: int, align: int) -> tuple[torch.Tens
     group = torch.repeat_interleave(torch.arange(len(counts), device=offsets.device), counts,
                                     output_size=rows)
     dest = torch.arange(rows, device=offsets.device) + shift[group]
-    return dest, padded_ends.to(torch.int32), rows + len(counts) * align
+    bound = (rows + len(counts) * align + align - 1) // align * align  # every padded layout fits
+    return dest, padded_ends.to(torch.int32), bound
 
 
 class Float8GroupedMM:
@@ -205,8 +227,7 @@ def apply_fp8(model: nn.Module, recipe: str, emulate: bool = False) -> Fp8Conver
 
     align = 128 if recipe == "blockwise" else 16
     if recipe == "blockwise":
-        from torchao.prototype.blockwise_fp8_training.linear import Float8BlockwiseLinear
-        to_float8 = Float8BlockwiseLinear.from_float
+        to_float8 = BlockwiseFloat8Linear.from_linear
         matmul, grouped = BlockwiseMatmul(), BlockwiseGroupedMM()
     else:
         from torchao.float8.float8_linear import Float8Linear
@@ -258,10 +279,7 @@ def apply_fp8(model: nn.Module, recipe: str, emulate: bool = False) -> Fp8Conver
 
 
 def float8_modules(model: nn.Module) -> list[str]:
-    """Names of the modules that compute in float8 (torchao's linear classes)."""
-    names = []
-    for name, module in model.named_modules():
-        if type(module).__module__.startswith("torchao."):
-            names.append(name)
-    return names
+    """Names of the modules that compute in float8 (torchao's Float8Linear, BlockwiseFloat8Linear)."""
+    return [name for name, module in model.named_modules()
+            if isinstance(module, BlockwiseFloat8Linear) or type(module).__module__.startswith("torchao.")]
 

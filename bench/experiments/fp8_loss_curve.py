@@ -43,8 +43,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def train(recipe: str, args, run_dir: Path, port: int) -> dict:
-    """One pretraining run; its per-step training loss, validation losses and tokens/s."""
+def start(recipe: str, args, run_dir: Path, port: int) -> subprocess.Popen:
+    """Start one pretraining run (`finish` collects it)."""
     overrides = [f"model={args.model}", f"data.seq_len={args.seq_len}",
                  f"trainer.micro_batch_size={args.micro_batch}", f"trainer.max_steps={args.steps}",
                  f"trainer.fp8={recipe}",
@@ -58,14 +58,29 @@ def train(recipe: str, args, run_dir: Path, port: int) -> dict:
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                PYTHONPATH=f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}")
-    proc = subprocess.run([sys.executable, "-m", "launch", "pretrain", *overrides], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=args.timeout)
+    run_dir.mkdir(parents=True)
+    logs = run_dir.parent
+    with open(logs / f"{recipe}.out", "w") as out, open(logs / f"{recipe}.err", "w") as err:
+        return subprocess.Popen([sys.executable, "-m", "launch", "pretrain", *overrides], cwd=REPO, env=env,
+                                stdout=out, stderr=err)
+
+
+def finish(recipe: str, proc: subprocess.Popen, run_dir: Path, timeout: float) -> dict:
+    """Wait for a run (at most `timeout` seconds); its per-step training loss, validation losses and
+    tokens/s."""
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise SystemExit(f"fp8_loss_curve: the {recipe} run took more than --timeout={timeout:g} s") from None
+    stdout = (run_dir.parent / f"{recipe}.out").read_text()
     if proc.returncode != 0:
+        stderr = (run_dir.parent / f"{recipe}.err").read_text()
         raise SystemExit(f"fp8_loss_curve: the {recipe} run failed (exit {proc.returncode}):\n"
-                         f"{proc.stderr[-3000:]}")
+                         f"{stderr[-3000:]}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     train_rows = [r for r in rows if "loss" in r]
-    announced = [line for line in proc.stdout.splitlines() if line.startswith("flashtrain: trainer.fp8")]
+    announced = [line for line in stdout.splitlines() if line.startswith("flashtrain: trainer.fp8")]
     return {"recipe": recipe, "conversion": announced[0] if announced else "trainer.fp8: none",
             "step": [r["step"] for r in train_rows], "loss": [r["loss"] for r in train_rows],
             "val_step": [r["step"] for r in rows if "val_loss" in r],
@@ -141,6 +156,8 @@ def main() -> None:
     ap.add_argument("--tail", type=int, default=50, help="steps the final training loss is averaged over")
     ap.add_argument("--smooth", type=int, default=20, help="steps each plotted point averages")
     ap.add_argument("--timeout", type=float, default=6 * 3600, help="seconds one run may take")
+    ap.add_argument("--parallel", action="store_true",
+                    help="start every run at once (CPU: a core each; their tokens/s then share the machine)")
     ap.add_argument("--override", action="append", default=[], help="one more trainer override (repeatable)")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--plot", type=Path)
@@ -150,13 +167,19 @@ def main() -> None:
         raise SystemExit(f"--recipes={args.recipes}: the first must be none (the baseline)")
     runs = {}
     with tempfile.TemporaryDirectory(prefix="fp8-loss-curve-") as tmp:
+        started = {}
         for recipe in recipes:
-            runs[recipe] = train(recipe, args, Path(tmp) / recipe, free_port())
+            started[recipe] = start(recipe, args, Path(tmp) / recipe, free_port())
+            if not args.parallel:
+                runs[recipe] = finish(recipe, started[recipe], Path(tmp) / recipe, args.timeout)
+        for recipe in recipes:
+            if recipe not in runs:
+                runs[recipe] = finish(recipe, started[recipe], Path(tmp) / recipe, args.timeout)
             print(f"fp8_loss_curve: {recipe}: final loss {runs[recipe]['loss'][-1]:.4f}", file=sys.stderr,
                   flush=True)
     result = {**provenance.header("fp8_loss_curve"), "model": args.model, "emulate": args.emulate,
               "settings": {"steps": args.steps, "seq_len": args.seq_len, "micro_batch": args.micro_batch,
-                           "seed": args.seed, "overrides": args.override},
+                           "seed": args.seed, "overrides": args.override, "parallel": args.parallel},
               "summary": summarise(runs, args.tail), "runs": runs}
     provenance.emit(result, args.out)
     if args.plot:
