@@ -147,17 +147,17 @@ def test_pad_groups_moves_each_group_to_a_multiple_of_the_alignment():
 
 @pytest.mark.slow
 def test_a_checkpoint_written_with_fp8_resumes_without_it(flashtrain, tmp_path):
-    """Two steps with emulated rowwise fp8, then the same run resumed with trainer.fp8=none: the
-    checkpoint's names and optimiser state fit both ways."""
+    """A step with emulated rowwise fp8, then the same run resumed with trainer.fp8=none: the
+    checkpoint's names and the optimiser state (saved by parameter name) load into the plain model."""
     from tests.conftest import FAST
 
     run = tmp_path / "run"
-    common = [*FAST, f"hydra.run.dir={run}", "trainer.save_every=2"]
-    p = flashtrain("pretrain", *common, "trainer.max_steps=2", "trainer.fp8=rowwise",
+    common = [*FAST, f"hydra.run.dir={run}", "trainer.save_every=1"]
+    p = flashtrain("pretrain", *common, "trainer.max_steps=1", "trainer.fp8=rowwise",
                    "trainer.fp8_emulate=true")
     assert p.returncode == 0, p.stderr[-3000:]
     assert "trainer.fp8: rowwise, emulated" in p.stdout
-    p = flashtrain("pretrain", *common, "trainer.max_steps=3", "trainer.fp8=none")
+    p = flashtrain("pretrain", *common, "trainer.max_steps=2", "trainer.fp8=none")
     assert p.returncode == 0, p.stderr[-3000:]
     assert "resuming from" in p.stdout and "trainer.fp8" not in p.stdout
 
