@@ -145,6 +145,35 @@ def test_pad_groups_moves_each_group_to_a_multiple_of_the_alignment():
     assert dest.tolist() == expected
 
 
+def test_the_fp8_grouped_gemm_sees_aligned_groups_and_its_rows_come_back_in_place(monkeypatch):
+    """Float8GroupedMM around torchao's rowwise grouped GEMM, with that GEMM replaced by a check of
+    what it is handed (every group starts at a multiple of 16, the padding rows are zero) and a
+    plain grouped matmul: the result and the gradients are torch._grouped_mm's on the unpadded rows."""
+    import torchao.prototype.moe_training as moe_training
+
+    from trainer.fp8 import Float8GroupedMM
+
+    def aligned_grouped_mm(a, b_t, offs, out_dtype, pad_token_groups_for_grouped_mm):
+        assert not pad_token_groups_for_grouped_mm and out_dtype == a.dtype
+        starts = torch.cat((offs.new_zeros(1), offs[:-1]))
+        assert (starts % 16 == 0).all() and a.shape[0] % 16 == 0
+        assert not a.detach()[offs[-1]:].any()
+        return torch._grouped_mm(a, b_t, offs=offs)
+
+    monkeypatch.setattr(moe_training, "_to_fp8_rowwise_then_scaled_grouped_mm", aligned_grouped_mm)
+    counts = torch.tensor([5, 0, 21, 16, 1])
+    offs = counts.cumsum(0).to(torch.int32)
+    x = torch.randn(int(counts.sum()), 32, requires_grad=True)
+    w = torch.randn(5, 24, 32).transpose(-2, -1).requires_grad_()  # [E, K, N], column-major per expert
+    got = Float8GroupedMM()(x, w, offs)
+    want = torch._grouped_mm(x, w, offs=offs)
+    torch.testing.assert_close(got, want)
+    grads = torch.autograd.grad(got.square().sum(), (x, w))
+    want_grads = torch.autograd.grad(want.square().sum(), (x, w))
+    for g, h in zip(grads, want_grads):
+        torch.testing.assert_close(g, h)
+
+
 @pytest.mark.slow
 def test_a_checkpoint_written_with_fp8_resumes_without_it(flashtrain, tmp_path):
     """A step with emulated rowwise fp8, then the same run resumed with trainer.fp8=none: the
