@@ -81,6 +81,20 @@ def test_which_matmuls_convert_and_which_stay_high_precision():
             assert module.grouped_mm is not RoutedExperts.grouped_mm and module.grouped is False  # emulated
 
 
+def test_blockwise_converts_only_what_its_128_blocks_tile():
+    """The conversion itself runs anywhere (the kernels are only called in a forward): `tiny`'s
+    128-wide projections and experts convert, its 64-wide ones stay."""
+    from trainer.fp8 import BlockwiseFloat8Linear
+
+    _, model = tiny_pair()
+    conversion = apply_fp8(model, "blockwise")
+    assert isinstance(model.layers[0].attn.wo_b, BlockwiseFloat8Linear)  # 128 x 128
+    assert type(model.layers[0].attn.wq_a) is nn.Linear  # 128 -> 64
+    assert "multiple of 128" in conversion.kept["layers.0.attn.wq_a"]
+    assert conversion.converted["layers.0.moe.experts.(w1|w3, w2)"] == "blockwise grouped"
+    assert set(float8_modules(model)) == {n for n in conversion.converted if not n.endswith(")")}
+
+
 def test_a_projection_whose_dims_fp8_cannot_take_stays_and_odd_expert_widths_are_refused():
     model = nn.Sequential(nn.Linear(32, 48, bias=False), nn.Linear(48, 20, bias=False))
     conversion = apply_fp8(model, "tensorwise", emulate=True)

@@ -228,7 +228,7 @@ def apply_fp8(model: nn.Module, recipe: str, emulate: bool = False) -> Fp8Conver
     align = 128 if recipe == "blockwise" else 16
     if recipe == "blockwise":
         to_float8 = BlockwiseFloat8Linear.from_linear
-        matmul, grouped = BlockwiseMatmul(), BlockwiseGroupedMM()
+        matmul, grouped = BlockwiseMatmul(), BlockwiseGroupedMM()  # the experts' loop takes `matmul` too
     else:
         from torchao.float8.float8_linear import Float8Linear
         config = linear_config(recipe, emulate)
@@ -243,8 +243,7 @@ def apply_fp8(model: nn.Module, recipe: str, emulate: bool = False) -> Fp8Conver
             if any(d % align for d in widths):
                 raise ConfigError(f"trainer.fp8={recipe}: the routed experts' widths {widths} must be "
                                   f"multiples of {align}")
-            if recipe != "blockwise":
-                module.linear = expert_matmul
+            module.linear = matmul if recipe == "blockwise" else expert_matmul
             module.grouped_mm = grouped
             if emulate:  # no emulated grouped GEMM: the per-expert loop, each matmul emulated
                 module.grouped = False
