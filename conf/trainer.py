@@ -28,6 +28,9 @@ class TrainerConfig:
     context_parallel: int = 1  # CP degree: each sequence cut into this many slices, one per rank
     expert_parallel: int = 1  # EP degree: experts sharded over groups of this many ranks (world = DP x EP)
     precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16 | fp64 (numerical checks)
+    # FP8 matmuls through torchao (trainer/fp8.py): none | tensorwise | rowwise | blockwise (1x128 / 128x128)
+    fp8: str = "none"
+    fp8_emulate: bool = False  # float8 numerics without float8 hardware (CPU tests; slow)
     peak_flops: Optional[float] = None  # per device, for MFU; None = from the device
     progress: bool = True  # progress bar with ETA on rank 0
     torch_threads: Optional[int] = None  # CPU intra-op threads (None = torch default)

@@ -52,6 +52,9 @@ class SharedExpert(nn.Module):
     """A dense SwiGLU MLP that every token passes through."""
 
     swiglu = staticmethod(clamped_swiglu_packed)  # the op; model.ops.KernelPolicy may swap in the Triton one
+    # the matmul by the stacked gate|up weight, which no nn.Linear holds; trainer/fp8.py may swap in
+    # a float8 one (w2, a module, is converted as a module)
+    linear = staticmethod(F.linear)
 
     def __init__(self, dim: int, inter_dim: int, limit: float):
         super().__init__()
@@ -61,7 +64,7 @@ class SharedExpert(nn.Module):
         self.w2 = nn.Linear(inter_dim, dim, bias=False)  # down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = F.linear(x, torch.cat((self.w1.weight, self.w3.weight)))  # [..., 2 * inter_dim]
+        gate_up = self.linear(x, torch.cat((self.w1.weight, self.w3.weight)))  # [..., 2 * inter_dim]
         return self.w2(self.swiglu(gate_up, self.limit))
 
 
@@ -75,6 +78,9 @@ class RoutedExperts(nn.Module):
     `grouped`: None picks grouped where PyTorch has a fast kernel for it (CUDA, bf16 compute)."""
 
     swiglu = staticmethod(clamped_swiglu_packed)  # the op; model.ops.KernelPolicy may swap in the Triton one
+    # the matmuls: per expert (the loop) and grouped; trainer/fp8.py may swap in float8 ones
+    linear = staticmethod(F.linear)
+    grouped_mm = staticmethod(torch._grouped_mm)
 
     def __init__(self, n_experts: int, dim: int, inter_dim: int, limit: float, grouped: bool | None = None):
         super().__init__()
@@ -104,8 +110,8 @@ class RoutedExperts(nn.Module):
         for e, rows in enumerate(torch.split(x, counts)):
             if rows.shape[0] == 0:
                 continue
-            h = self.swiglu(rows @ torch.cat((self.w1[e], self.w3[e])).T, self.limit)
-            outs.append(h @ self.w2[e].T)
+            h = self.swiglu(self.linear(rows, torch.cat((self.w1[e], self.w3[e]))), self.limit)
+            outs.append(self.linear(h, self.w2[e]))
         return torch.cat(outs) if outs else x.new_zeros(0, x.shape[-1])
 
     def forward_grouped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -115,8 +121,8 @@ class RoutedExperts(nn.Module):
         w13 = torch.cat((self.w1.to(dtype), self.w3.to(dtype)), 1).transpose(-2, -1)  # [E, D, 2I] view
         w2 = self.w2.to(dtype).transpose(-2, -1)  # [E, I, D] view
         with torch.autocast(x.device.type, enabled=False):  # _grouped_mm has no autocast rule: cast here
-            h = self.swiglu(torch._grouped_mm(x.to(dtype), w13, offs=offsets), self.limit)  # [N, I]
-            return torch._grouped_mm(h, w2, offs=offsets)
+            h = self.swiglu(self.grouped_mm(x.to(dtype), w13, offs=offsets), self.limit)  # [N, I]
+            return self.grouped_mm(h, w2, offs=offsets)
 
 
 class _Gather(torch.autograd.Function):

@@ -57,7 +57,8 @@ class PolicyTrainer:
         from optim import CompositeOptimizer, build_optimizer, lr_multiplier
         from trainer.checkpoint import CheckpointManager
         from trainer.distributed import init_distributed
-        from trainer.engine import build_engine
+        from trainer.engine import build_engine, resolve_precision
+        from trainer.fp8 import apply_fp8, check_fp8
         from trainer.init_weights import checkpoint_attachments, load_init_weights
         from trainer.pretrain import build_model, seed_everything
 
@@ -68,7 +69,11 @@ class PolicyTrainer:
         self.dist = init_distributed(cfg.trainer.collective_timeout_s)
         seed_everything(cfg.trainer.seed)
         self.tokenizer = TextTokenizer.from_file(tokenizer_path)
+        tc = cfg.trainer
+        check_fp8(tc.fp8, tc.fp8_emulate, resolve_precision(tc, self.dist.device), tc.zero_stage,
+                  self.dist.device)
         self.model = build_model(cfg, self.tokenizer)
+        apply_fp8(self.model, tc.fp8, tc.fp8_emulate)  # the policy's matmuls; rollout workers keep theirs
         weights_from = None
         if policy:  # a checkpoint or a public-layout directory (rl/run.py's initial_policy)
             weights_from = load_init_weights(self.model, policy)

@@ -27,7 +27,8 @@ from optim import CompositeOptimizer, Replicas, build_optimizer, lr_multiplier
 from trainer.checkpoint import CheckpointManager
 from trainer.context_parallel import slice_batch
 from trainer.distributed import DistInfo, all_reduce_sum_, init_distributed
-from trainer.engine import build_engine, check_trainer_counts
+from trainer.engine import build_engine, check_trainer_counts, resolve_precision
+from trainer.fp8 import apply_fp8, check_fp8
 from trainer.init_weights import checkpoint_attachments, existing_init_source, load_init_weights
 from trainer.metrics import MetricsLog, device_peak_flops, moe_balance
 from trainer.nonfinite import NonFiniteSteps, boundary_step
@@ -136,6 +137,8 @@ class Trainer:
                               "supported: checkpoint recomputation through the compiled blocks fails; turn "
                               "one off")
         self.dist: DistInfo = init_distributed(tc.collective_timeout_s)
+        check_fp8(tc.fp8, tc.fp8_emulate, resolve_precision(tc, self.dist.device), tc.zero_stage,
+                  self.dist.device)
         if tc.torch_threads:
             torch.set_num_threads(tc.torch_threads)
         if self.dist.is_main:
@@ -153,6 +156,10 @@ class Trainer:
         if train_only_indexer:  # the indexer warm-up: everything else is frozen
             for name, p in self.model.named_parameters():
                 p.requires_grad_(".index_query." in name or ".index_key." in name)
+        # float8 matmuls, applied before sharding and compiling (it swaps modules and ops, not parameters)
+        self.fp8 = apply_fp8(self.model, tc.fp8, tc.fp8_emulate)
+        if self.dist.is_main and tc.fp8 != "none":
+            print("flashtrain: " + self.fp8.describe(), flush=True)
         self.total_params = sum(p.numel() for p in self.model.parameters())
         self.flops_per_token = train_flops_per_token(self.model, cfg.data.seq_len)  # before sharding
         self.layout = build_layout(d.rank, d.world_size, tc.expert_parallel, self.model.cfg.n_routed_experts,

@@ -9,11 +9,17 @@ the timed steps alone, and the median step time, the optimizer's share of it and
 timed steps. Kernels on, bf16 autocast with fp32 master weights, the Muon + Sinkhorn + AdamW
 composite with sparse Engram gradients, as the trainer sets a one-GPU run up; random tokens.
 
+A row may name an FP8 recipe (trainer.fp8: tensorwise, rowwise, blockwise; trainer/fp8.py, torchao)
+as a sixth field, so FP8 and bf16 rows of one model run side by side in one invocation; its MFU is
+still against the bf16 peak. `--compile` compiles every row's blocks (trainer.compile), as
+torchao's float8 casts want to be fused.
+
 Models: `small`, and `flash` at its own widths (hidden size, 64 heads on the 512-d latent, the
 indexer, o-groups, expert width, 4 mHC streams) with fewer layers and 12 routed experts (one
 rank's share at EP=32), top-6 routing, and small Engram tables: `flash-L<layers>`.
 
-    python -m bench.system.step_memory [--rows small:4096:2:0,flash-L4:4096:1:1:4] [--steps 3]
+    python -m bench.system.step_memory [--rows small:4096:2:0,flash-L4:4096:1:1:4,flash-L4:4096:1:1:4:rowwise]
+        [--steps 3] [--compile] [--out FILE]
 """
 from __future__ import annotations
 
@@ -23,16 +29,19 @@ import gc
 import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
 from bench import provenance
+from conf.errors import ConfigError
 from conf.model import FlashModelConfig, SmallModelConfig
 from conf.optim import MuonConfig
 from model.accounting import model_summary, train_flops_per_token
 from optim import build_optimizer
+from trainer.fp8 import apply_fp8, check_fp8
 from trainer.metrics import device_peak_flops
-from trainer.parallelize import checkpoint_blocks
+from trainer.parallelize import checkpoint_blocks, compile_blocks
 from trainer.pretrain import assemble_model
 
 GIB = 2**30
@@ -60,10 +69,14 @@ def _bytes(tensors) -> int:
 
 
 def measure(name: str, seq_len: int, micro_batch: int, checkpointing: bool, steps: int, vocab: int,
-            accumulation: int = 1) -> dict:
+            accumulation: int = 1, fp8: str = "none", compiled: bool = False) -> dict:
+    check_fp8(fp8, False, "bf16", 0, torch.device("cuda"))
     torch.manual_seed(0)
     with torch.device("cuda"):
         model, _ = assemble_model(model_config(name, vocab))
+    conversion = apply_fp8(model, fp8)  # as the trainer: before compiling and checkpointing
+    if compiled:
+        compile_blocks(model)
     if checkpointing:
         checkpoint_blocks(model)
     opt = build_optimizer(model, MuonConfig(), zero_stage=0)
@@ -103,6 +116,7 @@ def measure(name: str, seq_len: int, micro_batch: int, checkpointing: bool, step
     tokens_per_s = accumulation * micro_batch * seq_len / step_s
     row = {"model": name, "seq_len": seq_len, "micro_batch": micro_batch,
            "activation_checkpointing": checkpointing, "accumulation": accumulation,
+           "fp8": fp8, "fp8_matmul_sites": len(conversion.converted), "compiled": compiled,
            "layers": model.cfg.n_layers,
            "params": summary["all_params"],
            "routed_expert_params": summary["routed_expert_params"],
@@ -130,26 +144,32 @@ def _inner_optimizers(opt):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default=DEFAULT_ROWS,
-                    help="comma-separated model:seq_len:micro_batch:checkpointing(0/1)[:micro-steps a step]")
+                    help="comma-separated model:seq_len:micro_batch:checkpointing(0/1)[:micro-steps a step"
+                         "[:fp8 recipe]]")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--compile", action="store_true", help="torch.compile each block in every row")
+    ap.add_argument("--out", type=Path)
     ap.add_argument("--vocab", type=int, default=129_280)
     args = ap.parse_args()
     result = {**provenance.header("step_memory"), "rows": []}
     for spec in args.rows.split(","):
-        name, seq_len, micro_batch, ac, *accumulation = spec.split(":")
+        name, seq_len, micro_batch, ac, *rest = spec.split(":")
+        accumulation, fp8 = (int(rest[0]) if rest else 1), (rest[1] if len(rest) > 1 else "none")
         try:
             row = measure(name, int(seq_len), int(micro_batch), ac == "1", args.steps, args.vocab,
-                          int(accumulation[0]) if accumulation else 1)
+                          accumulation, fp8, args.compile)
         except torch.OutOfMemoryError as e:
             row = {"model": name, "seq_len": int(seq_len), "micro_batch": int(micro_batch),
-                   "activation_checkpointing": ac == "1", "oom": " ".join(str(e).split())[:400]}
+                   "activation_checkpointing": ac == "1", "fp8": fp8, "oom": " ".join(str(e).split())[:400]}
+        except ConfigError as e:  # an fp8 recipe this GPU or torchao install cannot run
+            row = {"model": name, "seq_len": int(seq_len), "fp8": fp8, "error": str(e)}
         # A failed row's tensors stay reachable from its traceback's frames until the cycle
         # collector runs; without this every later row would start on a full device.
         gc.collect()
         torch.cuda.empty_cache()
         print(json.dumps(row), flush=True)
         result["rows"].append(row)
-    provenance.emit(result, None)
+    provenance.emit(result, args.out)
 
 
 if __name__ == "__main__":
