@@ -44,6 +44,7 @@ class Layout:
     zero_stage: int = 1
     micro_batch: int = 1
     seq_len: int = 4096
+    engram_host: bool = False  # trainer.engram_tables=host: the tables are row shards in host memory
 
     @property
     def tokens_per_rank(self) -> int:
