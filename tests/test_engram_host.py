@@ -273,3 +273,77 @@ def test_bad_engram_tables_value_is_one_line(value, needle):
 
     with pytest.raises(ConfigError, match=needle):
         check_engram_tables(value, TinyModelConfig(), MuonConfig(), 1)
+
+
+# ---------------------------------------------------------------------------- the trainer (CLI)
+HOST_RUN = ["model=tiny", "data.seq_len=128", "trainer.micro_batch_size=2", "trainer.grad_accum_steps=2",
+            "trainer.log_every=1", "trainer.eval_every=2", "trainer.eval_batches=1", "trainer.progress=false",
+            "logger=none", "optim=muon", "optim.warmup_steps=2", "trainer.max_steps=4",
+            "trainer.save_every=2"]
+
+
+def _losses(run) -> dict[int, float]:
+    import json
+
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def test_trainer_host_tables_resume_exactly_and_export_whole_tables(flashtrain, tmp_path):
+    """`pretrain trainer.engram_tables=host`: the checkpoint holds the shards (in its manifest), a
+    resume from step 2 repeats steps 3-4 and the final shards bit for bit, and the checkpoint's
+    model weights (for evaluation or export) carry the whole tables."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from trainer.checkpoint import model_state
+
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    p = flashtrain("pretrain", *HOST_RUN, "trainer.engram_tables=host", f"hydra.run.dir={straight}")
+    assert p.returncode == 0, p.stderr[-3000:]
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(straight / "checkpoints" / "step_00000002", resumed / "checkpoints" / "step_00000002")
+    shutil.copy(straight / "metrics.jsonl", resumed / "metrics.jsonl")
+    p = flashtrain("pretrain", *HOST_RUN, "trainer.engram_tables=host", f"hydra.run.dir={resumed}")
+    assert p.returncode == 0, p.stderr[-3000:]
+    a, b = _losses(straight), _losses(resumed)
+    assert [a[s] for s in (3, 4)] == [b[s] for s in (3, 4)]
+    final = [run / "checkpoints" / "step_00000004" for run in (straight, resumed)]
+    manifest = json.loads((final[0] / "manifest.json").read_text())["files"]
+    shards = sorted(k for k in manifest if k.startswith("engram_host/"))
+    assert len(shards) == 2  # the tiny model's two Engram layers
+    for rel in shards:
+        x, y = (load_file(str(f / rel)) for f in final)
+        assert x.keys() == y.keys() == {"weight", "momentum"}
+        assert all(torch.equal(x[k], y[k]) for k in x), rel
+    state = model_state(final[0])
+    for layer in (1, 2):
+        table = state[f"engrams.{layer}.table.weight"]
+        assert table.shape[1] == 32 and torch.isfinite(table).all()
+
+
+@pytest.mark.slow
+def test_trainer_host_tables_match_gpu_tables(flashtrain, tmp_path):
+    """The same run with the tables on the device and in host memory: the same losses to fp32
+    rounding, and the same tables: to fp32 rounding after two steps; after four, within what
+    Muon's orthogonalisation makes of that rounding in the other weights (fp64 cannot help
+    here: the host shards are fp32 whatever the model's precision)."""
+    from trainer.checkpoint import model_state
+
+    runs = {}
+    for where in ("gpu", "host"):
+        runs[where] = tmp_path / where
+        p = flashtrain("pretrain", *HOST_RUN, f"trainer.engram_tables={where}",
+                       f"hydra.run.dir={runs[where]}")
+        assert p.returncode == 0, p.stderr[-3000:]
+    a, b = _losses(runs["gpu"]), _losses(runs["host"])
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    for step in a:
+        assert abs(a[step] - b[step]) < 1e-5 * abs(a[step]), (step, a[step], b[step])
+    for step, (rtol, atol) in ((2, (RTOL, ATOL)), (4, (1e-2, 1e-3))):
+        gpu, host = (model_state(runs[w] / "checkpoints" / f"step_{step:08d}") for w in ("gpu", "host"))
+        for layer in (1, 2):
+            name = f"engrams.{layer}.table.weight"
+            torch.testing.assert_close(host[name], gpu[name], rtol=rtol, atol=atol)
