@@ -30,7 +30,9 @@ the ranks always agree on their order. Every wait has a deadline (trainer.collec
 """
 from __future__ import annotations
 
+import contextlib
 import re
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -46,7 +48,7 @@ from torch import nn
 
 from conf.errors import ConfigError
 from conf.optim import OptimConfig
-from model.engram import Engram
+from model.engram import Engram, EngramTable
 from model.runtime import document_starts
 from optim.routing import route_parameters
 from optim.sinkhorn import Sinkhorn
@@ -209,6 +211,8 @@ class HostEngramTables:
         unique, inverse = torch.unique(addresses, sorted=True, return_inverse=True)  # [U], [B, T, L]
         rows = self._exchange_rows(layer, unique)  # [U, E], pinned when copied to a GPU
         self.stats["rows_fetched"] += unique.numel()
+        self.stats["lookups"] += addresses.numel()
+        self.stats["bytes_to_device"] += rows.numel() * rows.element_size() + inverse.numel() * 8
         if self.copy_stream is None:
             return Fetched(unique, inverse, rows)
         with torch.cuda.stream(self.copy_stream):
@@ -263,7 +267,9 @@ class HostEngramTables:
                                "trainer.engram_tables=host every forward's ids go through "
                                "HostEngramTables.prefetch first")
         future = self.queued[layer].pop(0)
+        start = time.perf_counter()
         entry = self._wait(future, f"layer {layer}'s prefetched rows")[layer]
+        self.stats["fetch_wait_s"] += time.perf_counter() - start  # the forward stood still this long
         if entry.ready is not None:
             stream = torch.cuda.current_stream(self.device)
             stream.wait_event(entry.ready)
@@ -275,6 +281,7 @@ class HostEngramTables:
     def reduce_gradients(self) -> None:
         """At the accumulation boundary: every micro-batch's row gradients to their owners, summed
         and divided by the world size (the average a GPU table's sparse gradient gets)."""
+        start = time.perf_counter()
         work = {}
         for layer in self.layers:
             entries = self.pending.pop(layer, [])
@@ -283,7 +290,9 @@ class HostEngramTables:
             dim = self.shards[layer].weight.shape[1]
             grad = torch.cat(grads).float().cpu() if grads else torch.zeros(0, dim)  # D2H
             work[layer] = (rows, grad)
+            self.stats["bytes_to_host"] += grad.numel() * grad.element_size()
         self._wait(self.worker.submit(self._reduce, work), "the Engram row gradients' exchange")
+        self.stats["reduce_s"] += time.perf_counter() - start
 
     def _reduce(self, work: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
         for layer, (rows, grad) in work.items():
@@ -333,6 +342,7 @@ class HostEngramTables:
         return t
 
     def _update(self, grads: dict[int, tuple[torch.Tensor, torch.Tensor]], group: dict[str, Any]) -> None:
+        start = time.perf_counter()
         row_sum: Optional[Callable] = self._row_sum if self.world > 1 else None
         for layer in self.layers:
             shard = self.shards[layer]
@@ -342,6 +352,7 @@ class HostEngramTables:
             Sinkhorn._update(w_rows, g, buf_rows, group, row_sum=row_sum)
             shard.momentum.index_copy_(0, local, buf_rows)
             shard.weight.index_copy_(0, local, w_rows)
+        self.stats["update_s"] += time.perf_counter() - start  # on the worker thread
 
     def synchronize(self) -> None:
         """Wait for the queued update (before reading the shards: a checkpoint, a test)."""
@@ -384,6 +395,24 @@ class HostEngramTables:
 
     def close(self) -> None:
         self.worker.shutdown(wait=True)
+
+
+@contextlib.contextmanager
+def tables_on_meta():
+    """Inside: Engram tables are built on the meta device (no memory), for a model whose tables
+    HostEngramTables then draws shard by shard in host memory: the way to build a model whose
+    full-size tables fit no single device."""
+    init = EngramTable.__init__
+
+    def meta_init(self, *args, **kwargs):
+        with torch.device("meta"):
+            init(self, *args, **kwargs)
+
+    EngramTable.__init__ = meta_init
+    try:
+        yield
+    finally:
+        EngramTable.__init__ = init
 
 
 def shard_files(ckpt_dir: Path) -> dict[int, list[tuple[tuple[int, int], Path]]]:
