@@ -347,3 +347,29 @@ def test_trainer_host_tables_match_gpu_tables(flashtrain, tmp_path):
         for layer in (1, 2):
             name = f"engrams.{layer}.table.weight"
             torch.testing.assert_close(host[name], gpu[name], rtol=rtol, atol=atol)
+
+
+def test_planner_counts_host_tables_off_the_gpu():
+    """plan: a host-table layout holds the model less its tables (weights, gradients and Sinkhorn
+    state) on the GPU, a micro-step's fetched rows instead, 8 bytes a table parameter over the
+    ranks in host memory, and a non-zero host traffic; the GPU layout none of these."""
+    from conf.plan import GPUS, ActivationRates, StepRates
+    from model.transformer import Transformer
+    from trainer.plan import Layout, ModelFacts, plan_rank, step_time
+
+    cfg = dataclasses.replace(TinyModelConfig(), vocab_size=VOCAB, engram_min_rows=300)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    facts = ModelFacts.of(model, MuonConfig())
+    table = sum(e.table.weight.numel() for e in model.engrams.values())
+    plans = {host: plan_rank(facts, Layout(4, zero_stage=0, micro_batch=2, seq_len=64, engram_host=host),
+                             False, ActivationRates(), 2**40) for host in (False, True)}
+    gpu, host = plans[False].parts, plans[True].parts
+    assert gpu["parameters"] - host["parameters"] == 4 * table
+    assert gpu["optimizer"] - host["optimizer"] == 4 * table  # Sinkhorn's one fp32 buffer
+    lookups = 2 * 64 * len(cfg.engram_orders) * cfg.engram_heads * len(cfg.engram_layers)
+    assert gpu["gradients"] - host["gradients"] == lookups * (cfg.engram_dim * 4 + 8)
+    assert host["engram rows in flight"] == lookups * (2 * cfg.engram_dim * 4 + 8)
+    assert (plans[False].host_bytes, plans[True].host_bytes) == (0, 8 * table // 4)
+    times = {h: step_time(facts, p.layout, False, 1, GPUS["h100"], 8, StepRates()) for h, p in plans.items()}
+    assert times[False]["host traffic"] == 0 < times[True]["host traffic"]
