@@ -375,3 +375,27 @@ def test_planner_counts_host_tables_off_the_gpu():
     assert (plans[False].host_bytes, plans[True].host_bytes) == (0, 8 * table // 4)
     times = {h: step_time(facts, p.layout, False, 1, GPUS["h100"], 8, StepRates()) for h, p in plans.items()}
     assert times[False]["host traffic"] == 0 < times[True]["host traffic"]
+
+
+@pytest.mark.slow
+def test_trainer_host_tables_resume_at_another_world_size(flashtrain, tmp_path):
+    """Two ranks write half of each table's rows; one rank resumes from their step-2 checkpoint,
+    reads its rows from both files, and repeats the two-rank run's steps 3-4 (the same global batch)
+    to fp32 rounding."""
+    import shutil
+
+    two, one = tmp_path / "two", tmp_path / "one"
+    p = flashtrain("pretrain", *HOST_RUN, "trainer.engram_tables=host", "launcher.nproc=2",
+                   f"hydra.run.dir={two}")
+    assert p.returncode == 0, p.stderr[-3000:]
+    files = sorted(f.name for f in (two / "checkpoints" / "step_00000002" / "engram_host").iterdir())
+    assert len(files) == 4 and files[0].startswith("layer01_rows000000000000-")  # two layers x two ranks
+    (one / "checkpoints").mkdir(parents=True)
+    shutil.copytree(two / "checkpoints" / "step_00000002", one / "checkpoints" / "step_00000002")
+    shutil.copy(two / "metrics.jsonl", one / "metrics.jsonl")
+    p = flashtrain("pretrain", *HOST_RUN, "trainer.engram_tables=host", "trainer.micro_batch_size=4",
+                   f"hydra.run.dir={one}")
+    assert p.returncode == 0, p.stderr[-3000:]
+    a, b = _losses(two), _losses(one)
+    for step in (3, 4):
+        assert abs(a[step] - b[step]) < 1e-5 * abs(a[step]), (step, a[step], b[step])
