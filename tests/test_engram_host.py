@@ -267,13 +267,24 @@ def test_sharded_sinkhorn_balance_matches_the_whole_matrix():
     assert (torch.cat(results)[[7, 9]] == 0).all()
 
 
-@pytest.mark.parametrize("value, needle", [("cpu", "expected one of gpu, host")])
-def test_bad_engram_tables_value_is_one_line(value, needle):
+@pytest.mark.parametrize("value, cp, needle", [("cpu", 1, "expected one of gpu, host"),
+                                               ("host", 2, "context_parallel>1 is not supported")])
+def test_bad_engram_tables_settings_are_config_errors(value, cp, needle):
     from conf.errors import ConfigError
     from trainer.engram_host import check_engram_tables
 
     with pytest.raises(ConfigError, match=needle):
-        check_engram_tables(value, TinyModelConfig(), MuonConfig(), 1)
+        check_engram_tables(value, cp)
+
+
+def test_host_tables_need_the_sinkhorn_route():
+    """optim=adamw routes the tables to AdamW, which has no host path: one config error."""
+    from conf.errors import ConfigError
+    from conf.optim import AdamWConfig
+    from trainer.engram_host import HostEngramTables
+
+    with pytest.raises(ConfigError, match="routed to the Sinkhorn optimiser"):
+        HostEngramTables(tiny_model(), AdamWConfig())
 
 
 # ---------------------------------------------------------------------------- the trainer (CLI)

@@ -59,8 +59,9 @@ SHARD_FILE = re.compile(r"layer(\d+)_rows(\d+)-(\d+)\.safetensors$")
 INIT_BLOCK_ROWS = 1 << 20  # rows drawn per generator seed for a table built on the meta device
 
 
-def check_engram_tables(value: str, model_cfg, optim_cfg: OptimConfig, context_parallel: int) -> None:
-    """ConfigError for a `trainer.engram_tables` a run cannot use."""
+def check_engram_tables(value: str, context_parallel: int) -> None:
+    """ConfigError for a `trainer.engram_tables` a run cannot use (the optimiser routing is checked
+    when the tables are placed)."""
     if value not in ENGRAM_TABLES:
         raise ConfigError(f"trainer.engram_tables={value!r}: expected one of {', '.join(ENGRAM_TABLES)}")
     if value == "host" and context_parallel > 1:

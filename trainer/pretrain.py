@@ -148,7 +148,7 @@ class Trainer:
         d = self.dist
         check_training_layout(cfg.model, cfg.data.seq_len, d.world_size, tc.expert_parallel,
                               tc.context_parallel)
-        check_engram_tables(tc.engram_tables, cfg.model, cfg.optim, tc.context_parallel)
+        check_engram_tables(tc.engram_tables, tc.context_parallel)
         if tc.plan_check and d.device.type == "cuda":
             self._check_layout_fits()
         self.model = build_model(cfg, self.tokenizer)
