@@ -321,8 +321,10 @@ class Trainer:
             not_finite = not (torch.isfinite(sums).all() and (grad_norm is None or math.isfinite(grad_norm)))
             lr_multiplier = self.lr_multiplier(self.scheduler.last_epoch)  # the lr engine.step applies
             skipped = boundary_step(engine, self.optimizer, not_finite, self.step + 1)
-            if host is not None:
-                host.drop_grads() if skipped else host.step(lr_multiplier)
+            if host is not None and skipped:
+                host.drop_grads()
+            elif host is not None:
+                host.step(lr_multiplier)
         if grad_norm is None:
             norm = engine.get_global_grad_norm()
             grad_norm = float(norm) if norm is not None else float("nan")
