@@ -38,6 +38,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional
 
@@ -140,7 +141,9 @@ class HostEngramTables:
                  if isinstance(e, Engram)}
         self.rank, self.world, self.device = rank, world_size, torch.device(device)
         self.timeout_s = timeout_s
-        self.group = dist.new_group(backend="gloo") if world_size > 1 else None
+        # rows and gradients travel between host memories: a CPU (gloo) group beside the GPU's NCCL one
+        self.group = (dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+                      if world_size > 1 else None)
         self.lookup_map = model.lookup_map.detach().cpu()
         self.hashers, self.shards, self.bounds, self.route = {}, {}, {}, None
         for layer, engram in sorted(engrams.items()):
@@ -164,6 +167,7 @@ class HostEngramTables:
             self.hashers[layer] = _Hasher(engram)
             engram.table = None  # the rows live in the shards now
             engram.gather_rows = HostGather(self, layer)
+        # the options optim.composite gives its Sinkhorn (Nesterov, the optimiser's default)
         self.group_options = {"momentum": optim_cfg.sinkhorn_momentum, "nesterov": True,
                               "gamma": optim_cfg.sinkhorn_gamma, "iters": optim_cfg.sinkhorn_iters,
                               "tau": optim_cfg.sinkhorn_tau, "weight_decay": self.route.weight_decay}
