@@ -15,6 +15,8 @@ class GPUSpec:
     bf16_tflops: float  # dense bf16 tensor-core peak (datasheet)
     nvlink_gbs: float  # per GPU and direction, between GPUs of one node
     network_gbs: float  # per GPU and direction, between nodes (one 400 Gb/s NIC a GPU)
+    pcie_gbs: float = 50.0  # per GPU and direction, host memory <-> GPU (PCIe Gen5 x16, ~64 GB/s peak)
+    host_link_gbs: float = 20.0  # per rank, rank to rank through host memory in one node (gloo)
 
 
 # memory_gib is the card's total as torch reports it (what allocations can reach, below the marketed
@@ -72,6 +74,7 @@ class PlanOptions:
     # sequences per optimizer step over the whole cluster; 0: one micro-step per rank and step
     global_batch: int = 0
     checkpointing: list[bool] = field(default_factory=lambda: [False, True])
+    engram_tables: list[str] = field(default_factory=lambda: ["gpu"])  # gpu | host (trainer.engram_tables)
     top: int = 12  # rows of the table (feasible first)
     json: bool = False  # one JSON object instead of the table
 

@@ -37,4 +37,7 @@ class TrainerConfig:
     # a GPU run first checks its layout against the planner (trainer/plan.py) and stops, in one line,
     # when it cannot fit the card
     plan_check: bool = True
+    # where the Engram tables live: gpu (parameters of the model) | host (row shards in host memory,
+    # prefetched per micro-batch and updated there; trainer/engram_host.py)
+    engram_tables: str = "gpu"
     profile_comm: bool = False  # time expert all-to-alls (CUDA events) and log their share of step time

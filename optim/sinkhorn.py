@@ -26,8 +26,13 @@ import torch
 from optim.base import CheckedOptimizer
 
 
-def sinkhorn_balance(U: torch.Tensor, iters: int = 11, tau: float = 1e-3, eps: float = 1e-12) -> torch.Tensor:
+def sinkhorn_balance(U: torch.Tensor, iters: int = 11, tau: float = 1e-3, eps: float = 1e-12,
+                     row_sum: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """[rows, cols] -> [rows, cols] (U's dtype, computed in fp32): kept rows RMS 1, columns balanced.
+
+    row_sum: U is one shard of a matrix split by rows over several processes (host Engram tables,
+    trainer/engram_host.py); the hook sums a tensor over the shards (an all-reduce), so the
+    threshold's mean row norm and every column norm are those of the whole matrix. None: U is whole.
 
     `iters` must be odd so the last normalisation is over rows. eps keeps zeroed rows and columns at
     zero (0 / eps) instead of NaN; a zero matrix maps to zeros.
@@ -45,7 +50,10 @@ def sinkhorn_balance(U: torch.Tensor, iters: int = 11, tau: float = 1e-3, eps: f
     X = U.float()
     Q = X * X  # [rows, cols]
     norms = Q.sum(dim=1).sqrt()  # [rows]
-    mean = norms.sum() / (norms > 0).sum().clamp_min(1)  # over non-zero rows only
+    total = torch.stack((norms.sum(), (norms > 0).sum().float()))  # [2]: over non-zero rows only
+    if row_sum is not None:
+        total = row_sum(total)
+    mean = total[0] / total[1].clamp_min(1)
     r = (norms > tau * mean).float()  # [rows]: rows at or below the threshold are zeroed
     c = torch.ones(X.size(1), dtype=torch.float32, device=X.device)  # [cols]
     for i in range(iters):
@@ -56,7 +64,8 @@ def sinkhorn_balance(U: torch.Tensor, iters: int = 11, tau: float = 1e-3, eps: f
             n = r * torch.mv(Q, c * c).sqrt()
             r = torch.where(n > 0, r / (n + eps), r)
         else:
-            n = c * torch.mv(Q.t(), r * r).sqrt()
+            col = torch.mv(Q.t(), r * r)  # [cols]
+            n = c * (col if row_sum is None else row_sum(col)).sqrt()
             c = torch.where(n > 0, c / (n + eps), c)
     return (X * r[:, None] * (c * math.sqrt(X.size(1)))[None, :]).to(U.dtype)
 
@@ -117,14 +126,17 @@ class Sinkhorn(CheckedOptimizer):
         return loss
 
     @staticmethod
-    def _update(w: torch.Tensor, g: torch.Tensor, buf: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
-        """In place on w [n, cols] and buf [n, cols] given g [n, cols]: the whole step on a row set."""
+    def _update(w: torch.Tensor, g: torch.Tensor, buf: torch.Tensor, group: dict[str, Any],
+                row_sum: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """In place on w [n, cols] and buf [n, cols] given g [n, cols]: the whole step on a row set
+        (row_sum: the row set is one shard of the step's rows, see sinkhorn_balance)."""
         mu, lr = group["momentum"], group["lr"]
         buf.mul_(mu).add_(g)
         u = g.add(buf, alpha=mu) if group["nesterov"] else buf
         if group["weight_decay"] != 0.0:
             w.mul_(1.0 - lr * group["weight_decay"])
-        return w.add_(sinkhorn_balance(u, group["iters"], group["tau"]), alpha=-lr * group["gamma"])
+        return w.add_(sinkhorn_balance(u, group["iters"], group["tau"], row_sum=row_sum),
+                      alpha=-lr * group["gamma"])
 
     def _sparse_step(self, p: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor,
                      group: dict[str, Any]) -> None:

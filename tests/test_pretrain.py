@@ -58,14 +58,17 @@ def _kill_after_checkpoint(proc, ckpt_root: Path, tag: str, timeout: float = 300
 
 @pytest.mark.chaos
 @pytest.mark.slow
-@pytest.mark.parametrize("optim", ["adamw", "muon"])
+@pytest.mark.parametrize("optim", ["adamw", "muon", "muon-host-tables"])
 def test_exact_resume_after_sigkill(flashtrain, flashtrain_popen, tmp_path, optim):
     """2N steps straight == N steps, SIGKILL, resume to 2N: bitwise-identical losses after N.
     AdamW state lives in DeepSpeed's ZeRO-1 checkpoint; Muon + Sinkhorn + AdamW state in
-    flashtrain's own per-rank files."""
+    flashtrain's own per-rank files; host Engram tables (trainer.engram_tables=host) in each
+    rank's shard files."""
     n = 5
     common = [*FAST, f"trainer.max_steps={2 * n}", f"trainer.save_every={n}", "trainer.eval_every=5",
-              f"optim={optim}"]
+              f"optim={optim.removesuffix('-host-tables')}"]
+    if optim.endswith("-host-tables"):
+        common.append("trainer.engram_tables=host")
     straight = tmp_path / "straight"
     p = flashtrain("pretrain", *common, f"hydra.run.dir={straight}")
     assert p.returncode == 0, p.stderr[-3000:]

@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
@@ -146,9 +147,11 @@ class CheckpointManager:
         barrier()
 
     # ------------------------------------------------------------------ save
-    def save(self, engine, step: int, trainer_state: dict[str, Any], rank_state: dict[str, Any]) -> Path:
+    def save(self, engine, step: int, trainer_state: dict[str, Any], rank_state: dict[str, Any],
+             write_rank_files: Optional[Callable[[Path], None]] = None) -> Path:
         """Collective: every rank calls it. trainer_state is written by rank 0, rank_state
-        (RNG streams) by every rank."""
+        (RNG streams) by every rank, and so are the files `write_rank_files` writes into the
+        checkpoint directory (host Engram table shards), which the manifest then covers."""
         tag = tag_for(step)
         tmp_root = self.root / f".tmp_{tag}"
         if self.rank == 0:
@@ -161,6 +164,8 @@ class CheckpointManager:
             engine.save_checkpoint(str(tmp_root), tag=tag, save_latest=False)
             staged.mkdir(parents=True, exist_ok=True)
             torch.save(rank_state, staged / f"rank_{self.rank:05d}_state.pt")
+            if write_rank_files is not None:
+                write_rank_files(staged)
             if self.rank == 0:
                 torch.save(trainer_state, staged / TRAINER_STATE)
                 for name, text in self.attachments.items():
@@ -283,7 +288,8 @@ def model_state(ckpt: Path) -> dict[str, torch.Tensor]:
     ckpt = Path(ckpt)
     files = sorted(ckpt.glob("mp_rank_*_model_states.pt"))
     if files:
-        return torch.load(files[0], map_location="cpu", weights_only=False, mmap=True)["module"]
+        state = torch.load(files[0], map_location="cpu", weights_only=False, mmap=True)["module"]
+        return {**state, **_host_tables(ckpt)}
     if any(ckpt.glob("zero_pp_rank_*_mp_rank_*_model_states.pt")):  # ZeRO-3: partitions only
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -295,6 +301,16 @@ def model_state(ckpt: Path) -> dict[str, torch.Tensor]:
     for part in parts:
         state.update(torch.load(part, map_location="cpu", weights_only=True, mmap=True))
     return state
+
+
+def _host_tables(ckpt: Path) -> dict[str, torch.Tensor]:
+    """The Engram tables of a run with trainer.engram_tables=host, whole, under their model names
+    (the model states leave them out; each rank wrote its rows beside them)."""
+    from trainer.engram_host import SHARD_DIR, full_tables
+
+    if not (ckpt / SHARD_DIR).is_dir():
+        return {}
+    return {f"engrams.{layer}.table.weight": table for layer, table in full_tables(ckpt).items()}
 
 
 def load_model_weights(model: torch.nn.Module, ckpt: Path) -> None:

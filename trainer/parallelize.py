@@ -329,8 +329,10 @@ def reduce_gradients(model: nn.Module, layout: ParallelLayout, expert_params: se
 
 @torch.no_grad()
 def clip_grad_norm(model: nn.Module, layout: ParallelLayout, expert_params: set[int],
-                   max_norm: float) -> float:
-    """Global L2 norm of the (reduced) gradient, every expert counted once; clip to max_norm."""
+                   max_norm: float, external=None) -> float:
+    """Global L2 norm of the (reduced) gradient, every expert counted once; clip to max_norm.
+    external: gradients held outside the model (trainer/engram_host.py HostEngramTables), with
+    `grad_square_sum()` (over all ranks) and `scale_grads(scale)`."""
     dense_sq = torch.zeros((), dtype=torch.float64)
     expert_sq = torch.zeros((), dtype=torch.float64)
     grads = [p.grad for p in model.parameters() if p.grad is not None]
@@ -344,9 +346,13 @@ def clip_grad_norm(model: nn.Module, layout: ParallelLayout, expert_params: set[
             dense_sq += sq
     if layout.ep > 1:
         all_reduce_sum_(expert_sq, layout.ep_group)
+    if external is not None:
+        dense_sq += external.grad_square_sum()
     norm = float((dense_sq + expert_sq).sqrt())
     if max_norm > 0 and norm > max_norm:
         scale = max_norm / (norm + 1e-6)
         for g in grads:
             g.mul_(scale)
+        if external is not None:
+            external.scale_grads(scale)
     return norm

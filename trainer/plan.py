@@ -8,7 +8,10 @@ The trainer has two ways of holding a model (trainer/engine.py, optim/__init__.p
                    Sinkhorn one buffer a parameter, AdamW two) and, at trainer.zero_stage=1, each
                    parameter's state lives only on its owner (optim/composite.py assign_owners).
                    Routed experts are sharded over the EP group and replicated over the ranks that
-                   hold the same experts; Engram tables take sparse row gradients.
+                   hold the same experts; Engram tables take sparse row gradients. With
+                   trainer.engram_tables=host (Layout.engram_host) the tables and their momentum
+                   are fp32 row shards in host memory (8 bytes a parameter over the world, off
+                   the GPU); the GPU holds a micro-step's fetched rows and their gradients.
   DeepSpeed ZeRO   every route to AdamW and no EP: bf16 weights and gradients with fp32 master weights and
                    Adam moments that ZeRO stage 1, 2 and 3 partition over the ranks (2 + 2 + 12
                    bytes a parameter; stage 0 keeps fp32 gradients too).
@@ -44,6 +47,7 @@ class Layout:
     zero_stage: int = 1
     micro_batch: int = 1
     seq_len: int = 4096
+    engram_host: bool = False  # trainer.engram_tables=host: the tables are row shards in host memory
 
     @property
     def tokens_per_rank(self) -> int:
@@ -116,26 +120,40 @@ def state_bytes(facts: ModelFacts, layout: Layout) -> dict[str, int]:
     if layout.zero_stage not in (0, 1):
         raise ConfigError(f"trainer.zero_stage={layout.zero_stage} with Muon/Sinkhorn routes or expert "
                           "parallelism: the composite optimizer shards whole parameters (0 or 1)")
-    local = {r.name: facts.local(r.name, r.param.numel(), layout.ep) for r in facts.routes}
+    local = {r.name: facts.local(r.name, r.param.numel(), layout.ep) for r in facts.routes
+             if not (layout.engram_host and facts.kinds[r.name] == "engram")}
     dense_grads = sum(n for name, n in local.items() if facts.kinds[name] != "engram")
+    lookups = facts.engram_rows_per_token * layout.tokens_per_rank
+    if layout.engram_host:
+        # at most one fetched row (fp32) a lookup, its gradient, and the lookup's int64 position
+        return {"parameters": FP32 * sum(local.values()), "gradients": FP32 * dense_grads,
+                "optimizer": _composite_state_bytes(facts, local, layout),
+                "engram rows in flight": lookups * (2 * facts.table_dim * FP32 + 8)}
     # sparse row gradients of the Engram tables: each read row's values (fp32) and its int64 index
-    sparse = facts.engram_rows_per_token * layout.tokens_per_rank * (facts.table_dim * FP32 + 8)
+    sparse = lookups * (facts.table_dim * FP32 + 8)
     return {"parameters": FP32 * sum(local.values()), "gradients": FP32 * dense_grads + sparse,
             "optimizer": _composite_state_bytes(facts, local, layout)}
+
+
+def host_table_bytes(facts: ModelFacts, layout: Layout) -> int:
+    """Host memory of one rank's Engram row shards: fp32 weights and Sinkhorn momentum (0 when the
+    tables live on the GPU)."""
+    return 2 * FP32 * facts.of_kind("engram") // layout.world if layout.engram_host else 0
 
 
 def _composite_state_bytes(facts: ModelFacts, local: dict[str, int], layout: Layout) -> int:
     """The largest rank's optimizer state. ZeRO-0: every rank keeps state for all it holds.
     ZeRO-1: dense parameters are owned across all ranks, an expert shard (EP > 1) across the ranks
     that hold the same experts (world / EP of them; rank r is member r // EP of its group)."""
-    state = {r.name: STATE_BYTES[r.optimizer] * local[r.name] for r in facts.routes}
+    routes = [r for r in facts.routes if r.name in local]  # host tables keep their state off the GPU
+    state = {r.name: STATE_BYTES[r.optimizer] * local[r.name] for r in routes}
     if layout.zero_stage == 0:
         return sum(state.values())
     # the composite optimizer balances each set of identically replicated parameters on its own;
     # without EP every parameter is replicated on every rank, so that is one set
-    shards = [r for r in facts.routes if layout.ep > 1 and facts.kinds[r.name] == "routed"]
+    shards = [r for r in routes if layout.ep > 1 and facts.kinds[r.name] == "routed"]
     sharded = {r.name for r in shards}
-    replicated = [r for r in facts.routes if r.name not in sharded]
+    replicated = [r for r in routes if r.name not in sharded]
     per_rank: dict[int, int] = defaultdict(int)
     for name, rank in assign_owners(replicated, tuple(range(layout.world))).items():
         per_rank[rank] += state[name]
@@ -201,7 +219,10 @@ def step_time(facts: ModelFacts, layout: Layout, checkpointing: bool, accumulati
     trainer overlaps): the model's FLOPs at the measured fraction of the peak, the per-layer rest,
     the EP all-to-all, the gradient reduction (dense and expert gradients in a ring, the Engram
     tables' sparse rows gathered from every rank), the optimizer's update and, at ZeRO-1, the
-    owners' broadcast of the new weights, and host traffic (none: Engram tables live on the GPU)."""
+    owners' broadcast of the new weights, and host traffic: with host Engram tables, every lookup's
+    row copied to the GPU and its gradient back over PCIe (an upper bound: repeated rows travel once),
+    and the rows and gradients exchanged with their owners over the network; the owners' Sinkhorn
+    update runs on the host CPU behind the step and is not counted."""
     tokens = layout.tokens_per_rank * accumulation
     again = rates.recompute if checkpointing else 1.0
     peak = gpu.bf16_tflops * 1e12
@@ -222,7 +243,8 @@ def step_time(facts: ModelFacts, layout: Layout, checkpointing: bool, accumulati
     link = _link_gbs(world, gpus_per_node, gpu)
     # the tables' sparse row gradients are all-gathered: a rank receives every other rank's rows
     rows = facts.engram_rows_per_token * tokens * (facts.table_dim * FP32 + 8)
-    parts["gradient reduction"] = ((FP32 * dense * 2 * (world - 1) / world + rows * (world - 1)) / link
+    gathered = 0 if layout.engram_host else rows * (world - 1)
+    parts["gradient reduction"] = ((FP32 * dense * 2 * (world - 1) / world + gathered) / link
                                    + FP32 * routed * 2 * (replicas - 1) / replicas / link)
     # ZeRO-1: a rank updates its share of what it holds (the owners balance it), then each owner
     # broadcasts its new weights to the other replicas
@@ -232,6 +254,11 @@ def step_time(facts: ModelFacts, layout: Layout, checkpointing: bool, accumulati
     broadcast = FP32 * (dense * (world - 1) / world + routed * (replicas - 1) / replicas)
     parts["weight broadcast"] = broadcast / link if zero1 else 0.0
     parts["host traffic"] = 0.0
+    if layout.engram_host:
+        row_bytes = facts.engram_rows_per_token * tokens * facts.table_dim * FP32  # each way
+        link_gbs = gpu.network_gbs if world > gpus_per_node else gpu.host_link_gbs
+        exchanged = 2 * row_bytes * (world - 1) / world / (link_gbs * 1e9)
+        parts["host traffic"] = 2 * row_bytes / (gpu.pcie_gbs * 1e9) + exchanged
     return parts
 
 
@@ -243,6 +270,7 @@ class RankPlan:
     parts: dict[str, int]
     engram_table_bytes: int
     capacity: int
+    host_bytes: int = 0  # this rank's Engram row shards in host memory (not counted against capacity)
 
     @property
     def total(self) -> int:
@@ -270,11 +298,12 @@ def plan_rank(facts: ModelFacts, layout: Layout, checkpointing: bool, rates: Act
     acts = activation_bytes(facts, layout, checkpointing, rates) + dispatch_bytes(facts, layout)
     workspace = int(rates.optimizer_workspace * FP32 * optimizer_workspace_elements(facts, layout.ep))
     parts["activations" if acts >= workspace else "optimizer workspace"] = max(acts, workspace)
-    return RankPlan(layout, checkpointing, parts, FP32 * facts.of_kind("engram"), capacity)
+    on_gpu = 0 if layout.engram_host else FP32 * facts.of_kind("engram")
+    return RankPlan(layout, checkpointing, parts, on_gpu, capacity, host_table_bytes(facts, layout))
 
 
 def candidate_layouts(facts: ModelFacts, world: int, model_cfg, seq_len: int, micro_batches, expert_parallel,
-                      zero_stages, context_parallel=(1,)) -> list[Layout]:
+                      zero_stages, context_parallel=(1,), engram_tables=("gpu",)) -> list[Layout]:
     """Every layout the trainer can run on `world` ranks among the given options: EP degrees that
     divide both the routed experts and the world (all of them when none are given), each CP degree
     (checked as a run checks it: it divides the world and cuts the sequence into valid slices),
@@ -290,8 +319,11 @@ def candidate_layouts(facts: ModelFacts, world: int, model_cfg, seq_len: int, mi
             check_training_layout(model_cfg, seq_len, world, ep, cp)
             # one rank has nothing to shard: stage 0 only
             allowed = (0,) if world == 1 else (0, 1) if facts.holds_whole_parameters(ep) else (0, 1, 2, 3)
-            out += [Layout(world, ep=ep, cp=cp, zero_stage=z, micro_batch=mb, seq_len=seq_len)
-                    for z in zero_stages if z in allowed for mb in micro_batches]
+            # host tables need a whole-sequence slice to hash (trainer/engram_host.py)
+            places = [t for t in engram_tables if t == "gpu" or (cp == 1 and facts.of_kind("engram"))]
+            out += [Layout(world, ep=ep, cp=cp, zero_stage=z, micro_batch=mb, seq_len=seq_len,
+                           engram_host=t == "host")
+                    for z in zero_stages if z in allowed for mb in micro_batches for t in places]
     return out
 
 

@@ -28,6 +28,7 @@ from trainer.checkpoint import CheckpointManager
 from trainer.context_parallel import slice_batch
 from trainer.distributed import DistInfo, all_reduce_sum_, init_distributed
 from trainer.engine import build_engine, check_trainer_counts, resolve_precision
+from trainer.engram_host import HostEngramTables, check_engram_tables
 from trainer.fp8 import apply_fp8, check_fp8
 from trainer.init_weights import checkpoint_attachments, existing_init_source, load_init_weights
 from trainer.metrics import MetricsLog, device_peak_flops, moe_balance
@@ -150,6 +151,7 @@ class Trainer:
         d = self.dist
         check_training_layout(cfg.model, cfg.data.seq_len, d.world_size, tc.expert_parallel,
                               tc.context_parallel)
+        check_engram_tables(tc.engram_tables, tc.context_parallel)
         if tc.plan_check and d.device.type == "cuda":
             self._check_layout_fits()
         self.model = build_model(cfg, self.tokenizer)
@@ -165,6 +167,10 @@ class Trainer:
         self.layout = build_layout(d.rank, d.world_size, tc.expert_parallel, self.model.cfg.n_routed_experts,
                                    tc.context_parallel)
         self.expert_params = parallelize(self.model, self.layout)
+        # host tables leave the model before the engine moves it to the GPU and the optimiser routes it
+        self.engram_host = (HostEngramTables(self.model, cfg.optim, d.rank, d.world_size, d.device,
+                                             tc.collective_timeout_s, tc.seed)
+                            if tc.engram_tables == "host" else None)
         if tc.compile:
             compile_blocks(self.model)
         if tc.activation_checkpointing:
@@ -207,7 +213,8 @@ class Trainer:
         with torch.device("meta"):
             meta = Transformer(model_config_for(cfg.model, self.tokenizer))
         layout = Layout(self.dist.world_size, ep=tc.expert_parallel, cp=tc.context_parallel,
-                        zero_stage=tc.zero_stage, micro_batch=tc.micro_batch_size, seq_len=cfg.data.seq_len)
+                        zero_stage=tc.zero_stage, micro_batch=tc.micro_batch_size, seq_len=cfg.data.seq_len,
+                        engram_host=tc.engram_tables == "host")
         gpu = torch.cuda.get_device_properties(self.dist.device)
         check_layout_fits(meta, cfg.optim, layout, tc.activation_checkpointing, gpu.total_memory, gpu.name)
 
@@ -255,6 +262,8 @@ class Trainer:
         with full_experts(self.engine.module, self.layout):
             trainer_state, rank_state = self.ckpts.load(self.engine, ckpt,
                                                         load_optimizer_states=not self.own_optimizer_state)
+        if self.engram_host is not None:
+            self.engram_host.load(ckpt)
         if self.own_optimizer_state:
             shards = [s["optimizer"] for s in self.ckpts.all_rank_states(ckpt)]
             self.optimizer.load_state_dict(CompositeOptimizer.merge_state_dicts(shards))
@@ -276,6 +285,12 @@ class Trainer:
               f"({self.peak_source}) | {start} at step {self.step}", flush=True)
 
     # ------------------------------------------------------------------ one step
+    def _prefetch(self, batches: list[dict[str, torch.Tensor]]) -> None:
+        """Host Engram tables: queue the rows of these micro-batches, which their forwards take in order."""
+        if self.engram_host is not None:
+            for batch in batches:
+                self.engram_host.prefetch(batch["input_ids"], batch.get("doc_ids"))
+
     def _batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """On this rank's device; with context parallelism, this rank's slice plus its shard."""
         batch = {k: v.to(self.dist.device, non_blocking=True) for k, v in batch.items()}
@@ -289,8 +304,11 @@ class Trainer:
         sums = torch.zeros(3, dtype=torch.float64)  # lm, balance, indexer losses
         grad_norm: Optional[float] = None
         skipped = False
-        for _ in range(tc.grad_accum_steps):
-            batch = self._batch(self.loader.next_batch())
+        micro_batches = [self.loader.next_batch() for _ in range(tc.grad_accum_steps)]
+        self._prefetch(micro_batches)  # the rows of later micro-batches arrive while earlier ones compute
+        host = self.engram_host
+        for raw in micro_batches:
+            batch = self._batch(raw)
             out = engine(**batch)
             lm = out.lm_loss * self._token_share(batch["labels"])
             engine.backward(lm + out.balance_loss + out.indexer_loss)
@@ -300,12 +318,20 @@ class Trainer:
                 engine.step()
                 continue
             if self.own_optimizer_state:
+                if host is not None:
+                    host.reduce_gradients()
                 reduce_gradients(engine.module, self.layout, self.expert_params)
-                grad_norm = clip_grad_norm(engine.module, self.layout, self.expert_params, tc.grad_clip)
+                grad_norm = clip_grad_norm(engine.module, self.layout, self.expert_params, tc.grad_clip,
+                                           external=host)
             elif engine.zero_optimization_stage() == 0:
                 grad_norm = self._grad_norm()  # DeepSpeed's ZeRO-0 clips without reporting the norm
             not_finite = not (torch.isfinite(sums).all() and (grad_norm is None or math.isfinite(grad_norm)))
+            lr_multiplier = self.lr_multiplier(self.scheduler.last_epoch)  # the lr engine.step applies
             skipped = boundary_step(engine, self.optimizer, not_finite, self.step + 1)
+            if host is not None and skipped:
+                host.drop_grads()
+            elif host is not None:
+                host.step(lr_multiplier)
         if grad_norm is None:
             norm = engine.get_global_grad_norm()
             grad_norm = float(norm) if norm is not None else float("nan")
@@ -364,6 +390,7 @@ class Trainer:
         # token loss sum, tokens, top-k / pool recall sums, batches
         total = torch.zeros(5, dtype=torch.float64)
         for batch in self.val_loader.eval_batches(self.cfg.trainer.eval_batches):
+            self._prefetch([batch])
             batch = self._batch(batch)
             n = (batch["labels"] != -100).sum()
             out = self.engine(**batch, collect_recall=True)
@@ -389,7 +416,8 @@ class Trainer:
         if self.own_optimizer_state:
             rank_state["optimizer"] = self.optimizer.state_dict()
         with full_experts(self.engine.module, self.layout):
-            self.ckpts.save(self.engine, self.step, trainer_state, rank_state)
+            self.ckpts.save(self.engine, self.step, trainer_state, rank_state,
+                            write_rank_files=self.engram_host.save if self.engram_host is not None else None)
 
     # ------------------------------------------------------------------ loop
     def log(self, row: dict[str, Any]) -> None:
@@ -437,6 +465,8 @@ class Trainer:
 
     def close(self) -> None:
         self.tracker.finish()
+        if self.engram_host is not None:
+            self.engram_host.close()
         if dist.is_initialized():
             dist.barrier()
 

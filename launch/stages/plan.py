@@ -37,8 +37,11 @@ def plan(cfg: PlanConfig, run_dir: Path, config_yaml: str):
         raise ConfigError(f"plan.global_batch={o.global_batch}: expected sequences per step, or 0")
     gpu = GPUS[c.gpu]
     rows, times = [], {}
+    bad = [t for t in o.engram_tables if t not in ("gpu", "host")]
+    if bad or not o.engram_tables:
+        raise ConfigError(f"plan.engram_tables={list(o.engram_tables)}: expected gpu and/or host")
     for layout in candidate_layouts(facts, world, model_cfg, o.seq_len, o.micro_batches, o.expert_parallel,
-                                    o.zero_stages, o.context_parallel):
+                                    o.zero_stages, o.context_parallel, o.engram_tables):
         for ac in o.checkpointing:
             row = plan_rank(facts, layout, ac, ActivationRates(), capacity)
             accumulation = accumulation_steps(layout, o.global_batch)
@@ -58,6 +61,8 @@ def plan(cfg: PlanConfig, run_dir: Path, config_yaml: str):
                "rows": [{"ep": r.layout.ep, "cp": r.layout.cp, "zero_stage": r.layout.zero_stage,
                          "micro_batch": r.layout.micro_batch, "seq_len": r.layout.seq_len,
                          "activation_checkpointing": r.checkpointing,
+                         "engram_tables": "host" if r.layout.engram_host else "gpu",
+                         "host_engram_gib": r.host_bytes / GIB,
                          "fits": r.fits, "total_gib": r.total / GIB,
                          **{f"{k.replace(' ', '_')}_gib": v / GIB for k, v in r.parts.items()},
                          **times[id(r)],
@@ -68,14 +73,18 @@ def plan(cfg: PlanConfig, run_dir: Path, config_yaml: str):
     print(f"flashtrain plan: model {model_cfg.name} on {c.nodes} x {c.gpus_per_node} {c.gpu.upper()} "
           f"({world} ranks, {capacity / GIB:,.1f} GiB usable each), {o.seq_len}-token sequences: "
           f"{summary['feasible']} of {len(rows)} layouts fit")
-    print(f"  {'EP':>4} {'CP':>3} {'ZeRO':>4} {'mb':>3} {'AC':>3} {'GiB':>8} {'step s':>7} {'tok/s/GPU':>9} "
-          f"{'MFU':>5}  parameters / gradients / optimizer / activations or optimizer workspace (GiB)")
+    print(f"  {'EP':>4} {'CP':>3} {'ZeRO':>4} {'mb':>3} {'AC':>3} {'tables':>6} {'GiB':>8} {'step s':>7} "
+          f"{'tok/s/GPU':>9} {'MFU':>5}  parameters / gradients / optimizer / [host-table rows in flight /] "
+          "activations or optimizer workspace (GiB)")
     for r in rows[:o.top]:
         parts = " / ".join(f"{v / GIB:,.1f}" for v in r.parts.values())
         verdict = "fits" if r.fits else r.why_not()
+        if r.host_bytes:
+            verdict += f" (+{r.host_bytes / GIB:,.1f} GiB of Engram shards in host memory)"
         t = times[id(r)]
         print(f"  {r.layout.ep:>4} {r.layout.cp:>3} {r.layout.zero_stage:>4} {r.layout.micro_batch:>3} "
-              f"{'on' if r.checkpointing else 'off':>3} {r.total / GIB:>8,.1f} {t['step_s']:>7.2f} "
+              f"{'on' if r.checkpointing else 'off':>3} {'host' if r.layout.engram_host else 'gpu':>6} "
+              f"{r.total / GIB:>8,.1f} {t['step_s']:>7.2f} "
               f"{t['tokens_per_s_per_gpu']:>9,.0f} {t['mfu']:>5.1%}  {parts}  {verdict}")
     print("  step time: the model's FLOPs and each layer's rest at rates measured on one GPU, the EP "
           "all-to-all and the gradient reduction at link bandwidth, the optimizer per element updated; "

@@ -1,0 +1,175 @@
+"""The step time of a training step with Engram tables in host memory (trainer/engram_host.py)
+against the same step with the same rows resident on the device, in one run; prints one JSON object.
+
+Each mode builds the model afresh and runs the trainer's optimiser path on a bare loop (as
+bench/system/step_memory.py does): kernels on, bf16 autocast on a GPU, Muon + Sinkhorn + AdamW,
+the global gradient norm clipped. `gpu`: the tables are parameters with sparse row gradients and
+Sinkhorn's sparse step on the device. `host`: the tables are fp32 row shards in host memory
+(with fp32 momentum), built on the meta device and drawn on the host, so a host-only row count
+may exceed what the device holds (`--host-only-rows`). The timed figure is the wall clock of
+the timed steps together, divided by their number, so the host update that runs behind a step
+is counted where the next step waits for it.
+
+Token ids: `uniform` draws every id alike (almost every n-gram new: the most rows a step can
+fetch); `zipf` draws id k with weight 1 / (k + 1), closer to text, where frequent n-grams repeat.
+
+    python -m bench.system.engram_host --model flash-L2 --seq-len 4096 --micro-batch 2 --accum 4 \\
+        --min-rows 250000 --engram-layers 0,1 [--host-only-rows 16000000] [--out FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from bench import provenance
+from bench.system.step_memory import model_config
+from conf.model import TinyModelConfig
+from conf.optim import MuonConfig
+from model.engram import engram_table_params
+from optim import build_optimizer
+from trainer.engram_host import HostEngramTables, tables_on_meta
+from trainer.parallelize import build_layout, clip_grad_norm
+from trainer.pretrain import assemble_model
+
+GIB = 2**30
+
+
+def bench_config(name: str, vocab: int, min_rows: int, layers: list[int]):
+    base = (dataclasses.replace(TinyModelConfig(), vocab_size=vocab) if name == "tiny"
+            else model_config(name, vocab))
+    return dataclasses.replace(base, engram_min_rows=min_rows, engram_layers=layers)
+
+
+def draw_ids(kind: str, shape: tuple[int, int], vocab: int, g: torch.Generator) -> torch.Tensor:
+    if kind == "uniform":
+        return torch.randint(0, vocab, shape, generator=g)
+    weights = 1.0 / torch.arange(1, vocab + 1, dtype=torch.float64)
+    return torch.multinomial(weights, shape[0] * shape[1], replacement=True, generator=g).view(shape)
+
+
+def measure(cfg, tables: str, seq_len: int, micro_batch: int, accum: int, steps: int, ids: str,
+            device: torch.device) -> dict:
+    torch.manual_seed(0)
+    with torch.device(device), (tables_on_meta() if tables == "host" else contextlib.nullcontext()):
+        model, _ = assemble_model(cfg)
+    optim_cfg = MuonConfig()
+    host = HostEngramTables(model, optim_cfg, device=device) if tables == "host" else None
+    opt = build_optimizer(model, optim_cfg, zero_stage=0)
+    opt.enable_sparse_table_grads(model)
+    layout = build_layout(0, 1, 1, cfg.n_routed_experts)
+    g = torch.Generator().manual_seed(0)
+    cuda = device.type == "cuda"
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+        if host is not None:
+            host.synchronize()
+
+    times, start_all = [], None
+    for step in range(steps + 2):  # two warm-up steps: autotuning, allocator growth, optimizer state
+        batches = [draw_ids(ids, (micro_batch, seq_len + 1), cfg.vocab_size, g) for _ in range(accum)]
+        if step == 2:
+            sync()
+            if host is not None:
+                host.stats.clear()
+            start_all = time.perf_counter()
+        start = time.perf_counter()
+        if host is not None:
+            for b in batches:
+                host.prefetch(b[:, :-1])
+        for b in batches:
+            b = b.to(device, non_blocking=True)
+            with autocast:
+                out = model(b[:, :-1], labels=b[:, 1:])
+            (out.loss / accum).backward()
+        if host is not None:
+            host.reduce_gradients()
+        clip_grad_norm(model, layout, set(), 1.0, external=host)
+        opt.step()
+        if host is not None:
+            host.step(1.0)
+        opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+        if step >= 2:
+            times.append(time.perf_counter() - start)
+    sync()
+    wall = time.perf_counter() - start_all
+    row = {"tables": tables, "step_s": wall / steps, "step_s_median_main_thread": statistics.median(times),
+           "table_rows_per_layer": engram_table_params(cfg) // cfg.engram_dim // len(cfg.engram_layers),
+           "lm_loss_last": out.lm_loss.item()}
+    if host is not None:
+        st = host.stats
+        row.update(host_table_gib=host.host_bytes / GIB,
+                   lookups_per_step=st["lookups"] / steps, rows_fetched_per_step=st["rows_fetched"] / steps,
+                   rows_updated_per_step=st["rows_updated"] / steps,
+                   mib_to_device_per_step=st["bytes_to_device"] / steps / 2**20,
+                   mib_to_host_per_step=st["bytes_to_host"] / steps / 2**20,
+                   fetch_wait_s_per_step=st["fetch_wait_s"] / steps, reduce_s_per_step=st["reduce_s"] / steps,
+                   host_update_s_per_step=st["update_s"] / steps)
+        host.close()
+    else:
+        row["table_gib_on_device"] = 2 * 4 * engram_table_params(cfg) / GIB  # fp32 weights + momentum
+    if cuda:
+        row["peak_gib"] = torch.cuda.max_memory_allocated() / GIB
+    del model, opt, out
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="flash-L2",
+                    help="tiny, small or flash-L<layers> (step_memory's slice)")
+    ap.add_argument("--seq-len", type=int, default=4096)
+    ap.add_argument("--micro-batch", type=int, default=2)
+    ap.add_argument("--accum", type=int, default=4, help="micro-batches a step")
+    ap.add_argument("--min-rows", type=int, default=250_000,
+                    help="model.engram_min_rows of the compared run: each head's rows (24 heads a layer)")
+    ap.add_argument("--engram-layers", default="0,1", help="comma-separated Engram layers")
+    ap.add_argument("--host-only-rows", type=int, default=0,
+                    help="also a host-table run at this engram_min_rows (16000000: full size), with no "
+                    "device twin")
+    ap.add_argument("--ids", choices=("uniform", "zipf"), default="uniform")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--vocab", type=int, default=129_280)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    if args.threads:  # a shared CPU: one thread avoids OpenMP barriers waiting on descheduled threads
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    layers = [int(x) for x in args.engram_layers.split(",")]
+    cfg = bench_config(args.model, args.vocab, args.min_rows, layers)
+    shape = dict(seq_len=args.seq_len, micro_batch=args.micro_batch, accum=args.accum, steps=args.steps,
+                 ids=args.ids, device=device)
+    result = {**provenance.header("engram_host"), "model": args.model, "engram_layers": layers,
+              "min_rows": args.min_rows, "seq_len": args.seq_len, "micro_batch": args.micro_batch,
+              "accumulation": args.accum, "ids": args.ids, "threads": torch.get_num_threads(), "rows": []}
+    for tables in ("gpu", "host"):
+        result["rows"].append(measure(cfg, tables, **shape))
+    gpu, host = result["rows"]
+    result["overhead"] = host["step_s"] / gpu["step_s"] - 1
+    if args.host_only_rows:
+        big = bench_config(args.model, args.vocab, args.host_only_rows, layers)
+        row = measure(big, "host", **shape)
+        row["overhead_vs_device_tables_of_min_rows"] = row["step_s"] / gpu["step_s"] - 1
+        result["rows"].append(row)
+    provenance.emit(result, args.out)
+
+
+if __name__ == "__main__":
+    main()
