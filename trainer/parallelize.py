@@ -25,6 +25,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from conf.errors import ConfigError
 from model.moe import MoE, RoutedExperts, routing_order
+from optim import Replicas
 from trainer.distributed import all_reduce_sum_
 
 
@@ -258,6 +259,18 @@ def parallelize(model: nn.Module, layout: ParallelLayout) -> set[int]:
             expert_params.add(id(local))
         stack.expert_offset = start
     return expert_params
+
+
+def optimizer_placement(model: nn.Module, layout: ParallelLayout,
+                        expert_params: set[int]) -> tuple[dict, dict[int, int]]:
+    """What the composite optimiser needs to know of the layout (`optim.build_optimizer`'s
+    `replicas` and `row_offsets`): each expert shard is replicated on its expert-data-parallel
+    group only, and sits at its stack's `expert_offset` rows of the full stack."""
+    expert_replicas = Replicas(tuple(layout.expert_dp_ranks), layout.expert_dp_group)
+    replicas = dict.fromkeys(expert_params, expert_replicas)
+    offsets = {id(p): stack.expert_offset for stack in _expert_stacks(model)
+               if hasattr(stack, "expert_offset") for p in (stack.w1, stack.w2, stack.w3)}
+    return replicas, offsets
 
 
 @contextlib.contextmanager
