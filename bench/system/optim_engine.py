@@ -15,9 +15,11 @@ The same model at each world size, one timed step after `--warmup` untimed ones,
 Each step backpropagates a loss linear in the parameters (sum of p * g for fixed random g), so the
 gradients are the same on every path and the backward costs a few elementwise passes: what differs
 is the reduction (in DeepSpeed's backward hooks or at the boundary) and the step. `backward_s` is
-that backward alone, for reference. Bytes per rank and step are counted from the parameter sizes
-(ring collectives): an all-reduce moves 2(W-1)/W of the buffer, a reduce-scatter or all-gather
-(W-1)/W, a broadcast of every owner's share (W-1)/W.
+that backward alone, for reference. `step_cpu_s` is the slowest rank's process CPU time for the
+step: on a CPU shared with other work it is steadier than the wall time, which counts waiting for
+a core (gloo waits for its peers without spinning). Bytes per rank and step are counted from the
+parameter sizes (ring collectives): an all-reduce moves 2(W-1)/W of the buffer, a reduce-scatter or
+all-gather (W-1)/W, a broadcast of every owner's share (W-1)/W.
 
     python -m bench.system.optim_engine --world 2,4 --out bench/results/system/optim-engine-cpu.json
     python -m bench.system.optim_engine --world 1 --model small \
@@ -123,12 +125,12 @@ def _run_path(path: str, model_name: str, rank: int, world: int, precision: str,
         loss = sum((p * d).sum() for p, d in zip(params, directions))
         engine.backward(loss)
 
-    times, back, reduce = [], [], []
+    times, back, reduce, cpu = [], [], [], []
     try:
         for i in range(warmup + steps):
             dist.barrier()
             sync()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             backward()
             sync()
             mid = time.perf_counter()
@@ -143,14 +145,16 @@ def _run_path(path: str, model_name: str, rank: int, world: int, precision: str,
                 times.append(time.perf_counter() - start)
                 back.append(mid - start)
                 reduce.append(reduced - mid)
+                cpu.append(time.process_time() - start_cpu)
     except Exception as e:
         return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}",
                 "where": traceback.format_exc().splitlines()[-3][:200]}
-    slow = torch.tensor([statistics.median(x) for x in (times, back, reduce)], dtype=torch.float64)
+    slow = torch.tensor([statistics.median(x) for x in (times, back, reduce, cpu)], dtype=torch.float64)
     dist.all_reduce(slow, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
     # backward_s holds DeepSpeed's reduction (its hooks, or its boundary reduce at ZeRO-1) and, for
     # its Muon, the Newton-Schulz iterations; hand_reduce_s is the hand path's reduction and norm
-    out = {"step_s": slow[0].item(), "backward_s": slow[1].item(), "params": n_params}
+    out = {"step_s": slow[0].item(), "backward_s": slow[1].item(), "step_cpu_s": slow[3].item(),
+           "params": n_params}
     if hand:
         out["hand_reduce_s"] = slow[2].item()
     out.update(bytes_per_rank(path, n_params, world, precision))
