@@ -229,10 +229,11 @@ def sharded_run(tmp_path_factory, port_base):
     return run
 
 
-@pytest.mark.parametrize("world, ep", [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2)])
+@pytest.mark.parametrize("world, ep", [(1, 1), (2, 1), (2, 2), (4, 2)])
 def test_sharded_update_equals_the_unsharded_one(sharded_run, world, ep):
-    """ZeRO-1 by whole parameter at 1, 2 and 4 ranks, with expert parallelism where EP divides the
-    world (EP=2 inside 4 ranks: expert stacks owned within their expert-data-parallel pair): after
+    """ZeRO-1 by whole parameter at 1, 2 and 4 ranks, with expert parallelism (EP=2 at 2 ranks:
+    every rank alone with its experts; inside 4 ranks: expert stacks owned within their
+    expert-data-parallel pair, dense parameters over all 4): after
     three steps every rank's parameters are those of one optimiser per parameter on one rank:
     bitwise for Sinkhorn and AdamW, Muon within MUON_ATOL (see there). Each update is a function of
     its own parameter's gradient and state only; the owner computes it and the broadcast copies
@@ -279,7 +280,8 @@ def _global_batch() -> torch.Tensor:
     return torch.randint(0, TINY.vocab_size, (4, 64), generator=torch.Generator().manual_seed(7))
 
 
-def _reduced_gradients(model: Transformer, batch: torch.Tensor, layout, expert_params) -> float:
+def _reduced_gradients(model: Transformer, batch: torch.Tensor, layout, expert_params,
+                       owners: dict[int, int] | None = None) -> float:
     """The trainer's backward on this rank's share of the batch, then its own reduction and norm."""
     from trainer.parallelize import clip_grad_norm, reduce_gradients
 
@@ -288,12 +290,13 @@ def _reduced_gradients(model: Transformer, batch: torch.Tensor, layout, expert_p
             m.sparse_grad = True  # as the trainer's composite optimiser sets them
     out = model(input_ids=batch, labels=batch)
     (out.lm_loss + out.balance_loss + out.indexer_loss).backward()
-    reduce_gradients(model, layout, expert_params)
-    return clip_grad_norm(model, layout, expert_params, 0.0)
+    reduce_gradients(model, layout, expert_params, owners)
+    return clip_grad_norm(model, layout, expert_params, 0.0, sharded=bool(owners))
 
 
 def _reduction_worker(rank: int, world: int, ep: int, port: int, out_dir: str) -> None:
-    from trainer.parallelize import build_layout, parallelize
+    """The same backward reduced both ways: for zero_stage 0 (all-reduce) and 1 (to the owners)."""
+    from trainer.parallelize import build_layout, optimizer_placement, parallelize
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -301,17 +304,17 @@ def _reduction_worker(rank: int, world: int, ep: int, port: int, out_dir: str) -
     model = Transformer(TINY).double()
     layout = build_layout(rank, world, ep, TINY.n_routed_experts)
     expert_params = parallelize(model, layout)
+    replicas, offsets = optimizer_placement(model, layout, expert_params)
     per = _global_batch().shape[0] // world
-    norm = _reduced_gradients(model, _global_batch()[rank * per:(rank + 1) * per], layout, expert_params)
-    grads = {}
-    for name, p in model.named_parameters():
-        g = p.grad.to_dense() if p.grad.is_sparse else p.grad
-        if id(p) in expert_params:  # the full stack: every EP rank's rows
-            parts = [torch.empty_like(g) for _ in range(ep)]
-            dist.all_gather(parts, g.contiguous(), group=layout.ep_group)
-            g = torch.cat(parts)
-        grads[name] = g
-    torch.save({"grads": grads, "norm": norm}, os.path.join(out_dir, f"grads{rank}.pt"))
+    for stage in (0, 1):
+        opt = build_optimizer(model, MuonConfig(), zero_stage=stage, rank=rank, world_size=world,
+                              replicas=replicas, row_offsets=offsets)
+        norm = _reduced_gradients(model, _global_batch()[rank * per:(rank + 1) * per], layout, expert_params,
+                                  opt.owner_ranks())
+        grads = {name: (None if p.grad is None else p.grad.to_dense() if p.grad.is_sparse else p.grad,
+                        offsets.get(id(p), 0)) for name, p in model.named_parameters()}
+        torch.save({"grads": grads, "norm": norm}, os.path.join(out_dir, f"zero{stage}_grads{rank}.pt"))
+        model.zero_grad(set_to_none=True)
     dist.barrier()
     dist.destroy_process_group()
     os._exit(0)
@@ -320,11 +323,12 @@ def _reduction_worker(rank: int, world: int, ep: int, port: int, out_dir: str) -
 @pytest.mark.slow
 def test_reduced_gradients_at_4_ranks_with_ep2_are_the_whole_batch_gradients(tmp_path, port_base):
     """The hand reduction the composite optimiser relies on, at 4 ranks with EP=2 in float64: dense
-    gradients all-reduced over the world, expert stacks over their expert-data-parallel pair (after
+    gradients reduced over the world, expert stacks over their expert-data-parallel pair (after
     the all-to-all's backward summed their EP pair's tokens), Engram tables' sparse rows gathered,
-    and the global norm counting every expert once: on every rank, the gradients of one process
-    with the whole batch. Not bitwise: the ranks sum the batch in another order (float64 rounding,
-    measured ~1e-16 relative)."""
+    and the global norm counting every expert once. zero_stage 0: every rank ends with every
+    gradient; 1: each gradient lands on its optimiser owner alone (None elsewhere), each
+    parameter's rows on exactly one rank. Either way they are the gradients of one process with
+    the whole batch. Not bitwise: the ranks sum the batch in another order (float64 rounding)."""
     from trainer.parallelize import build_layout
 
     torch.manual_seed(0)
@@ -332,12 +336,21 @@ def test_reduced_gradients_at_4_ranks_with_ep2_are_the_whole_batch_gradients(tmp
     norm = _reduced_gradients(model, _global_batch(), build_layout(0, 1, 1, TINY.n_routed_experts), set())
     mp.start_processes(_reduction_worker, args=(4, 2, port_base(), str(tmp_path)), nprocs=4, join=True,
                        start_method="spawn")
-    for rank in range(4):
-        got = torch.load(tmp_path / f"grads{rank}.pt", weights_only=False)
-        assert got["norm"] == pytest.approx(norm, rel=1e-12)
-        for name, p in model.named_parameters():
-            want = p.grad.to_dense() if p.grad.is_sparse else p.grad
-            torch.testing.assert_close(got["grads"][name], want, rtol=1e-10, atol=1e-14, msg=name)
+    for stage in (0, 1):
+        held: dict[str, int] = dict.fromkeys((n for n, _ in model.named_parameters()), 0)
+        for rank in range(4):
+            got = torch.load(tmp_path / f"zero{stage}_grads{rank}.pt", weights_only=False)
+            assert got["norm"] == pytest.approx(norm, rel=1e-12)
+            for name, p in model.named_parameters():
+                grad, offset = got["grads"][name]
+                if grad is None:
+                    continue
+                held[name] += grad.shape[0]
+                want = (p.grad.to_dense() if p.grad.is_sparse else p.grad)[offset:offset + grad.shape[0]]
+                torch.testing.assert_close(grad, want, rtol=1e-10, atol=1e-14, msg=(stage, name))
+        for name, p in model.named_parameters():  # rows held: on every rank (stage 0), once in all (1)
+            copies = 1 if stage == 1 else 2 if ".experts." in name else 4  # an EP=2 shard is on 2 ranks
+            assert held[name] == p.shape[0] * copies, (stage, name)
 
 
 def test_scheduler_drives_every_member_group():

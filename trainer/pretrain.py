@@ -291,8 +291,10 @@ class Trainer:
                 engine.step()
                 continue
             if self.own_optimizer_state:
-                reduce_gradients(engine.module, self.layout, self.expert_params)
-                grad_norm = clip_grad_norm(engine.module, self.layout, self.expert_params, tc.grad_clip)
+                owners = self.optimizer.owner_ranks()
+                reduce_gradients(engine.module, self.layout, self.expert_params, owners)
+                grad_norm = clip_grad_norm(engine.module, self.layout, self.expert_params, tc.grad_clip,
+                                           sharded=bool(owners))
             elif engine.zero_optimization_stage() == 0:
                 grad_norm = self._grad_norm()  # DeepSpeed's ZeRO-0 clips without reporting the norm
             not_finite = not (torch.isfinite(sums).all() and (grad_norm is None or math.isfinite(grad_norm)))

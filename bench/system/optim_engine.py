@@ -3,9 +3,11 @@
 The same model at each world size, one timed step after `--warmup` untimed ones, median of `--steps`:
 
   hand-muon       the trainer's default: DeepSpeed at ZeRO-0 with its all-reduce off; the trainer
-                  all-reduces the gradients (`reduce_gradients`), takes the global norm, and the
-                  composite optimiser (Muon + Sinkhorn + AdamW) steps whole parameters on their owners
-                  and broadcasts them (trainer.zero_stage=1)
+                  reduces each gradient to its owner (`reduce_gradients`), takes the global norm, and
+                  the composite optimiser (Muon + Sinkhorn + AdamW) steps whole parameters on their
+                  owners and broadcasts them (trainer.zero_stage=1)
+  hand-muon-allreduce  the same, but every rank receives every gradient (an all-reduce): the
+                  trainer's reduction before it reduced to owners
   hand-adamw      the same machinery with AdamW on every parameter: the cost of the hand sharding itself
   ds-zero{1,2}-adamw   DeepSpeed's own ZeRO with torch AdamW (what `optim=adamw` runs)
   ds-zero{1,2}-muon    DeepSpeed's MuonWithAuxAdam under its ZeRO: Muon on the matrices our routing gives
@@ -18,8 +20,9 @@ is the reduction (in DeepSpeed's backward hooks or at the boundary) and the step
 that backward alone, for reference. `step_cpu_s` is the slowest rank's process CPU time for the
 step: on a CPU shared with other work it is steadier than the wall time, which counts waiting for
 a core (gloo waits for its peers without spinning). Bytes per rank and step are counted from the
-parameter sizes (ring collectives): an all-reduce moves 2(W-1)/W of the buffer, a reduce-scatter or
-all-gather (W-1)/W, a broadcast of every owner's share (W-1)/W.
+parameter sizes (ring collectives): a reduce-scatter (or a reduce of each owner's share) and an
+all-gather (or a broadcast of each owner's share) each move (W-1)/W of the buffer, an all-reduce
+twice that.
 
     python -m bench.system.optim_engine --world 2,4 --out bench/results/system/optim-engine-cpu.json
     python -m bench.system.optim_engine --world 1 --model small \
@@ -42,7 +45,8 @@ import torch.multiprocessing as mp
 
 from bench import provenance
 
-PATHS = ("hand-muon", "hand-adamw", "ds-zero1-adamw", "ds-zero2-adamw", "ds-zero1-muon", "ds-zero2-muon")
+PATHS = ("hand-muon", "hand-muon-allreduce", "hand-adamw", "ds-zero1-adamw", "ds-zero2-adamw",
+         "ds-zero1-muon", "ds-zero2-muon")
 
 
 def _model(name: str):
@@ -67,7 +71,8 @@ def _tag_for_deepspeed_muon(model, routes) -> None:
 
 
 def _build(path: str, model, rank: int, world: int, precision: str, device):
-    """(engine, hand: whether the trainer reduces and steps by hand)."""
+    """(engine, owners): owners is None for DeepSpeed's own paths, else the hand path's owner of
+    each parameter (the trainer reduces each gradient to it)."""
     import deepspeed
 
     from conf.optim import AdamWConfig, MuonConfig
@@ -79,17 +84,17 @@ def _build(path: str, model, rank: int, world: int, precision: str, device):
     info = DistInfo(rank, world, rank if device.type == "cuda" else 0, device)
     tc = TrainerConfig(precision=precision, grad_clip=1.0)
     if path.startswith("hand"):
-        cfg = MuonConfig() if path == "hand-muon" else AdamWConfig()
+        cfg = AdamWConfig() if path == "hand-adamw" else MuonConfig()
         opt = CompositeOptimizer(route_parameters(model, cfg), cfg, rank, world, shard=True)
         engine, _ = build_engine(model, opt, None, tc, info, whole_param_optimizer=True)
-        return engine, True
+        return engine, {} if path == "hand-muon-allreduce" else opt.owner_ranks()
     stage = int(path[len("ds-zero")])
     if path.endswith("adamw"):
         cfg = AdamWConfig()
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
         engine, _ = build_engine(model, opt, None, dataclasses.replace(tc, zero_stage=stage), info,
                                  whole_param_optimizer=False)
-        return engine, False
+        return engine, None
     cfg = MuonConfig()
     _tag_for_deepspeed_muon(model, route_parameters(model, cfg))
     ds = deepspeed_config(dataclasses.replace(tc, zero_stage=stage, micro_batch_size=1), stage,
@@ -99,7 +104,7 @@ def _build(path: str, model, rank: int, world: int, precision: str, device):
     model.to(device)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
     keep_fp32_buffers(engine.module)
-    return engine, False
+    return engine, None
 
 
 def _run_path(path: str, model_name: str, rank: int, world: int, precision: str, device, steps: int,
@@ -109,7 +114,7 @@ def _run_path(path: str, model_name: str, rank: int, world: int, precision: str,
     model = _model(model_name)
     n_params = sum(p.numel() for p in model.parameters())
     try:
-        engine, hand = _build(path, model, rank, world, precision, device)
+        engine, owners = _build(path, model, rank, world, precision, device)
     except Exception as e:  # a path DeepSpeed refuses is a result, not a crash
         return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
     layout = build_layout(rank, world, 1, model.cfg.n_routed_experts)
@@ -134,9 +139,9 @@ def _run_path(path: str, model_name: str, rank: int, world: int, precision: str,
             backward()
             sync()
             mid = time.perf_counter()
-            if hand:
-                reduce_gradients(engine.module, layout, set())
-                clip_grad_norm(engine.module, layout, set(), 1.0)
+            if owners is not None:
+                reduce_gradients(engine.module, layout, set(), owners)
+                clip_grad_norm(engine.module, layout, set(), 1.0, sharded=bool(owners))
                 sync()
             reduced = time.perf_counter()
             engine.step()
@@ -155,7 +160,7 @@ def _run_path(path: str, model_name: str, rank: int, world: int, precision: str,
     # its Muon, the Newton-Schulz iterations; hand_reduce_s is the hand path's reduction and norm
     out = {"step_s": slow[0].item(), "backward_s": slow[1].item(), "step_cpu_s": slow[3].item(),
            "params": n_params}
-    if hand:
+    if owners is not None:
         out["hand_reduce_s"] = slow[2].item()
     out.update(bytes_per_rank(path, n_params, world, precision))
     return out
@@ -168,10 +173,10 @@ def bytes_per_rank(path: str, n_params: int, world: int, precision: str) -> dict
     weight = 4
     if path.startswith("ds") and precision == "bf16":
         grad = weight = 2  # DeepSpeed's bf16 engine reduces and gathers bf16
-    if path.startswith("hand"):
-        reduce, gather = 2 * share * grad * n_params, share * weight * n_params  # all-reduce, broadcast
-    else:
-        reduce, gather = share * grad * n_params, share * weight * n_params  # reduce-scatter, all-gather
+    # the hand path reduces to owners and broadcasts from them; ZeRO reduce-scatters and all-gathers:
+    # the same bytes. An all-reduce moves twice a reduce-scatter's.
+    reduce = (2 if path.endswith("allreduce") else 1) * share * grad * n_params
+    gather = share * weight * n_params
     return {"reduce_bytes": reduce, "gather_bytes": gather, "total_bytes": reduce + gather}
 
 
