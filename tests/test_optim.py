@@ -70,13 +70,6 @@ def _fake_grads(model: Transformer, step: int) -> None:
         p.grad = torch.randn(p.shape, generator=g) * 0.1
 
 
-def _train(model: Transformer, opt: torch.optim.Optimizer, steps: int) -> None:
-    for step in range(steps):
-        _fake_grads(model, step)
-        opt.step()
-        opt.zero_grad()
-
-
 STEPS = 3  # optimiser steps per phase: momentum, Adam's moments and Sinkhorn's rows all carry over
 
 
