@@ -7,7 +7,7 @@ of the ranks that hold a replica of it (greedy by size, so the Newton-Schulz wor
 evenly), only the owner keeps its optimiser state and computes its update, and the owner
 broadcasts the new values to the other replicas. Dense parameters are replicated on every
 rank; an expert-parallel shard only on its expert-data-parallel group. Gradients arrive
-already averaged (the trainer reduces them).
+already averaged (the trainer reduces them, to each parameter's owner: `owner_ranks`).
 
 State is keyed by parameter name, and an expert shard's state by its row offset in the
 full expert stack, so a checkpoint written at one world size or EP degree loads at another.
@@ -95,6 +95,11 @@ class CompositeOptimizer(torch.optim.Optimizer):
         # needs one (empty) group to be a valid optimiser.
         groups = [g for o in self.optimizers.values() for g in o.param_groups]
         super().__init__(groups or [{"params": []}], {})
+
+    def owner_ranks(self) -> dict[int, int]:
+        """id(param) -> the rank that steps it, when sharded (empty otherwise): a parameter's
+        reduced gradient is needed there only."""
+        return {id(r.param): self.owners[r.name] for r in self.routes} if self.shard else {}
 
     def enable_sparse_table_grads(self, model: torch.nn.Module) -> int:
         """Give Engram tables routed to Sinkhorn sparse row gradients, so a step costs the rows a

@@ -1,6 +1,7 @@
 """Optimiser routing, the composite optimiser and its whole-parameter ZeRO-1 sharding."""
 import dataclasses
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -69,52 +70,280 @@ def _fake_grads(model: Transformer, step: int) -> None:
         p.grad = torch.randn(p.shape, generator=g) * 0.1
 
 
-def _train(model: Transformer, opt: torch.optim.Optimizer, steps: int) -> None:
-    for step in range(steps):
-        _fake_grads(model, step)
+STEPS = 3  # optimiser steps per phase: momentum, Adam's moments and Sinkhorn's rows all carry over
+
+
+def _full_grads(model: Transformer, full_shapes: dict[str, torch.Size], step: int) -> None:
+    """Step `step`'s gradients as every rank holds them after the reduction: drawn for the full,
+    unsharded model (the same on every layout), cut to this rank's expert rows; Engram tables get
+    row-sparse gradients of a few rows, as the trainer's sparse lookups give them."""
+    g = torch.Generator().manual_seed(100 + step)
+    stacks = {f"{n}.{w}": m for n, m in model.named_modules() if hasattr(m, "expert_offset")
+              for w in ("w1", "w2", "w3")}
+    for name, p in model.named_parameters():
+        full = torch.randn(full_shapes[name], generator=g, dtype=p.dtype) * 0.1
+        if name.endswith(".table.weight"):
+            rows = torch.randperm(full.shape[0], generator=g)[: full.shape[0] // 4].sort().values
+            p.grad = torch.sparse_coo_tensor(rows[None], full[rows], full.shape, check_invariants=True)
+        elif name in stacks:
+            p.grad = full[stacks[name].expert_offset:][: p.shape[0]].clone()
+        else:
+            p.grad = full
+
+
+def _run_steps(model: Transformer, opt, full_shapes, first: int, steps: int) -> None:
+    for step in range(first, first + steps):
+        _full_grads(model, full_shapes, step)
         opt.step()
         opt.zero_grad()
 
 
-def _sharded_worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _sharded_setup(rank: int, world: int, ep: int):
+    """The tiny model on `world` ranks at expert-parallel degree `ep`, and its composite optimiser
+    at zero_stage=1, placed as the trainer places it."""
+    from trainer.parallelize import build_layout, optimizer_placement, parallelize
+
     torch.manual_seed(0)
     model = Transformer(TINY)
-    opt = build_optimizer(model, MuonConfig(), zero_stage=1, rank=rank, world_size=world)
-    _train(model, opt, steps=3)
-    torch.save({"params": {n: p.detach().clone() for n, p in model.named_parameters()},
-                "state": opt.state_dict(), "owned": sum(1 for o in opt.owners.values() if o == rank)},
-               os.path.join(out_dir, f"rank{rank}.pt"))
+    full_shapes = {n: p.shape for n, p in model.named_parameters()}
+    layout = build_layout(rank, world, ep, TINY.n_routed_experts)
+    expert_params = parallelize(model, layout)
+    replicas, offsets = optimizer_placement(model, layout, expert_params)
+    opt = build_optimizer(model, MuonConfig(), zero_stage=1, rank=rank, world_size=world, replicas=replicas,
+                          row_offsets=offsets)
+    return model, full_shapes, layout, opt
+
+
+def _sharded_worker(rank: int, world: int, ep: int, port: int, out_dir: str, load: str | None,
+                    first: int, save: str) -> None:
+    """Steps [first, first + STEPS) at this layout, from a fresh model or from the merged state
+    saved under `load`; writes this rank's full parameters (every expert) and optimiser state."""
+    from trainer.parallelize import full_experts
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    model, full_shapes, layout, opt = _sharded_setup(rank, world, ep)
+    if load is not None:
+        _load(model, opt, layout, load)
+    _run_steps(model, opt, full_shapes, first, STEPS)
+    with full_experts(model, layout):
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    owned = sum(o == rank for o in opt.owners.values())
+    torch.save({"params": params, "state": opt.state_dict(), "owned": owned},
+               os.path.join(out_dir, f"{save}_rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
     os._exit(0)
 
 
-def test_two_rank_sharded_update_equals_single_rank(tmp_path, port_base):
+def _saved(out_dir, save: str) -> list[dict]:
+    files = sorted(Path(out_dir).glob(f"{save}_rank*.pt"), key=lambda f: int(f.stem.rsplit("rank", 1)[1]))
+    return [torch.load(f, weights_only=False) for f in files]
+
+
+def _load(model: Transformer, opt, layout, save: str) -> None:
+    """What the trainer's resume does: full weights into the model (experts gathered, then cut
+    back to this rank's rows), and every saved rank's optimiser state merged."""
+    from trainer.parallelize import full_experts
+
+    shards = _saved(*os.path.split(save))
+    with full_experts(model, layout), torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(shards[0]["params"][name])
+    opt.load_state_dict(CompositeOptimizer.merge_state_dicts([s["state"] for s in shards]))
+
+
+def _spawn(world: int, ep: int, port: int, out_dir, save: str, load: str | None = None, first: int = 0):
+    mp.start_processes(_sharded_worker, args=(world, ep, port, str(out_dir), load, first, save), nprocs=world,
+                       join=True, start_method="spawn")
+    return _saved(out_dir, save)
+
+
+def _member_optimizers(model: Transformer) -> list[torch.optim.Optimizer]:
+    """The unsharded reference: one member optimiser per parameter (Muon with the parameter's head
+    count, Sinkhorn or AdamW), so no parameter's update can depend on which others share its rank."""
+    from optim.composite import _build
+
+    return [_build(r.optimizer, [{"params": [r.param], "lr": MuonConfig().lr * r.lr_mult,
+                                  "weight_decay": r.weight_decay,
+                                  **({"heads": r.heads} if r.optimizer == "muon" else {})}], MuonConfig())
+            for r in route_parameters(model, MuonConfig())]
+
+
+def _reference(steps: int) -> Transformer:
     torch.manual_seed(0)
     model = Transformer(TINY)
-    single = build_optimizer(model, MuonConfig(), zero_stage=0)
-    _train(model, single, steps=3)
+    full_shapes = {n: p.shape for n, p in model.named_parameters()}
+    members = _member_optimizers(model)
+    for step in range(steps):
+        _full_grads(model, full_shapes, step)
+        for opt in members:
+            opt.step()
+        model.zero_grad(set_to_none=True)
+    return model
 
-    mp.start_processes(_sharded_worker, args=(2, port_base(), str(tmp_path)), nprocs=2, join=True,
-                       start_method="spawn")
-    shards = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
-    assert all(s["owned"] > 0 for s in shards)  # both ranks did real work
-    for name, p in model.named_parameters():
-        for shard in shards:  # after the broadcast every rank holds every owner's result
-            torch.testing.assert_close(shard["params"][name], p.detach(), rtol=0, atol=1e-5, msg=name)
-    # the two shards' state, merged, is the single-rank state: resumable at another world size
+
+# Muon's Newton-Schulz stacks the blocks of the parameters one rank owns into one batched matmul
+# chain, and a batch of one block rounds differently from a larger batch (CPU: MKL's single and
+# batched gemm; GPU: cuBLAS picks kernels by batch count): which blocks share an owner changes the
+# last bits of an update. A layout bug (wrong rows, heads, owner or broadcast) moves a parameter by a
+# whole update, RMS ~0.2 lr = 2e-3 a step here; the rounding moves it by ~1e-9.
+MUON_ATOL = 1e-7
+
+
+def _assert_same(shards: list[dict], reference: Transformer) -> float:
+    """Every rank's parameters against the reference: Sinkhorn's and AdamW's bitwise, Muon's within
+    MUON_ATOL. Returns the largest Muon difference."""
+    routes = {r.name: r.optimizer for r in route_parameters(reference, MuonConfig())}
+    worst = 0.0
+    for name, p in reference.named_parameters():
+        for rank, shard in enumerate(shards):  # after the owners' broadcast every rank holds every result
+            got = shard["params"][name].detach()
+            if routes[name] == "muon":
+                worst = max(worst, (got - p.detach()).abs().max().item())
+                assert worst < MUON_ATOL, (rank, name, worst)
+            else:
+                assert torch.equal(got, p.detach()), (rank, name)
+    return worst
+
+
+@pytest.fixture(scope="module")
+def sharded_run(tmp_path_factory, port_base):
+    """(world, ep) -> the saved shards of STEPS steps at that layout from a fresh model, each layout
+    run once per module (the resume tests continue from these runs' state)."""
+    root, done = tmp_path_factory.mktemp("sharded"), {}
+
+    def run(world: int, ep: int) -> tuple[list[dict], Path]:
+        save = f"w{world}ep{ep}"
+        if save not in done:
+            done[save] = _spawn(world, ep, port_base(), root, save)
+        return done[save], root / save
+
+    return run
+
+
+@pytest.mark.parametrize("world, ep", [(1, 1), (2, 1), (2, 2), (4, 2)])
+def test_sharded_update_equals_the_unsharded_one(sharded_run, world, ep):
+    """ZeRO-1 by whole parameter at 1, 2 and 4 ranks, with expert parallelism (EP=2 at 2 ranks:
+    every rank alone with its experts; inside 4 ranks: expert stacks owned within their
+    expert-data-parallel pair, dense parameters over all 4): after
+    three steps every rank's parameters are those of one optimiser per parameter on one rank:
+    bitwise for Sinkhorn and AdamW, Muon within MUON_ATOL (see there). Each update is a function of
+    its own parameter's gradient and state only; the owner computes it and the broadcast copies
+    bytes."""
+    reference = _reference(STEPS)
+    if world == 1:
+        model, full_shapes, _, opt = _sharded_setup(0, 1, 1)
+        _run_steps(model, opt, full_shapes, 0, STEPS)
+        shards = [{"params": dict(model.named_parameters()), "state": opt.state_dict(),
+                   "owned": len(opt.owners)}]
+    else:
+        shards, _ = sharded_run(world, ep)
+    assert all(s["owned"] > 0 for s in shards)  # every rank did real work
+    print(f"largest Muon difference at {world} ranks, EP={ep}: {_assert_same(shards, reference):.2e}")
     merged = CompositeOptimizer.merge_state_dicts([s["state"] for s in shards])["state"]
-    ref = single.state_dict()["state"]
-    assert merged.keys() == ref.keys()
-    for name in ref:
-        (piece,) = merged[name]
-        for key, value in ref[name][0]["state"].items():
-            torch.testing.assert_close(piece["state"][key], value, rtol=0, atol=1e-5)
-    restored = build_optimizer(Transformer(TINY), MuonConfig(), zero_stage=0)
-    restored.load_state_dict(CompositeOptimizer.merge_state_dicts([s["state"] for s in shards]))
-    assert sum(len(o.state) for o in restored.optimizers.values()) == len(ref)
+    assert sorted(merged) == sorted(r.name for r in route_parameters(reference, MuonConfig()))
+
+
+@pytest.mark.slow
+def test_resume_from_2_ranks_at_4_and_at_1(sharded_run, tmp_path, port_base):
+    """Three steps at 2 ranks (EP=2), continued for three at 4 ranks (EP=2) and at 1 rank: every
+    rank's parameters after step 6 against the uninterrupted unsharded run (which the test above
+    makes the uninterrupted run at either size, to MUON_ATOL). The checkpoint is what the trainer
+    writes: full weights and every rank's optimiser state, merged and re-cut to the new owners and
+    expert rows; expert momentum then lives on other ranks than the ones that wrote it."""
+    reference = _reference(2 * STEPS)
+    _, saved = sharded_run(2, 2)
+    _assert_same(_spawn(4, 2, port_base(), tmp_path, "at4", load=str(saved), first=STEPS), reference)
+    model, full_shapes, layout, opt = _sharded_setup(0, 1, 1)
+    _load(model, opt, layout, str(saved))
+    _run_steps(model, opt, full_shapes, STEPS, STEPS)
+    _assert_same([{"params": dict(model.named_parameters())}], reference)
+
+
+def test_resume_from_4_ranks_at_2(sharded_run, tmp_path, port_base):
+    """The reverse: three steps at 4 ranks (EP=2), three more at 2 ranks without EP (each rank
+    now owns whole expert stacks, its state cut from two ranks' pieces)."""
+    reference = _reference(2 * STEPS)
+    _, saved = sharded_run(4, 2)
+    _assert_same(_spawn(2, 1, port_base(), tmp_path, "at2", load=str(saved), first=STEPS), reference)
+
+
+def _global_batch() -> torch.Tensor:
+    return torch.randint(0, TINY.vocab_size, (4, 64), generator=torch.Generator().manual_seed(7))
+
+
+def _reduced_gradients(model: Transformer, batch: torch.Tensor, layout, expert_params,
+                       owners: dict[int, int] | None = None) -> float:
+    """The trainer's backward on this rank's share of the batch, then its own reduction and norm."""
+    from trainer.parallelize import clip_grad_norm, reduce_gradients
+
+    for m in model.modules():
+        if type(m).__name__ == "EngramTable":
+            m.sparse_grad = True  # as the trainer's composite optimiser sets them
+    out = model(input_ids=batch, labels=batch)
+    (out.lm_loss + out.balance_loss + out.indexer_loss).backward()
+    reduce_gradients(model, layout, expert_params, owners)
+    return clip_grad_norm(model, layout, expert_params, 0.0, sharded=bool(owners))
+
+
+def _reduction_worker(rank: int, world: int, ep: int, port: int, out_dir: str) -> None:
+    """The same backward reduced both ways: for zero_stage 0 (all-reduce) and 1 (to the owners)."""
+    from trainer.parallelize import build_layout, optimizer_placement, parallelize
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = Transformer(TINY).double()
+    layout = build_layout(rank, world, ep, TINY.n_routed_experts)
+    expert_params = parallelize(model, layout)
+    replicas, offsets = optimizer_placement(model, layout, expert_params)
+    per = _global_batch().shape[0] // world
+    for stage in (0, 1):
+        opt = build_optimizer(model, MuonConfig(), zero_stage=stage, rank=rank, world_size=world,
+                              replicas=replicas, row_offsets=offsets)
+        norm = _reduced_gradients(model, _global_batch()[rank * per:(rank + 1) * per], layout, expert_params,
+                                  opt.owner_ranks())
+        grads = {name: (None if p.grad is None else p.grad.to_dense() if p.grad.is_sparse else p.grad,
+                        offsets.get(id(p), 0)) for name, p in model.named_parameters()}
+        torch.save({"grads": grads, "norm": norm}, os.path.join(out_dir, f"zero{stage}_grads{rank}.pt"))
+        model.zero_grad(set_to_none=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+@pytest.mark.slow
+def test_reduced_gradients_at_4_ranks_with_ep2_are_the_whole_batch_gradients(tmp_path, port_base):
+    """The hand reduction the composite optimiser relies on, at 4 ranks with EP=2 in float64: dense
+    gradients reduced over the world, expert stacks over their expert-data-parallel pair (after
+    the all-to-all's backward summed their EP pair's tokens), Engram tables' sparse rows gathered,
+    and the global norm counting every expert once. zero_stage 0: every rank ends with every
+    gradient; 1: each gradient lands on its optimiser owner alone (None elsewhere), each
+    parameter's rows on exactly one rank. Either way they are the gradients of one process with
+    the whole batch. Not bitwise: the ranks sum the batch in another order (float64 rounding)."""
+    from trainer.parallelize import build_layout
+
+    torch.manual_seed(0)
+    model = Transformer(TINY).double()
+    norm = _reduced_gradients(model, _global_batch(), build_layout(0, 1, 1, TINY.n_routed_experts), set())
+    mp.start_processes(_reduction_worker, args=(4, 2, port_base(), str(tmp_path)), nprocs=4, join=True,
+                       start_method="spawn")
+    for stage in (0, 1):
+        held: dict[str, int] = dict.fromkeys((n for n, _ in model.named_parameters()), 0)
+        for rank in range(4):
+            got = torch.load(tmp_path / f"zero{stage}_grads{rank}.pt", weights_only=False)
+            assert got["norm"] == pytest.approx(norm, rel=1e-12)
+            for name, p in model.named_parameters():
+                grad, offset = got["grads"][name]
+                if grad is None:
+                    continue
+                held[name] += grad.shape[0]
+                want = (p.grad.to_dense() if p.grad.is_sparse else p.grad)[offset:offset + grad.shape[0]]
+                torch.testing.assert_close(grad, want, rtol=1e-10, atol=1e-14, msg=(stage, name))
+        for name, p in model.named_parameters():  # rows held: on every rank (stage 0), once in all (1)
+            copies = 1 if stage == 1 else 2 if ".experts." in name else 4  # an EP=2 shard is on 2 ranks
+            assert held[name] == p.shape[0] * copies, (stage, name)
 
 
 def test_scheduler_drives_every_member_group():

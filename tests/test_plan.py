@@ -212,6 +212,11 @@ def test_step_time_parts_follow_the_layout():
     assert parts(8, 1)["optimizer"] < parts(8, 1, zero=0)["optimizer"] == one["optimizer"]
     # ZeRO-1's owners send their new weights; ZeRO-0 updates every replica in place
     assert parts(8, 1)["weight broadcast"] > 0 == parts(8, 1, zero=0)["weight broadcast"]
+    # ZeRO-1 reduces each dense or expert gradient to its owner, half an all-reduce's bytes; the
+    # Engram rows' gather is the same either way
+    saved = parts(8, 1, zero=0)["gradient reduction"] - parts(8, 1)["gradient reduction"]
+    reduced = facts.of_kind("dense") + facts.of_kind("routed")
+    assert saved == pytest.approx(4 * reduced * 7 / 8 / (gpu.nvlink_gbs * 1e9))
     assert one["weight broadcast"] == 0
     assert accumulation_steps(Layout(16, cp=2, micro_batch=2), 100) == 7  # 100 / (2 x 8), rounded up
     assert accumulation_steps(Layout(16, micro_batch=2), 0) == 1

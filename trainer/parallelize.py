@@ -7,13 +7,15 @@ same r % EP hold the same experts: an expert-data-parallel group.
 `parallelize` slices each MoE layer's expert stacks to the local experts and installs an
 all-to-all dispatcher (dropless, variable split sizes); the shared expert and everything
 else stay replicated. `reduce_gradients` then averages dense gradients over all ranks and
-expert gradients over their expert-data-parallel group; `clip_grad_norm` clips by the
+expert gradients over their expert-data-parallel group (to each parameter's optimiser owner
+under the sharded optimiser); `clip_grad_norm` clips by the
 norm of the whole (unsharded) gradient.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Optional
 
@@ -25,6 +27,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from conf.errors import ConfigError
 from model.moe import MoE, RoutedExperts, routing_order
+from optim import Replicas
 from trainer.distributed import all_reduce_sum_
 
 
@@ -260,6 +263,18 @@ def parallelize(model: nn.Module, layout: ParallelLayout) -> set[int]:
     return expert_params
 
 
+def optimizer_placement(model: nn.Module, layout: ParallelLayout,
+                        expert_params: set[int]) -> tuple[dict, dict[int, int]]:
+    """What the composite optimiser needs to know of the layout (`optim.build_optimizer`'s
+    `replicas` and `row_offsets`): each expert shard is replicated on its expert-data-parallel
+    group only, and sits at its stack's `expert_offset` rows of the full stack."""
+    expert_replicas = Replicas(tuple(layout.expert_dp_ranks), layout.expert_dp_group)
+    replicas = dict.fromkeys(expert_params, expert_replicas)
+    offsets = {id(p): stack.expert_offset for stack in _expert_stacks(model)
+               if hasattr(stack, "expert_offset") for p in (stack.w1, stack.w2, stack.w3)}
+    return replicas, offsets
+
+
 @contextlib.contextmanager
 def full_experts(model: nn.Module, layout: ParallelLayout):
     """Inside: every expert stack holds all experts (gathered over the EP group), so a
@@ -304,33 +319,57 @@ def _all_reduce_sparse(grad: torch.Tensor, group, group_size: int) -> torch.Tens
 
 
 @torch.no_grad()
-def reduce_gradients(model: nn.Module, layout: ParallelLayout, expert_params: set[int]) -> None:
+def reduce_gradients(model: nn.Module, layout: ParallelLayout, expert_params: set[int],
+                     owners: Optional[dict[int, int]] = None) -> None:
     """Average gradients as one process with the global batch would see them: dense over all
     ranks; expert gradients (already summed over the EP group by the all-to-all backward)
-    over their expert-data-parallel group; both divided by the world size."""
+    over their expert-data-parallel group; both divided by the world size.
+
+    owners (id(param) -> rank, the sharded optimiser's `owner_ranks`): each dense or expert
+    gradient is reduced to its owner only (one reduce per owner's bucket, the bytes of a
+    reduce-scatter where an all-reduce moves twice as many) and dropped (None) on the other
+    ranks, which do not step it. Without owners every rank gets every gradient."""
     if layout.world_size == 1:
         return
-    dense, experts = [], []
+    owners = owners or {}
+    buckets: dict[tuple[bool, Optional[int]], list[nn.Parameter]] = defaultdict(list)
     for p in model.parameters():
         if p.grad is None:
             continue
+        owner = owners.get(id(p))
         if p.grad.is_sparse:
             p.grad = _all_reduce_sparse(p.grad, None, layout.world_size) / layout.world_size
+            if owner is not None and owner != layout.rank:
+                p.grad = None
         else:
-            (experts if id(p) in expert_params else dense).append(p.grad)
-    for grads, group in ((dense, None), (experts, layout.expert_dp_group)):
-        if grads:
-            flat = _flatten_dense_tensors(grads)
+            buckets[(id(p) in expert_params, owner)].append(p)
+    # every rank walks the same buckets in the same order: the world's (dense) first, then its
+    # expert-data-parallel group's, whose members share one owner assignment
+    order = sorted(buckets, key=lambda key: (key[0], -1 if key[1] is None else key[1]))
+    for expert, owner in order:
+        params = buckets[(expert, owner)]
+        group = layout.expert_dp_group if expert else None
+        grads = [p.grad for p in params]
+        flat = _flatten_dense_tensors(grads)
+        if owner is None:
             dist.all_reduce(flat, group=group)
-            flat /= layout.world_size
-            for g, new in zip(grads, _unflatten_dense_tensors(flat, grads)):
-                g.copy_(new)
+        else:
+            dist.reduce(flat, dst=owner, group=group)
+            if owner != layout.rank:
+                for p in params:
+                    p.grad = None
+                continue
+        flat /= layout.world_size
+        for g, new in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            g.copy_(new)
 
 
 @torch.no_grad()
 def clip_grad_norm(model: nn.Module, layout: ParallelLayout, expert_params: set[int],
-                   max_norm: float, external=None) -> float:
+                   max_norm: float, sharded: bool = False, external=None) -> float:
     """Global L2 norm of the (reduced) gradient, every expert counted once; clip to max_norm.
+    sharded: each rank holds only the gradients it owns (`reduce_gradients` with owners), every
+    parameter on exactly one rank, so the squares are summed over the world.
     external: gradients held outside the model (trainer/engram_host.py HostEngramTables), with
     `grad_square_sum()` (over all ranks) and `scale_grads(scale)`."""
     dense_sq = torch.zeros((), dtype=torch.float64)
@@ -344,7 +383,10 @@ def clip_grad_norm(model: nn.Module, layout: ParallelLayout, expert_params: set[
             expert_sq += sq
         else:
             dense_sq += sq
-    if layout.ep > 1:
+    if sharded:
+        dense_sq = all_reduce_sum_(dense_sq + expert_sq)
+        expert_sq = torch.zeros((), dtype=torch.float64)
+    elif layout.ep > 1:
         all_reduce_sum_(expert_sq, layout.ep_group)
     if external is not None:
         dense_sq += external.grad_square_sum()

@@ -235,7 +235,10 @@ def step_time(facts: ModelFacts, layout: Layout, checkpointing: bool, accumulati
     exchanged = 2 * 2 * tokens * facts.n_activated_experts * facts.dim * 2 * facts.n_layers * (ep - 1) / ep
     parts["all-to-all"] = exchanged / _link_gbs(ep, gpus_per_node, gpu) if ep > 1 else 0.0
     # fp32 gradients: dense ones reduced over every rank, expert shards over the world / EP ranks
-    # that hold the same experts; a ring moves 2 (n - 1) / n of the bytes per rank
+    # that hold the same experts; a ring all-reduce (ZeRO-0) moves 2 (n - 1) / n of the bytes per
+    # rank, ZeRO-1's reduce of each owner's bucket (n - 1) / n
+    zero1 = layout.zero_stage >= 1
+    passes = 1 if zero1 else 2
     dense = sum(r.param.numel() for r in facts.routes if facts.kinds[r.name] == "dense")
     routed = sum(facts.local(r.name, r.param.numel(), ep) for r in facts.routes
                  if facts.kinds[r.name] == "routed")
@@ -244,11 +247,10 @@ def step_time(facts: ModelFacts, layout: Layout, checkpointing: bool, accumulati
     # the tables' sparse row gradients are all-gathered: a rank receives every other rank's rows
     rows = facts.engram_rows_per_token * tokens * (facts.table_dim * FP32 + 8)
     gathered = 0 if layout.engram_host else rows * (world - 1)
-    parts["gradient reduction"] = ((FP32 * dense * 2 * (world - 1) / world + gathered) / link
-                                   + FP32 * routed * 2 * (replicas - 1) / replicas / link)
+    parts["gradient reduction"] = ((FP32 * dense * passes * (world - 1) / world + gathered) / link
+                                   + FP32 * routed * passes * (replicas - 1) / replicas / link)
     # ZeRO-1: a rank updates its share of what it holds (the owners balance it), then each owner
     # broadcasts its new weights to the other replicas
-    zero1 = layout.zero_stage >= 1
     updated = dense / world + routed / replicas if zero1 else dense + routed
     parts["optimizer"] = updated * rates.optimizer_s_per_element
     broadcast = FP32 * (dense * (world - 1) / world + routed * (replicas - 1) / replicas)

@@ -23,7 +23,7 @@ from model.csa import ATTENTION_IMPLS
 from model.engram import build_compression_map
 from model.ops import KernelPolicy
 from model.transformer import Transformer
-from optim import CompositeOptimizer, Replicas, build_optimizer, lr_multiplier
+from optim import CompositeOptimizer, build_optimizer, lr_multiplier
 from trainer.checkpoint import CheckpointManager
 from trainer.context_parallel import slice_batch
 from trainer.distributed import DistInfo, all_reduce_sum_, init_distributed
@@ -41,6 +41,7 @@ from trainer.parallelize import (
     clip_grad_norm,
     compile_blocks,
     full_experts,
+    optimizer_placement,
     parallelize,
     reduce_gradients,
 )
@@ -225,10 +226,7 @@ class Trainer:
 
     def _build_optimizer(self) -> None:
         cfg, tc, d, layout = self.cfg, self.cfg.trainer, self.dist, self.layout
-        expert_replicas = Replicas(tuple(layout.expert_dp_ranks), layout.expert_dp_group)
-        replicas = dict.fromkeys(self.expert_params, expert_replicas)
-        offsets = {id(getattr(m, n)): m.expert_offset for m in self.model.modules()
-                   if hasattr(m, "expert_offset") for n in ("w1", "w2", "w3")}
+        replicas, offsets = optimizer_placement(self.model, layout, self.expert_params)
         self.optimizer = build_optimizer(self.model, cfg.optim, tc.zero_stage, d.rank, d.world_size,
                                          verbose=d.is_main, replicas=replicas, row_offsets=offsets)
         self.lr_multiplier = lr_multiplier(cfg.optim, tc.max_steps)
@@ -320,9 +318,10 @@ class Trainer:
             if self.own_optimizer_state:
                 if host is not None:
                     host.reduce_gradients()
-                reduce_gradients(engine.module, self.layout, self.expert_params)
+                owners = self.optimizer.owner_ranks()
+                reduce_gradients(engine.module, self.layout, self.expert_params, owners)
                 grad_norm = clip_grad_norm(engine.module, self.layout, self.expert_params, tc.grad_clip,
-                                           external=host)
+                                           sharded=bool(owners), external=host)
             elif engine.zero_optimization_stage() == 0:
                 grad_norm = self._grad_norm()  # DeepSpeed's ZeRO-0 clips without reporting the norm
             not_finite = not (torch.isfinite(sums).all() and (grad_norm is None or math.isfinite(grad_norm)))
