@@ -3,6 +3,8 @@ what the drafter may see, that training moves it toward the target, and that spe
 leaves the target's output unchanged (greedy: the same tokens; sampled: the same distribution)."""
 import copy
 import dataclasses
+import json
+import random
 
 import pytest
 import torch
@@ -10,9 +12,22 @@ import torch
 from conf.model import TinyModelConfig
 from model.dspark import DSpark, TapRecorder
 from model.transformer import Transformer
+from tests.conftest import FAST
 
 CFG = dataclasses.replace(TinyModelConfig(vocab_size=97), engram_min_rows=50, window=8, index_topk=4,
                           pool_block=2, pool_blocks=3)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> list[str]:
+    """A small text corpus whose tokenizer trains in a moment."""
+    root = tmp_path_factory.mktemp("corpus")
+    rng = random.Random(0)
+    for d in range(12):
+        lines = [f"{a} + {b} = {a + b}. What is {a} plus {b}? The answer is {a + b}."
+                 for a, b in ((rng.randint(0, 99), rng.randint(0, 99)) for _ in range(120))]
+        (root / f"doc{d}.txt").write_text("\n".join(lines))
+    return ["data=files", f"data.path={root}", "data.vocab_size=512", "data.val_fraction=0.1"]
 
 
 @pytest.fixture(scope="module")
@@ -80,3 +95,36 @@ def test_training_moves_the_drafter_toward_the_target(target):
     assert last.kl < 0.6 * first.kl
     assert last.accept.mean() > first.accept.mean() and last.top1.mean() > first.top1.mean()
     assert last.confidence < first.confidence  # the confidence head learns the acceptance
+
+
+def _rows(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_the_dspark_stage_trains_on_tiny_and_resumes(flashtrain, corpus, tmp_path):
+    common = [*FAST, *corpus, "trainer.torch_threads=1"]
+    pre = tmp_path / "pre"
+    p = flashtrain("pretrain", *common, "trainer.max_steps=2", f"hydra.run.dir={pre}")
+    assert p.returncode == 0, p.stderr[-3000:]
+    run = tmp_path / "ds"
+    ds = [*common, f"dspark.target={pre}", "trainer.save_every=2", f"hydra.run.dir={run}"]
+    p = flashtrain("dspark", *ds, "trainer.max_steps=2")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "drafter of 3 blocks, 5 draft positions, taps [3, 4, 5]" in p.stdout, p.stdout[-3000:]
+    rows = _rows(run)
+    train = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in train] == [1, 2]
+    assert all(0 <= r[f"accept_pos{i}"] <= 1 and 0 <= r[f"top1_pos{i}"] <= 1 for r in train for i in range(5))
+    val = [r for r in rows if "val_accept_len" in r]
+    assert val and 0 <= val[-1]["val_accept_len"] <= 5
+    # the checkpoint is the drafter's alone, and loads into a plain DSpark
+    from trainer.checkpoint import model_state, resolve_checkpoint
+    state = model_state(resolve_checkpoint(run / "checkpoints"))
+    assert "markov.w1.weight" in state and not any(k.startswith(("embed.", "head.")) for k in state)
+    p = flashtrain("dspark", *ds, "trainer.max_steps=3")  # the same run dir: continues from step 2
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "resuming from" in p.stdout and "step_00000002" in p.stdout, p.stdout[-3000:]
+    assert [r["step"] for r in _rows(run) if "loss" in r] == [1, 2, 3]
+    p = flashtrain("dspark", *common, f"hydra.run.dir={tmp_path / 'bad'}")
+    err = p.stderr.strip()
+    assert p.returncode == 2 and "dspark.target" in err and "\n" not in err, p.stderr[-2000:]
