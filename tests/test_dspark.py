@@ -128,3 +128,62 @@ def test_the_dspark_stage_trains_on_tiny_and_resumes(flashtrain, corpus, tmp_pat
     p = flashtrain("dspark", *common, f"hydra.run.dir={tmp_path / 'bad'}")
     err = p.stderr.strip()
     assert p.returncode == 2 and "dspark.target" in err and "\n" not in err, p.stderr[-2000:]
+
+
+# ---------------------------------------------------------------- speculative decoding
+
+@pytest.fixture(scope="module", params=["plain", "packed"])
+def engine_target(request):
+    """fp64, as tests/test_generate.py's engine tests: a verification forward over k + 1 tokens and k + 1
+    one-token forwards then agree to rounding far below any argmax gap. packed: a KV-QAT model over
+    the FP4 / MXFP4 / FP8 cache."""
+    torch.manual_seed(0)
+    cfg = CFG if request.param == "plain" else dataclasses.replace(CFG, kv_quant="qat")
+    model = Transformer(cfg).double().eval()
+    model.packed_cache = request.param == "packed"
+    return model
+
+
+def _prompts():
+    ids = [torch.randint(0, 97, (11,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(2)]
+    return ids + [[5, 6, 7]]
+
+
+def test_greedy_equality_speculative_against_plain(engine_target, monkeypatch):
+    """Speculative greedy decoding gives generate's tokens and log-probs, with the drafter as it is
+    (mostly rejected) and with an oracle drafter whose drafts are right up to a random position
+    (accepted runs of every length, so the cache rolls back by every amount)."""
+    from inference import speculative
+    from inference.generate import generate
+    from inference.speculative import SpeculativeStats, generate_speculative
+
+    model, packed, prompts = engine_target, engine_target.packed_cache, _prompts()
+    want = generate(model, prompts, 10, temperature=0, packed=packed)
+    torch.manual_seed(5)
+    drafter = DSpark(model.cfg).double()
+    got = generate_speculative(model, drafter, prompts, 10, temperature=0, packed=packed, draft_length=3)
+    assert [g.tokens for g in got] == [w.tokens for w in want]
+
+    same = prompts[:2]  # one batch: row b is same[b] throughout
+    rng = random.Random(0)
+    real = speculative.propose
+
+    def oracle(drafter, target, context, context_pos, anchor, position, *args):
+        drafts, q, conf = real(drafter, target, context, context_pos, anchor, position, *args)
+        j = position - len(same[0])  # the anchor is token j of the continuation
+        for b in range(anchor.shape[0]):
+            row = want[b].tokens
+            assert row[j] == int(anchor[b])
+            wrong = rng.randint(0, drafter.block)  # drafts before this position are right
+            for i in range(drafter.block):
+                t = row[j + 1 + i] if j + 1 + i < len(row) else 0
+                drafts[b, i] = t if i < wrong else (t + 1) % 97
+        return drafts, q, torch.full_like(conf, 0.9)
+
+    monkeypatch.setattr(speculative, "propose", oracle)
+    stats = SpeculativeStats()
+    got = generate_speculative(model, drafter, same, 10, temperature=0, packed=packed, stats=stats)
+    assert [g.tokens for g in got] == [w.tokens for w in want[:2]]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), rtol=0, atol=1e-9)
+    assert stats.accepted > stats.rows and stats.tokens_per_forward() > 2, stats.as_dict()
