@@ -4,6 +4,7 @@ leaves the target's output unchanged (greedy: the same tokens; sampled: the same
 import copy
 import dataclasses
 import json
+import math
 import random
 
 import pytest
@@ -187,3 +188,67 @@ def test_greedy_equality_speculative_against_plain(engine_target, monkeypatch):
     for g, w in zip(got, want):
         torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), rtol=0, atol=1e-9)
     assert stats.accepted > stats.rows and stats.tokens_per_forward() > 2, stats.as_dict()
+
+
+def _chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """p-value of Pearson's chi-square (Wilson-Hilferty's normal approximation of its distribution)."""
+    expected = probs * counts.sum()
+    stat = float(((counts - expected) ** 2 / expected).sum())
+    df = counts.numel() - 1
+    z = ((stat / df) ** (1 / 3) - (1 - 2 / (9 * df))) / math.sqrt(2 / (9 * df))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def _speculative_pairs(P, Q, n, rule, seed=0):
+    """The first two tokens after token 0 of a Markov chain with transition table P, sampled
+    speculatively with a draft chain Q (2 drafts a round, a second round when the first emits one
+    token): [n] pair ids x1 * V + x2."""
+    V = P.shape[0]
+    g = torch.Generator().manual_seed(seed)
+    gens = [torch.Generator().manual_seed(seed * 100_003 + i) for i in range(n)]
+
+    def round_from(x0):
+        d1 = torch.multinomial(Q[x0], 1, generator=g)[:, 0]
+        d2 = torch.multinomial(Q[d1], 1, generator=g)[:, 0]
+        drafts = torch.stack((d1, d2), 1)
+        p = torch.stack((P[x0], P[d1], P[d2]), 1)  # the target at the anchor and after each draft
+        q = torch.stack((Q[x0], Q[d1]), 1)
+        return drafts, rule(p, q, drafts, gens)
+
+    drafts, (acc, nxt) = round_from(torch.zeros(n, dtype=torch.long))
+    x1 = torch.where(acc > 0, drafts[:, 0], nxt)
+    drafts2, (acc2, nxt2) = round_from(x1)
+    second = torch.where(acc2 > 0, drafts2[:, 0], nxt2)  # the next round's first token
+    x2 = torch.where(acc > 1, drafts[:, 1], torch.where(acc == 1, nxt, second))
+    return x1 * V + x2
+
+
+def test_a_statistical_test_of_the_speculative_sampler():
+    """Samples through the accept/reject rule follow the target chain's joint law of two tokens (a
+    chi-square test over V^2 cells, fixed seeds), and the test has the power to reject rules that are
+    wrong: taking every draft, or resampling a rejection from the target instead of the residual."""
+    from inference.speculative import accept_drafts
+
+    V, n = 5, 12_000
+    g = torch.Generator().manual_seed(7)
+    P = torch.rand(V, V, generator=g).pow(3).double()
+    P = P / P.sum(1, keepdim=True)
+    Q = (0.5 * torch.rand(V, V, generator=g).double() + 0.5 * P.roll(1, 1))
+    Q = Q / Q.sum(1, keepdim=True)
+    joint = (P[0][:, None] * P).flatten()  # P(x1) P(x2 | x1)
+
+    def counts(rule):
+        return torch.bincount(_speculative_pairs(P, Q, n, rule), minlength=V * V).double()
+
+    assert _chi_square_p(counts(accept_drafts), joint) > 1e-3
+
+    def take_every_draft(p, q, drafts, gens):
+        return torch.full((drafts.shape[0],), drafts.shape[1]), torch.multinomial(p[:, -1], 1)[:, 0]
+
+    def resample_from_target(p, q, drafts, gens):
+        n_acc, _ = accept_drafts(p, q, drafts, gens)
+        redraw = torch.multinomial(p[torch.arange(len(n_acc)), n_acc], 1)[:, 0]
+        return n_acc, redraw
+
+    for wrong in (take_every_draft, resample_from_target):
+        assert _chi_square_p(counts(wrong), joint) < 1e-6, wrong.__name__
