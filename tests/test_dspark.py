@@ -252,3 +252,22 @@ def test_a_statistical_test_of_the_speculative_sampler():
 
     for wrong in (take_every_draft, resample_from_target):
         assert _chi_square_p(counts(wrong), joint) < 1e-6, wrong.__name__
+
+
+def test_speculative_rollouts_record_the_policys_log_probs(engine_target):
+    """What RL trains against with rl.drafter set: each sampled token's recorded log-prob is the
+    policy's training forward's (rl/policy.py), as for the plain engine (tests/test_generate.py)."""
+    from inference.speculative import SpeculativeStats, generate_speculative
+    from rl.policy import behaviour_logprobs, response_logprobs
+
+    torch.manual_seed(6)
+    drafter = DSpark(engine_target.cfg).double()
+    prompts = _prompts()
+    stats = SpeculativeStats()
+    gens = generate_speculative(engine_target, drafter, prompts, 8, temperature=1.0, seed=3,
+                                packed=engine_target.packed_cache, draft_length=2, stats=stats)
+    assert [len(g.tokens) for g in gens] == [8, 8, 8] and stats.verifications > 0
+    samples = [{"prompt": p, "response": g.tokens, "behaviour": g.logprobs} for p, g in zip(prompts, gens)]
+    with torch.no_grad():
+        logp, mask = response_logprobs(engine_target, samples, pad_id=0)
+    assert float(((logp - behaviour_logprobs(samples, logp)).abs() * mask).max()) < 1e-5

@@ -23,6 +23,7 @@ from conf.dspark import DSparkConfig
 from conf.errors import ConfigError
 from model.dspark import DraftLoss, DSpark, TapRecorder
 from model.transformer import ModelOutput, Transformer
+from trainer.checkpoint import model_state, resolve_checkpoint
 from trainer.distributed import all_reduce_sum_
 from trainer.init_weights import load_init_weights
 from trainer.pretrain import Trainer, build_model
@@ -164,6 +165,35 @@ class DSparkTrainer(Trainer):
         val = (total[0] / total[1].clamp(min=1)).item()
         return {"val_loss": val, **self._position_metrics(total[2:2 + K] / pos, total[2 + K:2 + 2 * K] / pos,
                                                           "val_")}
+
+
+def load_drafter(path: str, target_cfg, setting: str) -> DSpark:
+    """The drafter of a dspark run's checkpoint (a checkpoint, checkpoints/ dir or run dir) for a target of
+    `target_cfg` (its dspark_* keys give the drafter's shape). `setting` names the key in errors."""
+    drafter = DSpark(target_cfg)
+    state = model_state(resolve_checkpoint(Path(path), setting))
+    try:
+        drafter.load_state_dict(state)
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()[0]
+        raise ConfigError(f"{setting}={path}: not a drafter of model {target_cfg.name} ({first})") from None
+    return drafter.eval()
+
+
+def load_dspark_run(run: Path):
+    """A finished dspark run's (target, drafter, tokenizer, config): the target from dspark.target, the
+    tokenizer as the run built it, the drafter from the run's newest checkpoint."""
+    from omegaconf import OmegaConf
+
+    from data import build_datasets
+
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DSparkConfig),
+                                              OmegaConf.load(Path(run) / "config.yaml")))
+    _, _, tokenizer = build_datasets(cfg.data)
+    target = build_model(cfg, tokenizer)
+    load_init_weights(target, cfg.dspark.target, "dspark.target")
+    target.eval()
+    return target, load_drafter(str(run), target.cfg, "drafter"), tokenizer, cfg
 
 
 def run_dspark(cfg: DSparkConfig, run_dir: Path, config_yaml: str) -> dict[str, Any]:
