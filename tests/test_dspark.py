@@ -271,3 +271,17 @@ def test_speculative_rollouts_record_the_policys_log_probs(engine_target):
     with torch.no_grad():
         logp, mask = response_logprobs(engine_target, samples, pad_id=0)
     assert float(((logp - behaviour_logprobs(samples, logp)).abs() * mask).max()) < 1e-5
+
+
+def test_the_draft_length_follows_the_confidences_and_the_batch():
+    from inference.speculative import choose_draft_length
+
+    sure, unsure = torch.full((1, 5), 0.95), torch.full((1, 5), 0.05)
+    assert choose_draft_length(sure, capacity=256, draft_cost=0.1) == 5
+    assert choose_draft_length(unsure, capacity=256, draft_cost=0.1) == 0
+    # confident up to position 2, then not: verify the first two once extra tokens cost something
+    confident_two = torch.tensor([[0.95, 0.95, 0.02, 0.9, 0.9]])
+    assert choose_draft_length(confident_two, capacity=16, draft_cost=0.1) == 2
+    # a load past the roofline knee makes every extra draft cost a forward's worth
+    assert choose_draft_length(torch.full((64, 5), 0.8), capacity=64, draft_cost=0.1) == 0
+    assert 0 < choose_draft_length(torch.full((64, 5), 0.99), capacity=1024, draft_cost=0.1) < 5

@@ -86,6 +86,9 @@ class DSparkTrainer(Trainer):
             raise ConfigError(f"dspark.source={ds.source!r}: expected corpus or samples")
         if ds.anchor_stride < 1:
             raise ConfigError(f"dspark.anchor_stride={ds.anchor_stride}: must be >= 1")
+        if cfg.model.init_from:
+            raise ConfigError(f"model.init_from={cfg.model.init_from}: the dspark stage's target comes from "
+                              "dspark.target, and a drafter run resumes from its own run dir")
         if cfg.trainer.context_parallel != 1:
             raise ConfigError("trainer.context_parallel: the dspark stage trains on whole rows (1)")
         self.dspark_cfg = ds
