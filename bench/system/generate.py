@@ -153,7 +153,8 @@ def _timed(fn, device):
 
 
 @torch.no_grad()
-def bench_speculative(target, drafter, prompts, batches, new_tokens, temperature, device) -> dict:
+def bench_speculative(target, drafter, prompts, batches, new_tokens, temperature, device,
+                      capacity: float = 256.0) -> dict:
     from inference.speculative import SpeculativeStats, generate_speculative
 
     out = {}
@@ -165,7 +166,7 @@ def bench_speculative(target, drafter, prompts, batches, new_tokens, temperature
         stats = SpeculativeStats()
         plain_gens, plain = _timed(partial(generate, target, batch, new_tokens, **kw), device)
         spec_gens, spec = _timed(partial(generate_speculative, target, drafter, batch, new_tokens,
-                                         stats=stats, **kw), device)
+                                         stats=stats, capacity=capacity, **kw), device)
         plain_tps = sum(len(g.tokens) for g in plain_gens) / plain
         spec_tps = sum(len(g.tokens) for g in spec_gens) / spec
         row = {"plain_tokens_per_s": plain_tps, "speculative_tokens_per_s": spec_tps,
@@ -196,8 +197,9 @@ def speculative_main(args, device) -> dict:
             "torch": torch.__version__, "date": datetime.date.today().isoformat(),
             "commit": provenance.commit(), "model": target.cfg.name, "drafter_run": str(args.drafter),
             "prompt_len": n, "new_tokens": args.spec_tokens, "temperature": args.temperature,
+            "capacity": args.capacity,
             "speculative": bench_speculative(target, drafter, prompts, batches, args.spec_tokens,
-                                             args.temperature, device)}
+                                             args.temperature, device, args.capacity)}
 
 
 def main() -> None:
@@ -216,6 +218,9 @@ def main() -> None:
     ap.add_argument("--drafter", default=None, help="a finished `flashtrain dspark` run: speculative rows")
     ap.add_argument("--spec-tokens", type=int, default=64, help="tokens per prompt for speculative rows")
     ap.add_argument("--temperature", type=float, default=0.0, help="speculative rows: 0 is greedy")
+    ap.add_argument("--capacity", type=float, default=256.0,
+                    help="speculative rows: tokens a forward takes before compute, not weight reads, "
+                         "bounds it (the draft-length rule's roofline knee; small on a CPU)")
     ap.add_argument("--out", default=None, help="also write the JSON here")
     args = ap.parse_args()
     device = torch.device(args.device)
