@@ -285,3 +285,17 @@ def test_the_draft_length_follows_the_confidences_and_the_batch():
     # a load past the roofline knee makes every extra draft cost a forward's worth
     assert choose_draft_length(torch.full((64, 5), 0.8), capacity=64, draft_cost=0.1) == 0
     assert 0 < choose_draft_length(torch.full((64, 5), 0.99), capacity=1024, draft_cost=0.1) < 5
+
+
+@pytest.mark.slow
+def test_the_dspark_stage_trains_on_the_targets_own_samples(flashtrain, corpus, tmp_path):
+    common = [*FAST, *corpus, "trainer.torch_threads=1", "data.seq_len=64", "trainer.micro_batch_size=2"]
+    pre = tmp_path / "pre"
+    p = flashtrain("pretrain", *common, "trainer.max_steps=1", f"hydra.run.dir={pre}")
+    assert p.returncode == 0, p.stderr[-3000:]
+    run = tmp_path / "ds"
+    p = flashtrain("dspark", *common, f"dspark.target={pre}", "dspark.source=samples", "dspark.samples=4",
+                   "dspark.sample_prompt_tokens=8", "trainer.max_steps=2", f"hydra.run.dir={run}")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "4 target samples of 65 tokens" in p.stdout, p.stdout[-3000:]
+    assert [r["step"] for r in _rows(run) if "loss" in r] == [1, 2]
