@@ -254,6 +254,7 @@ def test_a_statistical_test_of_the_speculative_sampler():
         assert _chi_square_p(counts(wrong), joint) < 1e-6, wrong.__name__
 
 
+@pytest.mark.slow
 def test_speculative_rollouts_record_the_policys_log_probs(engine_target):
     """What RL trains against with rl.drafter set: each sampled token's recorded log-prob is the
     policy's training forward's (rl/policy.py), as for the plain engine (tests/test_generate.py)."""
