@@ -16,7 +16,9 @@ With --drafter RUN (a finished `flashtrain dspark` run), it measures speculative
                rows of the run's corpus) decoded --spec-tokens tokens by the engine (`generate`)
                and by speculative decoding (`generate_speculative`) with the run's target and
                drafter: tokens/s of each, the speed-up, tokens per target forward (the acceptance
-               length plus one), the acceptance rate, and whether greedy output is identical
+               length plus one), the acceptance rate, and whether greedy output is identical; also
+               the speculative path with no drafts (draft_length=0), whose ratio isolates what the
+               drafts gain from how the two paths batch
 
     python -m bench.system.generate --drafter RUN [--batches 1,64] [--out FILE]
 """
@@ -167,10 +169,16 @@ def bench_speculative(target, drafter, prompts, batches, new_tokens, temperature
         plain_gens, plain = _timed(partial(generate, target, batch, new_tokens, **kw), device)
         spec_gens, spec = _timed(partial(generate_speculative, target, drafter, batch, new_tokens,
                                          stats=stats, capacity=capacity, **kw), device)
+        # the same path with no drafts: it batches equal-length prompts in one cache where `generate`
+        # prefills one by one into slots, so speculation's own gain is the ratio to this
+        no_draft_gens, no_draft = _timed(partial(generate_speculative, target, drafter, batch, new_tokens,
+                                                 draft_length=0, **kw), device)
         plain_tps = sum(len(g.tokens) for g in plain_gens) / plain
         spec_tps = sum(len(g.tokens) for g in spec_gens) / spec
+        no_draft_tps = sum(len(g.tokens) for g in no_draft_gens) / no_draft
         row = {"plain_tokens_per_s": plain_tps, "speculative_tokens_per_s": spec_tps,
-               "speedup": spec_tps / plain_tps, **stats.as_dict()}
+               "no_draft_tokens_per_s": no_draft_tps, "speedup": spec_tps / plain_tps,
+               "speedup_over_no_draft": spec_tps / no_draft_tps, **stats.as_dict()}
         if temperature <= 0:
             row["greedy_identical"] = [g.tokens for g in plain_gens] == [g.tokens for g in spec_gens]
         out[b] = row
