@@ -87,7 +87,7 @@ def test_training_moves_the_drafter_toward_the_target(target):
     logits, taps = _forward(target, d, ids)
     opt = torch.optim.Adam(d.parameters(), lr=3e-3)
     first = d.draft_loss(target, taps, ids, logits)
-    for _ in range(15):
+    for _ in range(10):
         out = d.draft_loss(target, taps, ids, logits)
         opt.zero_grad()
         out.loss.backward()
