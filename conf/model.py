@@ -95,6 +95,15 @@ class ModelConfig:
     engram_dim: int = 256
     engram_min_rows: int = 16_000_000  # each head's table size is the next unused prime above
 
+    # --- DSpark drafter (§8): trained after the target, which stays frozen (model/dspark.py)
+    dspark_layers: int = 3  # blocks, window attention only (over `window` context rows)
+    dspark_block: int = 5  # draft positions proposed in parallel
+    dspark_taps: Optional[list[int]] = None  # target layers whose outputs feed it (None: the last 3)
+    dspark_markov_rank: int = 256  # rank of the previous-token logit bias
+    dspark_routed_experts: int = 128
+    dspark_activated_experts: int = 3
+    dspark_noise_id: Optional[int] = None  # the id of draft positions 1.. (None: the last vocabulary id)
+
 
 @dataclass
 class TinyModelConfig(ModelConfig):
@@ -130,6 +139,9 @@ class TinyModelConfig(ModelConfig):
     engram_heads: int = 2
     engram_dim: int = 32  # a multiple of 32, as the public FP8 table layout needs
     engram_min_rows: int = 1000
+    dspark_markov_rank: int = 16
+    dspark_routed_experts: int = 8
+    dspark_activated_experts: int = 2
 
 
 @dataclass
@@ -166,6 +178,8 @@ class SmallModelConfig(ModelConfig):
     engram_heads: int = 4
     engram_dim: int = 64
     engram_min_rows: int = 200_000
+    dspark_markov_rank: int = 64
+    dspark_routed_experts: int = 32
 
 
 @dataclass

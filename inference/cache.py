@@ -80,6 +80,9 @@ class DecodeCache(SequenceShard):
         self.pending: dict[int, torch.Tensor] = {}  # owner layer -> layer inputs [B, r < m, D]
         self.replaying: set[tuple[int, str]] = set()  # entries a CED replay reads but must not append to
         self.token_layer_passes = 0  # tokens x layers run so far (CED prefill skips most decoder passes)
+        self._marked: Optional[tuple] = None  # the state before a forward that `rollback` may shorten
+        self._window_rows: dict[int, tuple[torch.Tensor, int]] = {}  # layer -> (its new rows, W-1)
+        self._blocks: dict[int, tuple[int, torch.Tensor, int]] = {}  # owner -> (position of row 0, rows, m)
 
     def begin(self, input_ids: torch.Tensor) -> None:
         """Before a forward over input_ids [B, T] that follow the cached tokens."""
@@ -111,6 +114,58 @@ class DecodeCache(SequenceShard):
         self.ids = ids[:, -HISTORY_TOKENS:]
         self.length += input_ids.shape[1]
 
+    # --- speculative verification: a forward whose tail may be taken back ---
+
+    def mark(self) -> None:
+        """Before a forward of which `rollback` may keep only a prefix (speculative verification):
+        remembers the window rows, pending block inputs and history as they are now (stores replace
+        their tensors when they grow, so references suffice) and records what the forward adds."""
+        self._marked = (self.length, self.ids, {layer: s.parts for layer, s in self.window.items()},
+                        dict(self.pending))
+        self._window_rows, self._blocks = {}, {}
+
+    def rollback(self, keep: int, input_ids: torch.Tensor) -> None:
+        """After the marked forward over input_ids [B, T]: keep its first `keep` tokens, as if only
+        they had been run (a forward computes each position from the positions before it only, so
+        their rows are what a forward over them alone computes)."""
+        if self._marked is None:
+            raise RuntimeError("rollback without a marked forward")
+        length, ids, windows, pending = self._marked
+        T = input_ids.shape[1]
+        if not 0 < keep <= T or self.length != length + T:
+            raise ValueError(f"rollback to {keep} of the {T} tokens of the marked forward")
+        new_len = length + keep
+        for layer, (rows, n) in self._window_rows.items():
+            store = self.window[layer]
+            store.parts = windows.get(layer)
+            if store.parts is None:  # the layer's first forward: rows before position 0 are zeros
+                store.append(rows.new_zeros(rows.shape[0], n, rows.shape[2]))
+            store.append(rows[:, :keep])
+            store.keep_last(n)
+        for layer, (start, rows, m) in self._blocks.items():
+            for name in ("kv", "index_k"):
+                store = self.entries.get((layer, name))
+                if store is not None and store.parts is not None:
+                    store.parts = tuple(p[:, :new_len // m] for p in store.parts)
+            done = new_len // m * m
+            self.pending[layer] = rows[:, done - start:new_len - start]
+        for layer in set(pending) - set(self._blocks):
+            self.pending[layer] = pending[layer]
+        kept = input_ids[:, :keep]
+        self.ids = (kept if ids is None else torch.cat((ids, kept), dim=1))[:, -HISTORY_TOKENS:]
+        self.length = new_len
+        self._marked = None
+        self._window_rows, self._blocks = {}, {}
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep the sequences at `rows` [B'] (in that order) and drop the others."""
+        for store in (*self.window.values(), *self.entries.values()):
+            if store.parts is not None:
+                store.parts = tuple(p[rows] for p in store.parts)
+        self.pending = {layer: t[rows] for layer, t in self.pending.items()}
+        self.ids = None if self.ids is None else self.ids[rows]
+        self.batch = rows.numel()
+
     # --- the hooks the model calls ---
 
     def gather(self, t: torch.Tensor, layer: int = -1, name: str = "") -> torch.Tensor:
@@ -124,6 +179,8 @@ class DecodeCache(SequenceShard):
     def halo(self, t: torch.Tensor, n: int, layer: int = -1) -> Optional[torch.Tensor]:
         store = self.window.get(layer)
         old = None if store is None else store.read(t.dtype)
+        if self._marked is not None:
+            self._window_rows[layer] = (t, n)
         if store is None:  # rows before position 0 are zeros (masked by position anyway)
             store = self.window[layer] = _Store("window", self.packed)
             store.append(t.new_zeros(t.shape[0], n, t.shape[2]))
@@ -139,6 +196,8 @@ class DecodeCache(SequenceShard):
         done = full.shape[1] // m * m
         self.pending[layer] = full[:, done:]
         start = self.offset - (0 if old is None else old.shape[1])  # a block boundary
+        if self._marked is not None:
+            self._blocks[layer] = (start, full, m)
         return full, start // m
 
     def nbytes(self) -> dict[str, int]:

@@ -52,13 +52,9 @@ def prefill_ced(model: Transformer, cache: DecodeCache, input_ids: torch.Tensor,
     return logits
 
 
-def sample(logits: torch.Tensor, temperature: float, top_p: float, generators: list[torch.Generator]):
-    """logits [B, V] -> (token ids [B], their log-probabilities under the sampled distribution [B]).
-    Row b draws from generators[b] (a sequence's draws do not depend on what it is batched with).
-    temperature 0 is greedy (log-probability of the argmax under the plain softmax)."""
-    if temperature <= 0:
-        token = logits.argmax(-1)
-        return token, logits.log_softmax(-1).gather(-1, token[:, None])[:, 0]
+def sampling_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """logits [..., V] -> log-probabilities [..., V] of the distribution `sample` draws from at
+    temperature > 0 (temperature, then the top_p nucleus)."""
     logp = (logits / temperature).log_softmax(-1)
     if top_p < 1.0:  # keep the smallest prefix of the sorted distribution that reaches top_p
         sorted_logp, order = logp.sort(-1, descending=True)
@@ -66,6 +62,17 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, generators: l
         masked = torch.full_like(logp, float("-inf")).scatter(-1, order,
                                                               sorted_logp.masked_fill(~keep, float("-inf")))
         logp = masked.log_softmax(-1)
+    return logp
+
+
+def sample(logits: torch.Tensor, temperature: float, top_p: float, generators: list[torch.Generator]):
+    """logits [B, V] -> (token ids [B], their log-probabilities under the sampled distribution [B]).
+    Row b draws from generators[b] (a sequence's draws do not depend on what it is batched with).
+    temperature 0 is greedy (log-probability of the argmax under the plain softmax)."""
+    if temperature <= 0:
+        token = logits.argmax(-1)
+        return token, logits.log_softmax(-1).gather(-1, token[:, None])[:, 0]
+    logp = sampling_logprobs(logits, temperature, top_p)
     probs = logp.exp()
     token = torch.cat([torch.multinomial(probs[b:b + 1], 1, generator=g)[0]
                        for b, g in enumerate(generators)])

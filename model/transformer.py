@@ -44,6 +44,8 @@ class Block(nn.Module):
     # the stream ops; model.ops.KernelPolicy may swap in Triton kernels
     mix_streams = staticmethod(mix_streams)
     update_streams = staticmethod(update_streams)
+    # the attention sub-layer's module (the DSpark drafter's blocks attend differently: model/dspark.py)
+    attention_cls = CSA2Attention
 
     def __init__(self, cfg: ModelConfig, spec: LayerSpec):
         super().__init__()
@@ -52,7 +54,7 @@ class Block(nn.Module):
                   norm_eps=cfg.norm_eps)
         self.attn_hc = HyperConnection(**hc)
         self.attn_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.attn = CSA2Attention(cfg, spec)
+        self.attn = self.attention_cls(cfg, spec)
         self.ffn_hc = HyperConnection(**hc)
         self.ffn_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.moe = MoE(cfg.dim, cfg.n_routed_experts, cfg.n_shared_experts, cfg.n_activated_experts,

@@ -24,6 +24,11 @@ class RolloutWorker:
         self.tokenizer = TextTokenizer.from_file(tokenizer_path)
         self.chat = ChatFormat(self.tokenizer)
         self.model = build_model(cfg, self.tokenizer).eval()
+        self.drafter = None
+        if self.rl.drafter:  # drafts for the policy's weights of any version: verification keeps it exact
+            from trainer.dspark import load_drafter
+
+            self.drafter = load_drafter(self.rl.drafter, self.model.cfg, "rl.drafter")
         self.version: Optional[int] = None  # no weights yet
         self.seed, self.calls = seed, 0
 
@@ -46,11 +51,18 @@ class RolloutWorker:
         self.calls += 1
         # the cache quantises KV exactly as the QAT training forward does, and only then: the
         # behaviour log-probs are the trainer's own for prompts within the replay
-        gens = generate(self.model, [p["ids"] for p in flat], self.rl.max_new_tokens,
-                        temperature=0.0 if greedy else self.rl.temperature, top_p=self.rl.top_p,
-                        stop=self.chat.stop_ids(), seed=self.seed * 1_000_003 + self.calls,
-                        policy_version=self.version, max_batch=self.rl.rollout_batch,
-                        packed=self.cfg.model.kv_quant == "qat", replay=self.rl.rollout_replay)
+        kwargs = dict(temperature=0.0 if greedy else self.rl.temperature, top_p=self.rl.top_p,
+                      stop=self.chat.stop_ids(), seed=self.seed * 1_000_003 + self.calls,
+                      policy_version=self.version, max_batch=self.rl.rollout_batch,
+                      packed=self.cfg.model.kv_quant == "qat", replay=self.rl.rollout_replay)
+        prompt_ids = [p["ids"] for p in flat]
+        if self.drafter is not None:
+            from inference.speculative import generate_speculative
+
+            gens = generate_speculative(self.model, self.drafter, prompt_ids, self.rl.max_new_tokens,
+                                        **kwargs)
+        else:
+            gens = generate(self.model, prompt_ids, self.rl.max_new_tokens, **kwargs)
         samples = [{"id": p["id"], "effort": p["effort"], "prompt": p["ids"], "response": g.tokens,
                     "behaviour": g.logprobs, "version": g.policy_version, "finish": g.finish}
                    for p, g in zip(flat, gens)]

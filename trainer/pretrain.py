@@ -155,7 +155,7 @@ class Trainer:
         check_engram_tables(tc.engram_tables, tc.context_parallel)
         if tc.plan_check and d.device.type == "cuda":
             self._check_layout_fits()
-        self.model = build_model(cfg, self.tokenizer)
+        self.model = self.build_trained_model()
         if train_only_indexer:  # the indexer warm-up: everything else is frozen
             for name, p in self.model.named_parameters():
                 p.requires_grad_(".index_query." in name or ".index_key." in name)
@@ -223,6 +223,10 @@ class Trainer:
         """(train split, validation split, tokenizer): the packed corpus of cfg.data. A stage that
         trains on other data (SFT) overrides this; the splits need `__len__`, `get_batch`, `seq_len`."""
         return build_datasets(self.cfg.data)
+
+    def build_trained_model(self) -> torch.nn.Module:
+        """The module the run trains (the model of cfg.model; the dspark stage trains a drafter)."""
+        return build_model(self.cfg, self.tokenizer)
 
     def _build_optimizer(self) -> None:
         cfg, tc, d, layout = self.cfg, self.cfg.trainer, self.dist, self.layout

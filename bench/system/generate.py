@@ -10,6 +10,17 @@
             same prompt without the prefix cache (miss: CED prefill of everything)
 
     python -m bench.system.generate [--model small] [--prefill 8192,32768] [--batches 1,64]
+
+With --drafter RUN (a finished `flashtrain dspark` run), it measures speculative decoding instead:
+  speculative  at each batch size, the same prompts (the first --prompt-len tokens of validation
+               rows of the run's corpus) decoded --spec-tokens tokens by the engine (`generate`)
+               and by speculative decoding (`generate_speculative`) with the run's target and
+               drafter: tokens/s of each, the speed-up, tokens per target forward (the acceptance
+               length plus one), the acceptance rate, and whether greedy output is identical; also
+               the speculative path with no drafts (draft_length=0), whose ratio isolates what the
+               drafts gain from how the two paths batch
+
+    python -m bench.system.generate --drafter RUN [--batches 1,64] [--out FILE]
 """
 from __future__ import annotations
 
@@ -20,6 +31,8 @@ import json
 import statistics
 import sys
 import time
+from functools import partial
+from pathlib import Path
 
 import torch
 
@@ -134,6 +147,69 @@ def bench_prefix(model, prefix_len, new_tokens, vocab, device) -> dict:
             "miss_over_hit": miss / hit, "hits": cache.hits, "timed_calls": 3}
 
 
+def _timed(fn, device):
+    """(fn's result, seconds)."""
+    box = []
+    seconds = _seconds(lambda: box.append(fn()), device)
+    return box[0], seconds
+
+
+@torch.no_grad()
+def bench_speculative(target, drafter, prompts, batches, new_tokens, temperature, device,
+                      capacity: float = 256.0) -> dict:
+    from inference.speculative import SpeculativeStats, generate_speculative
+
+    out = {}
+    for b in batches:
+        batch = [prompts[i % len(prompts)] for i in range(b)]
+        kw = dict(temperature=temperature, max_batch=b, seed=1)
+        generate(target, batch[:1], 4, **kw)  # warm-up (kernels compile per shape)
+        generate_speculative(target, drafter, batch[:1], 4, **kw)
+        stats = SpeculativeStats()
+        plain_gens, plain = _timed(partial(generate, target, batch, new_tokens, **kw), device)
+        spec_gens, spec = _timed(partial(generate_speculative, target, drafter, batch, new_tokens,
+                                         stats=stats, capacity=capacity, **kw), device)
+        # the same path with no drafts: it batches equal-length prompts in one cache where `generate`
+        # prefills one by one into slots, so speculation's own gain is the ratio to this
+        no_draft_gens, no_draft = _timed(partial(generate_speculative, target, drafter, batch, new_tokens,
+                                                 draft_length=0, **kw), device)
+        plain_tps = sum(len(g.tokens) for g in plain_gens) / plain
+        spec_tps = sum(len(g.tokens) for g in spec_gens) / spec
+        no_draft_tps = sum(len(g.tokens) for g in no_draft_gens) / no_draft
+        row = {"plain_tokens_per_s": plain_tps, "speculative_tokens_per_s": spec_tps,
+               "no_draft_tokens_per_s": no_draft_tps, "speedup": spec_tps / plain_tps,
+               "speedup_over_no_draft": spec_tps / no_draft_tps, **stats.as_dict()}
+        if temperature <= 0:
+            row["greedy_identical"] = [g.tokens for g in plain_gens] == [g.tokens for g in spec_gens]
+        out[b] = row
+        print(json.dumps({b: row}), file=sys.stderr, flush=True)
+    return out
+
+
+def speculative_main(args, device) -> dict:
+    from data import build_datasets
+    from trainer.dspark import load_dspark_run
+
+    target, drafter, _, cfg = load_dspark_run(args.drafter)
+    _, val, _ = build_datasets(cfg.data)
+    n = min(args.prompt_len, val.seq_len)
+    prompts = [val.get_batch([i])["input_ids"][0, :n].tolist() for i in range(min(64, len(val)))]
+    target.to(device)
+    drafter.to(device)
+    if device.type == "cuda":
+        target.to(torch.bfloat16)
+        drafter.to(torch.bfloat16)
+    batches = [int(x) for x in args.batches.split(",")]
+    return {"bench": "generate-speculative",
+            "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "date": datetime.date.today().isoformat(),
+            "commit": provenance.commit(), "model": target.cfg.name, "drafter_run": str(args.drafter),
+            "prompt_len": n, "new_tokens": args.spec_tokens, "temperature": args.temperature,
+            "capacity": args.capacity,
+            "speculative": bench_speculative(target, drafter, prompts, batches, args.spec_tokens,
+                                             args.temperature, device, args.capacity)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="small", choices=["small", "tiny"])
@@ -147,8 +223,22 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=129_280)
     ap.add_argument("--kernels", action="store_true",
                     help="model.kernels=true (Triton attention, indexer, mHC)")
+    ap.add_argument("--drafter", default=None, help="a finished `flashtrain dspark` run: speculative rows")
+    ap.add_argument("--spec-tokens", type=int, default=64, help="tokens per prompt for speculative rows")
+    ap.add_argument("--temperature", type=float, default=0.0, help="speculative rows: 0 is greedy")
+    ap.add_argument("--capacity", type=float, default=256.0,
+                    help="speculative rows: tokens a forward takes before compute, not weight reads, "
+                         "bounds it (the draft-length rule's roofline knee; small on a CPU)")
+    ap.add_argument("--out", default=None, help="also write the JSON here")
     args = ap.parse_args()
     device = torch.device(args.device)
+    if args.drafter:
+        result = speculative_main(args, device)
+        text = json.dumps(result, indent=1)
+        print(text)
+        if args.out:
+            Path(args.out).write_text(text + "\n")
+        return
     base = SmallModelConfig() if args.model == "small" else TinyModelConfig()
     cfg = dataclasses.replace(base, vocab_size=args.vocab, max_seq_len=max(base.max_seq_len, 32768),
                               kernels=args.kernels)
@@ -169,6 +259,8 @@ def main() -> None:
                                     args.steps, args.vocab, device)
     result["prefix"] = bench_prefix(model, args.prefix_len, args.new_tokens, args.vocab, device)
     print(json.dumps(result, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":
