@@ -5,7 +5,7 @@ each kept problem `attempts` times, and every proposal gets the proposer rewards
   proposals.jsonl  every proposal: its text, the parse error or each filter's verdict, the
                    solver's pass rate and the proposer rewards
   tasks.jsonl      the kept triples, one per distinct problem: the pool `rl.task=synth` reads
-                   (`rl.task_kwargs={pool: RUN/tasks.jsonl}`)
+                   (`'+rl.task_kwargs={pool:RUN/tasks.jsonl}'`)
   synthesis.json   the counts at each step (proposed, parsed, verifiable, solvable, non-trivial),
                    their rates, parse errors and filter failures by reason, mean pass rate and
                    rewards

@@ -2,6 +2,7 @@
 triples, the sandbox filters against hand-written good and bad triples, the proposer rewards,
 the synthesised-task source, the failed-case replay buffer (order, age, size, exact resume) and
 the synthesis stage's counts on canned proposals."""
+import dataclasses
 import json
 import random
 
@@ -298,3 +299,52 @@ def test_the_stage_counts_filters_and_writes_the_pool(monkeypatch, tmp_path):
     assert task.verify(p, task.answer_text(p)) == 1.0
     assert json.loads((tmp_path / "synthesis.json").read_text())["valid"] == 3
     assert len((tmp_path / "proposals.jsonl").read_text().splitlines()) == 6
+
+
+# ------------------------------------------------------------------------------ RL end to end
+@pytest.mark.slow
+def test_rl_trains_on_a_synthesised_pool_with_failed_cases_replayed_and_resumes(flashtrain, tmp_path):
+    """`flashtrain rl rl.task=synth` on a pool file, with replay: failed problems come back in
+    later versions (replay_frac > 0), the buffer is in the checkpoint and a resume continues."""
+    pool = tmp_path / "tasks.jsonl"
+    rng = random.Random(0)
+    pool.write_text("".join(json.dumps(dataclasses.asdict(templated_triple(rng))) + "\n" for _ in range(20)))
+    run = tmp_path / "rl"
+    fast = ["logger=none", "trainer.torch_threads=1", "rl.task=synth", f"+rl.task_kwargs={{pool:{pool}}}",
+            "rl.replay_fraction=1.0", "rl.prompts_per_step=4", "rl.group_size=2", "rl.max_new_tokens=16",
+            "rl.eval_prompts=2", "rl.eval_every=0", "rl.rollout_workers=1", "rl.prompts_per_request=2",
+            "rl.timeout_s=120", "rl.efforts=[50]", "rl.effort_weights=[1.0]",
+            "rl.sft_overrides=['trainer.max_steps=2','trainer.save_every=2','trainer.eval_every=0',"
+            "'trainer.micro_batch_size=2','sft.builtin_samples=256','sft.builtin_task=synth','eval.problems=0']"]
+    p = flashtrain("rl", *fast, "rl.steps=2", "rl.save_every=2", f"hydra.run.dir={run}", timeout=900)
+    assert p.returncode == 0, p.stderr[-4000:] + p.stdout[-2000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    # an untrained solver fails every pool problem in 16 tokens: version 1's prompts all enter the
+    # buffer, and with replay_fraction 1 every prompt admitted after that is one of them again
+    assert steps[0]["task_reward"] == 0.0 and steps[0]["replay_frac"] == 0.0
+    assert steps[1]["replay_frac"] == 1.0
+    p = flashtrain("rl", *fast, "rl.steps=3", f"hydra.run.dir={run}", timeout=900)
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert "resumed at version 2" in p.stdout
+    steps = [r for r in (json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()
+                         if line.strip()) if "loss" in r]
+    # version 3 trains the prompts re-queued at the save: replays, restored from the checkpoint
+    assert [r["step"] for r in steps] == [1, 2, 3] and steps[-1]["replay_frac"] == 1.0
+
+
+def test_the_synth_stage_runs_from_the_cli_and_rejects_bad_settings(flashtrain, tmp_path):
+    """An untrained `tiny` writes no valid triple, but the stage runs end to end and says so."""
+    run = tmp_path / "synth"
+    p = flashtrain("synth", "synth.proposals=3", "synth.max_new_tokens=8", "synth.attempts=1",
+                   f"hydra.run.dir={run}", timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "3 proposed, 0 parsed" in p.stdout
+    summary = json.loads((run / "synthesis.json").read_text())
+    assert summary["counts"]["proposed"] == 3 and summary["valid"] == 0
+    assert sum(summary["parse_errors"].values()) == 3
+    assert len((run / "proposals.jsonl").read_text().splitlines()) == 3
+    assert (run / "tasks.jsonl").read_text() == ""
+    p = flashtrain("synth", "synth.proposals=0", f"hydra.run.dir={tmp_path / 'bad'}", timeout=300)
+    assert p.returncode == 2 and "synth" in p.stderr and "proposals" in p.stderr
