@@ -119,13 +119,14 @@ def summarize(rows: list[dict], verdicts: list[Optional[Verdict]]) -> dict[str, 
         counts[name] = sum(bool(v is not None and getattr(v, name)) for v in verdicts)
     valid = [r for r in rows if r["valid"]]
     rates = [r["pass_rate"] for r in valid if r.get("pass_rate") is not None]
+    rejected = [r["reason"] for r in rows if r["parsed"] and not r["valid"]]  # "filter: why"
     return {"counts": counts,
             "rates": {k: v / n for k, v in counts.items() if k != "proposed"},  # per proposal
             "valid": len(valid), "valid_rate": len(valid) / n,
             "distinct_valid_problems": len({r["problem"] for r in valid}),
             "parse_errors": dict(Counter(r["parse_error"] for r in rows if not r["parsed"]).most_common()),
-            "filter_failures": dict(Counter(r["reason"].split(":")[0] for r in rows
-                                            if r["parsed"] and not r["valid"]).most_common()),
+            "filter_failures": dict(Counter(r.split(":")[0] for r in rejected).most_common()),
+            "filter_reasons": dict(Counter(rejected).most_common()),
             "solver_pass_rate_mean": sum(rates) / len(rates) if rates else None,
             "difficulty_reward_mean": sum(map(difficulty_reward, rates)) / len(rates) if rates else None,
             "proposer_reward_mean": sum(r["proposer_reward"] for r in rows) / n,

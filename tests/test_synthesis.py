@@ -288,6 +288,8 @@ def test_the_stage_counts_filters_and_writes_the_pool(monkeypatch, tmp_path):
     assert summary["valid"] == 3 and summary["distinct_valid_problems"] == 2
     assert summary["parse_errors"] == {"layout": 1}
     assert summary["filter_failures"] == {"solvable": 1, "nontrivial": 1}
+    assert summary["filter_reasons"] == {"solvable: the reference fails its tests": 1,
+                                         "nontrivial: passed by a stub returning 0": 1}
     assert calls == [6, 3 * 2]  # every valid proposal was tried `attempts` times
     assert [r["pass_rate"] for r in rows if r["valid"]] == [0.5, 0.5, 1.0]
     assert [r["proposer_reward"] for r in rows] == [1.0, 0.0, 0.0, 0.0, 1.0, 0.5]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import time
 from pathlib import Path
 
@@ -67,6 +68,7 @@ def main() -> None:
     ap.add_argument("--effort", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--rows", type=Path, help="a directory for each entry's proposals (JSONL)")
     args = ap.parse_args()
 
     from data.chat import ChatFormat
@@ -93,6 +95,10 @@ def main() -> None:
                 entry["valid_not_a_demonstration"] = sum(r["text"] not in demos for r in valid)
                 entry["distinct_novel_problems"] = len(novel)
             entries.append(entry)
+            if args.rows:
+                args.rows.mkdir(parents=True, exist_ok=True)
+                name = f"{run.name}-t{temperature:g}.jsonl"
+                (args.rows / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
             print(f"{run} T={temperature}: {summary['counts']}", flush=True)
     provenance.emit({**provenance.header("task_synthesis"), "entries": entries}, args.out)
 
