@@ -336,6 +336,7 @@ def test_rl_trains_on_a_synthesised_pool_with_failed_cases_replayed_and_resumes(
     assert [r["step"] for r in steps] == [1, 2, 3] and steps[-1]["replay_frac"] == 1.0
 
 
+@pytest.mark.slow
 def test_the_synth_stage_runs_from_the_cli_and_rejects_bad_settings(flashtrain, tmp_path):
     """An untrained `tiny` writes no valid triple, but the stage runs end to end and says so."""
     run = tmp_path / "synth"
