@@ -23,8 +23,9 @@ Filters, each in the sandbox under the given deadlines (`check_triple`):
   verifiable   reference + tests give the same verdict twice and neither run hits a limit
   solvable     reference + tests pass
   non-trivial  tests fail when no solution is defined, and for every stub with the solution's
-               name that returns a constant (None, 0, 1, -1, True, False, "", [], {}) or its
-               first argument unchanged
+               name that returns a constant (None, 0, 1, -1, True, False, "", [], {}, and each
+               literal the tests contain: tests whose every expected value is the same literal
+               are passed by that constant) or its first argument unchanged
 Proposer rewards (`proposer_reward`): correctness c (1 when the triple passed every filter,
 else 0) and difficulty d = 4 p (1 - p) from the solver's pass rate p over k attempts (0 for a
 task every attempt solves or none does, 1 at p = 1/2); the reward is c * ((1 - w) + w * d),
@@ -70,6 +71,7 @@ _TRIPLE = re.compile(r"\s*Problem:[ \t]*(?P<problem>[^\n]*)\n"
                      r"Tests:[ \t]*\n```python[ \t]*\n(?P<tests>.*?)```\s*", re.S)
 STUB_RETURNS = ("None", "0", "1", "-1", "True", "False", "''", "[]", "{}")
 FILTERS = ("verifiable", "solvable", "nontrivial")
+MAX_LITERALS = 32  # stubs returning the tests' own literals, at most
 
 
 # ------------------------------------------------------------------------------ the triple
@@ -173,8 +175,9 @@ def trivial_solutions_passing(triple: Triple, limits: dict) -> tuple[list[str], 
     "unverified": a verifier that cannot be checked is not kept."""
     mark = f"@@trivial-{secrets.token_hex(8)}@@"
     stub = f"def {triple.function}(*args, **kwargs):\n    return {{}}\n"
-    stubs = ["", *(stub.format(value) for value in STUB_RETURNS), stub.format("args[0] if args else None")]
-    names = ["no solution", *(f"a stub returning {v}" for v in STUB_RETURNS), "a stub returning its argument"]
+    values = list(dict.fromkeys([*STUB_RETURNS, *test_literals(triple.tests)]))
+    stubs = ["", *(stub.format(value) for value in values), stub.format("args[0] if args else None")]
+    names = ["no solution", *(f"a stub returning {v}" for v in values), "a stub returning its argument"]
     harness = (f"import json as _json\n_accepted = []\n"
                f"for _stub in _json.loads({json.dumps(stubs)!r}):\n"
                f"    _ns = {{'__name__': '__main__'}}\n"
@@ -194,6 +197,29 @@ def trivial_solutions_passing(triple: Triple, limits: dict) -> tuple[list[str], 
     if not isinstance(accepted, list) or len(accepted) != len(stubs):
         return ["unverified (the trivial-solution run did not report)"], result.wall_s
     return [name for name, ok in zip(names, accepted) if ok is True], result.wall_s
+
+
+def test_literals(tests: str) -> list[str]:
+    """The source of every literal in `tests` (numbers, strings, and lists, tuples, sets and
+    dicts of them, negative numbers included), in order, at most MAX_LITERALS."""
+    try:
+        tree = ast.parse(tests)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return []
+    out: list[str] = []
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.Constant, ast.List, ast.Tuple, ast.Set, ast.Dict, ast.UnaryOp)):
+            continue
+        try:
+            ast.literal_eval(node)
+        except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+            continue
+        source = ast.unparse(node)
+        if source not in out and len(source) <= 200:
+            out.append(source)
+        if len(out) == MAX_LITERALS:
+            break
+    return out
 
 
 # ------------------------------------------------------------------------------ rewards

@@ -82,6 +82,13 @@ def test_the_filters_keep_a_good_triple():
     ("def f(x):\n    return 0\n", "assert f(1) == 0\nassert f(2) == 0\n", "nontrivial", "returning 0"),
     ("def f(x):\n    return None\n", "assert f(5) is None\n", "nontrivial", "returning None"),
     ("def f(s):\n    return ''\n", "assert f('ab') == ''\n", "nontrivial", "returning ''"),
+    # every expected value is the same literal: a stub returning it passes
+    ("def f(x):\n    return max(x, -2)\n", "assert f(-10) == -2\nassert f(-2) == -2\n", "nontrivial",
+     "returning -2"),
+    ("def f(s):\n    return s[:1]\n", "assert f('ab') == 'a'\nassert f('ac') == 'a'\n", "nontrivial",
+     "returning 'a'"),
+    ("def f(xs):\n    return xs[-1:]\n", "assert f([1, 2]) == [2]\nassert f([2]) == [2]\n", "nontrivial",
+     "returning [2]"),
     # tests the identity satisfies
     ("def f(x):\n    return x\n", "assert f(3) == 3\nassert f(4) == 4\n", "nontrivial", "its argument"),
     # tests that pass whatever f returns (and without any f, they never call it)
