@@ -13,7 +13,8 @@ class RLLoopConfig:
     # right (0.85) but sampled ones are not yet (0.4), which leaves RL a reward to raise; after
     # 200 steps the policy has memorised the task and its sampled reward is flat at ~0.8.
     sft_overrides: list[str] = field(default_factory=lambda: ["trainer.max_steps=140"])
-    task: str = "arithmetic"  # built-in name or a dotted path to a Task class (tasks)
+    # built-in name (arithmetic, algebra, python, synth, synth_propose) or a dotted path to a Task class
+    task: str = "arithmetic"
     task_kwargs: dict[str, Any] = field(default_factory=dict)
     steps: int = 60  # trainer updates (policy versions)
     prompts_per_step: int = 8  # prompt groups per update
@@ -27,6 +28,13 @@ class RLLoopConfig:
     length_penalty_scale: float = 0.2  # coefficient at effort 100, on length / max_new_tokens
     # group advantages divide by max(std, this): no unit advantage from a 1-token gap
     adv_std_floor: float = 0.1
+    # failed cases replayed (rl/replay.py): this share of new prompts serve the oldest problem whose
+    # every sample scored 0, at most replay_capacity kept, each for replay_max_age versions after its
+    # first failure and at most replay_max_serves times (0.0: no replay)
+    replay_fraction: float = 0.0
+    replay_capacity: int = 256
+    replay_max_age: int = 20
+    replay_max_serves: int = 2
     flat_reward_warn_steps: int = 5  # warn when this many steps in a row had every advantage 0 (0: never)
     clip_low: float = 0.2
     clip_high: float = 0.28

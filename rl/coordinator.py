@@ -10,6 +10,11 @@ Admission control: at most prompts_per_step * max(max_staleness, 1) prompts are 
 yet trained (queued, generating, scoring or waiting), so rollouts cannot run further ahead than
 staleness allows and nothing is generated only to be dropped for being too old.
 
+Failed cases (rl.replay_fraction > 0): a prompt whose every sample scored 0 enters a bounded
+replay buffer (rl/replay.py); each newly admitted prompt is, with that probability (drawn from
+the prompt index), the oldest live failed problem instead of the index's own, at the index's
+effort. The buffer and the replayed problems of re-queued prompts are in the checkpoint.
+
 Fault tolerance: rollout and reward actors restart on failure (Ray max_restarts); a call that
 fails or outlives rl.timeout_s re-queues its prompts (a restarted rollout worker gets the
 newest weights before its next call). A prompt's samples are accepted only while the prompt is
@@ -17,6 +22,8 @@ admitted and not yet handed to the trainer, so a prompt is trained exactly once.
 """
 from __future__ import annotations
 
+import dataclasses
+import random
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -26,6 +33,8 @@ from typing import Any, Optional
 import torch
 
 from rl.algorithm import FlatRewardWatch, group_advantages, percentile, shaped_reward
+from rl.replay import FailedCaseReplay
+from tasks.base import Problem
 
 
 @dataclass
@@ -62,6 +71,17 @@ class Coordinator:
             from conf.errors import ConfigError
             raise ConfigError(f"rl: need ppo_epochs >= 1 and 1 <= minibatches <= the {per_rank} samples a "
                               f"trainer rank gets per step; got {rl.ppo_epochs}, {rl.minibatches}")
+        if not 0.0 <= rl.replay_fraction <= 1.0:
+            from conf.errors import ConfigError
+            raise ConfigError(f"rl.replay_fraction={rl.replay_fraction}: expected a share in [0, 1]")
+        try:
+            self.replay = (FailedCaseReplay(rl.replay_capacity, rl.replay_max_age, rl.replay_max_serves)
+                           if rl.replay_fraction > 0 else None)
+        except ValueError as e:
+            from conf.errors import ConfigError
+            raise ConfigError(f"rl.replay_capacity/replay_max_age/replay_max_serves: {e}") from None
+        self.replayed: dict[int, Problem] = {}  # admitted prompts serving a replayed problem
+        self.step_replayed = 0
         chat = ChatFormat(TextTokenizer.from_file(tokenizer_path))
         self.task = load_task(rl.task, **dict(rl.task_kwargs))
         self.source = PromptSource(self.task, chat, list(rl.efforts), list(rl.effort_weights), rl.seed)
@@ -97,17 +117,35 @@ class Coordinator:
     def state(self) -> dict[str, Any]:
         """What a resume needs besides the trainer's own: the data cursor and every admitted,
         untrained prompt (their rollouts are not saved: they are generated again)."""
-        return {"cursor": self.cursor, "version": self.version, "requeue": sorted(self.admitted),
-                "samples_trained": self.samples_trained}
+        state = {"cursor": self.cursor, "version": self.version, "requeue": sorted(self.admitted),
+                 "samples_trained": self.samples_trained}
+        if self.replay is not None:
+            state["replay"] = self.replay.state()
+            state["replayed"] = [[pid, dataclasses.asdict(p)] for pid, p in sorted(self.replayed.items())
+                                 if pid in self.admitted]
+        return state
 
     def restore(self, state: dict[str, Any]) -> None:
         self.cursor, self.version = state["cursor"], state["version"]
         self.samples_trained = state.get("samples_trained", 0)
+        replayed = {}
+        if self.replay is not None and "replay" in state:
+            self.replay.restore(state["replay"])
+            replayed = {pid: Problem(**p) for pid, p in state["replayed"]}
         for pid in state["requeue"]:
-            self._admit(pid)
+            self._admit(pid, replayed.get(pid, False))
 
-    def _admit(self, pid: int) -> None:
+    def _admit(self, pid: int, replayed: Optional[Problem] | bool = None) -> None:
+        """replayed: the failed problem this prompt serves; None: draw whether it serves one;
+        False: it serves its index's own problem."""
         self.prompts[pid], self.problems[pid] = self.source.get(pid)
+        if replayed is None and self.replay is not None:
+            replayed = (random.Random(f"replay-{self.rl.seed}-{pid}").random() < self.rl.replay_fraction
+                        and self.replay.take(self.version)) or False
+        if isinstance(replayed, Problem):
+            prompt = self.prompts[pid]
+            self.prompts[pid] = {**prompt, "ids": self.source.chat.prompt(replayed.prompt, prompt["effort"])}
+            self.problems[pid] = self.replayed[pid] = replayed
         self.admitted[pid] = "queued"
         self.queue.append(pid)
 
@@ -164,6 +202,10 @@ class Coordinator:
             self.trained.add(pid)
         samples = [s for g in groups for s in g]
         rl = self.rl
+        if self.replay is not None:
+            for pid, group in zip(pids, groups):
+                self.replay.feedback(self.problems[pid], [s["task_reward"] for s in group], self.version)
+            self.step_replayed = sum(self.replayed.pop(pid, None) is not None for pid in pids)
         shaped = shaped_reward(torch.tensor([s["task_reward"] for s in samples]),
                                torch.tensor([s["length"] for s in samples]),
                                torch.tensor([s["effort"] for s in samples]), rl.max_new_tokens,
@@ -260,6 +302,9 @@ class Coordinator:
                                "restarts_rollout": self.restarts["rollout"],
                                "restarts_reward": self.restarts["reward"]}
         stale_lengths = [n for s in stats for n in s["stale_lengths"]]
+        if self.replay is not None:  # the share of this version's prompts that were failed cases; the buffer
+            row["replay_frac"] = self.step_replayed / len({s["id"] for s in samples})
+            row["replay_size"] = len(self.replay)
         if stale_lengths:
             row["stale_len_mean"] = sum(stale_lengths) / len(stale_lengths)
             row["stale_len_p90"] = percentile(stale_lengths, 90)

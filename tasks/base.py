@@ -25,6 +25,8 @@ BUILTIN_TASKS = {
     "arithmetic": "tasks.arithmetic:Arithmetic",
     "algebra": "tasks.arithmetic:Algebra",
     "python": "tasks.python_code:PythonFunctions",
+    "synth": "tasks.synthesis:SynthesizedTasks",
+    "synth_propose": "tasks.synthesis:ProposeTasks",
 }
 
 

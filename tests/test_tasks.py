@@ -146,7 +146,7 @@ def test_load_builtin_tasks():
     assert isinstance(load_task("algebra", max_coef=5), Algebra)
     assert isinstance(load_task("python"), PythonFunctions)
     assert load_task("arithmetic", max_operand=20, ops="*").ops == "*"
-    assert set(BUILTIN_TASKS) == {"arithmetic", "algebra", "python"}
+    assert set(BUILTIN_TASKS) == {"arithmetic", "algebra", "python", "synth", "synth_propose"}
 
 
 @pytest.mark.parametrize("spec", [f"{__name__}:EchoTask", f"{__name__}.EchoTask"])
