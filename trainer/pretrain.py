@@ -341,10 +341,12 @@ class Trainer:
         routers = self.engine.module.routers()
         if not apply:
             for r in routers:
-                r.load.zero_()
+                for load in r.loads():
+                    load.zero_()
             return {}
         for r in routers:
-            all_reduce_sum_(r.load)
+            for load in r.loads():
+                all_reduce_sum_(load)
         balance = moe_balance([r.load for r in routers])
         for r in routers:
             r.update_bias(self.cfg.model.bias_update_speed)
