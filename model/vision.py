@@ -44,6 +44,15 @@ class ImageBatch:
     def __len__(self) -> int:
         return len(self.patches)
 
+    @classmethod
+    def from_batch(cls, batch: dict) -> ImageBatch | None:
+        """Takes the image_{patches,grids,rows,starts} lists out of a collated batch (data/images.py);
+        None when the batch has none."""
+        if "image_patches" not in batch:
+            return None
+        return cls(batch.pop("image_patches"), [tuple(g) for g in batch.pop("image_grids")],
+                   batch.pop("image_rows"), batch.pop("image_starts"))
+
     def to(self, device) -> ImageBatch:
         return ImageBatch([p.to(device) for p in self.patches], self.grids, self.rows, self.starts)
 
