@@ -26,14 +26,18 @@ import math
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, Optional
 
+import datasets
 import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont, ImageOps
 
+from conf.data import DataConfig
 from conf.model import IMAGE, IMAGE_END, IMAGE_NEW_LINE, IMAGE_START, TEXT, ModelConfig
 from data.errors import DataError
+from data.packing import split_documents
 
 IGNORE_INDEX = -100
 PAD_GRAY = (127, 127, 127)
@@ -224,10 +228,136 @@ def render_digits(digits: str, rng: random.Random, height: int = 28, width: int 
     return image
 
 
+def digit_document(seed: int, index: int, n_digits: int = 2) -> list[Any]:
+    """Document `index` of the digits corpus `seed`: [image, " digits: 4 7"], the caption stating the
+    digits drawn in the image; a pure function of (seed, index)."""
+    rng = random.Random(f"{seed}-{index}")
+    digits = "".join(rng.choice("0123456789") for _ in range(n_digits))
+    return [render_digits(digits, rng), " digits: " + " ".join(digits)]
+
+
 def digit_documents(count: int, seed: int, n_digits: int = 2) -> Iterator[list[Any]]:
-    """`count` documents [image, "digits: 4 7"]: the caption states the digits drawn in the image.
-    Deterministic in (seed, index), so a split is a seed and a position is an index."""
+    """The first `count` documents of the digits corpus `seed`."""
     for index in range(count):
-        rng = random.Random(f"{seed}-{index}")
-        digits = "".join(rng.choice("0123456789") for _ in range(n_digits))
-        yield [render_digits(digits, rng), " digits: " + " ".join(digits)]
+        yield digit_document(seed, index, n_digits)
+
+
+class DigitCorpus:
+    """The digits corpus as an indexable sequence of documents (segments lists)."""
+
+    def __init__(self, count: int, seed: int):
+        self.count, self.seed = count, seed
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int) -> list[Any]:
+        return digit_document(self.seed, index)
+
+
+# ------------------------------------------------------------------ corpora from files and the hub
+IMAGE_MARKER = "<image>"  # where an image sits in a document's text; none: the images come first
+
+
+class RecordCorpus:
+    """Documents from `datasets` rows: a text column and an image column (one image or a list), the
+    images placed at the IMAGE_MARKERs of the text. Relative image paths are read from `root`."""
+
+    def __init__(self, rows, text_field: str, image_field: str, root: Optional[Path] = None):
+        missing = [f for f in (text_field, image_field) if f not in rows.column_names]
+        if missing:
+            raise DataError(f"the image-text corpus has columns {rows.column_names}, not {missing} "
+                            "(data.text_field / data.image_field)")
+        self.rows, self.text_field, self.image_field, self.root = rows, text_field, image_field, root
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> list[Any]:
+        row = self.rows[index]
+        text, images = row[self.text_field] or "", row[self.image_field]
+        images = [] if images is None else list(images) if isinstance(images, (list, tuple)) else [images]
+        # a path becomes a {"path"} record, so that only text is a str among the segments
+        root = self.root or Path()
+        images = [{"path": str(root / im)} if isinstance(im, str) else im for im in images]
+        pieces = text.split(IMAGE_MARKER)
+        if len(pieces) == 1:
+            return [*images, text]
+        if len(pieces) - 1 != len(images):
+            raise DataError(f"image-text document {index} has {len(pieces) - 1} {IMAGE_MARKER} markers "
+                            f"but {len(images)} images")
+        segments: list[Any] = [pieces[0]]
+        for image, piece in zip(images, pieces[1:]):
+            segments += [image, piece]
+        return [seg for seg in segments if not isinstance(seg, str) or seg]
+
+
+def load_image_corpus(cfg: DataConfig):
+    """(train, validation) documents of data.image_source (conf/data.py)."""
+    if cfg.image_source == "digits":
+        held_out = max(1, round(cfg.image_documents * cfg.val_fraction))
+        return DigitCorpus(cfg.image_documents, cfg.split_seed), DigitCorpus(held_out, cfg.split_seed + 1)
+    source = Path(cfg.image_source).expanduser()
+    root = None
+    if source.is_dir() and not any(source.glob("*.jsonl")) and not any(source.glob("*.parquet")):
+        rows = datasets.load_dataset("imagefolder", data_dir=str(source), split="train")
+        image_field = "image"
+    elif source.exists():
+        files = [source]
+        if source.is_dir():
+            files = sorted(source.glob("*.jsonl")) + sorted(source.glob("*.parquet"))
+        kind = "parquet" if files[0].suffix == ".parquet" else "json"
+        rows = datasets.load_dataset(kind, data_files=[str(f) for f in files], split="train")
+        image_field, root = cfg.image_field, files[0].parent
+    else:
+        rows = datasets.load_dataset(cfg.image_source, split=cfg.hub_split)
+        image_field = cfg.image_field
+    train, val = split_documents(rows, cfg)
+    return (RecordCorpus(train, cfg.text_field, image_field, root),
+            RecordCorpus(val, cfg.text_field, image_field, root))
+
+
+class ImageTextDataset:
+    """Packed rows of image-text documents (module docstring), served like data.packing.PackedDataset:
+    `get_batch(indices)` -> a collated batch. The rows are planned from the documents' lengths (text
+    tokens, and span lengths from the images' sizes); images are decoded and patched when served."""
+
+    def __init__(self, corpus, tokenizer, model_cfg: ModelConfig, seq_len: int):
+        self.corpus, self.tokenizer, self.model_cfg, self.seq_len = corpus, tokenizer, model_cfg, seq_len
+        self.image_token_id = (tokenizer.pad_id if model_cfg.image_token_id is None
+                               else model_cfg.image_token_id)
+        self.rows: list[list[int]] = []
+        used = seq_len + 1
+        for index in range(len(corpus)):
+            n = self._length(corpus[index])
+            if n > seq_len + 1:
+                raise DataError(f"image-text document {index} has {n} tokens, more than data.seq_len="
+                                f"{seq_len} + 1: images are never cut, so raise seq_len or shrink the images")
+            if used + n > seq_len + 1:
+                self.rows.append([])
+                used = 0
+            self.rows[-1].append(index)
+            used += n
+
+    def _length(self, segments: Sequence[Any]) -> int:
+        n = 2  # BOS, EOS
+        for seg in segments:
+            if isinstance(seg, str):
+                n += len(self.tokenizer.encode(seg))
+            else:
+                image = open_image(seg)
+                n_h, n_w, _, _ = plan_image_grid(image.width, image.height, self.model_cfg)
+                n += span_length(n_h, n_w)
+        return n
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def get_batch(self, indices: Sequence[int]) -> dict[str, Any]:
+        tok = self.tokenizer
+        rows = []
+        for i in indices:
+            docs = [encode_document(self.corpus[j], tok, self.model_cfg, tok.bos_id, tok.eos_id,
+                                    self.image_token_id) for j in self.rows[i]]
+            rows += pack_documents(docs, self.seq_len, tok.pad_id)
+        return collate(rows)

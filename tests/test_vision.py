@@ -2,6 +2,7 @@
 comments from the preprocessing rules of the public image processor and the layouts the module
 docstrings state; F.unfold (PyTorch) is the second opinion on the pixel-unshuffle's channel order."""
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -180,3 +181,66 @@ def test_rendered_digit_documents_pack_into_rows_the_model_reads():
     assert "image_patches" not in batch and images.rows == [0, 0, 1]
     out = model(**batch, images=images)
     assert torch.isfinite(out.loss)
+
+
+class _Chars:
+    """One id per character; specials above them."""
+    pad_id, bos_id, eos_id = 29, 30, 31
+
+    def encode(self, text):
+        return [ord(c) % 29 for c in text]
+
+
+def test_the_mixed_loader_resumes_at_its_image_and_text_positions():
+    from conf.data import DataConfig
+    from data.images import ImageTextDataset, load_image_corpus
+    from data.loader import DistributedBatchLoader, MixedBatchLoader
+
+    class Text:  # a stand-in text split: sample i is all i
+        def __len__(self):
+            return 10
+
+        def get_batch(self, indices):
+            return {"input_ids": torch.tensor([[i] * 4 for i in indices])}
+
+    train, val = load_image_corpus(DataConfig(image_documents=40, val_fraction=0.1))
+    assert (len(train), len(val)) == (40, 4)
+    images = ImageTextDataset(train, _Chars(), TINY, seq_len=48)
+    assert len(images) == 20  # two 24-token documents a row
+
+    def loader():
+        return MixedBatchLoader(DistributedBatchLoader(Text(), 2, 0, 1, seed=1),
+                                DistributedBatchLoader(images, 2, 0, 1, seed=1), ratio=1 / 3)
+    first = loader()
+    served = [first.next_batch() for _ in range(4)]
+    # micro-batches 0-3: floor((k + 1) / 3) > floor(k / 3) only for k = 2
+    assert ["token_types" in b for b in served] == [False, False, True, False]
+    state = first.state_dict()
+    expected = [first.next_batch() for _ in range(3)]  # k = 4, 5 (image-text), 6
+    resumed = loader()
+    resumed.load_state_dict(state)
+    for a, b in zip(expected, (resumed.next_batch() for _ in range(3))):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a if torch.is_tensor(a[k]))
+        if "image_patches" in a:
+            assert all(torch.equal(x, y) for x, y in zip(a["image_patches"], b["image_patches"]))
+    assert "token_types" in expected[1]
+
+
+def test_image_text_documents_from_a_jsonl_file_with_image_paths(tmp_path):
+    from conf.data import DataConfig
+    from data.images import ImageTextDataset, load_image_corpus
+    for n in range(4):
+        Image.new("RGB", (21, 14), (n * 60, 0, 0)).save(tmp_path / f"im{n}.png")
+    lines = [{"text": f"red {n} <image> then <image> end", "images": [f"im{n}.png", f"im{(n + 1) % 4}.png"]}
+             for n in range(4)]
+    (tmp_path / "docs.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
+    train, val = load_image_corpus(DataConfig(image_source=str(tmp_path / "docs.jsonl"), val_fraction=0.25,
+                                              cache_dir=str(tmp_path / "cache")))
+    assert (len(train), len(val)) == (3, 1)
+    doc = train[0]
+    assert [type(s) for s in doc] == [str, dict, str, dict, str] and doc[1]["path"].endswith(".png")
+    # 21 x 14 px at patch 7: 3 x 2 patches, one token: span 4; text 6 + 6 + 4 chars; BOS, EOS
+    ds = ImageTextDataset(train, _Chars(), TINY, seq_len=40)
+    batch = ds.get_batch([0])
+    assert batch["token_types"][0].tolist().count(IMAGE) == 2
+    assert len(batch["image_patches"]) == 2 and batch["image_grids"] == [(2, 3), (2, 3)]

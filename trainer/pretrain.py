@@ -17,12 +17,15 @@ from omegaconf import OmegaConf
 from conf.errors import ConfigError
 from conf.pretrain import PretrainConfig
 from data import DistributedBatchLoader, build_datasets
+from data.images import ImageTextDataset, load_image_corpus
+from data.loader import MixedBatchLoader
 from model.accounting import train_flops_per_token
 from model.chunking import apply_chunking
 from model.csa import ATTENTION_IMPLS
 from model.engram import build_compression_map
 from model.ops import KernelPolicy
 from model.transformer import Transformer
+from model.vision import ImageBatch
 from optim import CompositeOptimizer, Replicas, build_optimizer, lr_multiplier
 from trainer.checkpoint import CheckpointManager
 from trainer.context_parallel import slice_batch
@@ -169,6 +172,8 @@ class Trainer:
         self.loader = DistributedBatchLoader(self.train_ds, tc.micro_batch_size, dp_rank, dp, tc.seed)
         self.val_loader = DistributedBatchLoader(self.val_ds, tc.micro_batch_size, dp_rank, dp, tc.seed,
                                                  shuffle=False)
+        if cfg.data.image_text_ratio > 0:
+            self.loader = self._mix_in_images(self.loader)
         self.ckpts = CheckpointManager(self.run_dir / "checkpoints", tc.keep_last, d.rank)
         self.step, self.tokens_seen = 0, 0
         self.nonfinite = NonFiniteSteps(tc.max_nonfinite_steps, d.is_main)
@@ -208,6 +213,21 @@ class Trainer:
         """(train split, validation split, tokenizer): the packed corpus of cfg.data. A stage that
         trains on other data (SFT) overrides this; the splits need `__len__`, `get_batch`, `seq_len`."""
         return build_datasets(self.cfg.data)
+
+    def _mix_in_images(self, text: DistributedBatchLoader) -> MixedBatchLoader:
+        """The text loader mixed with image-text documents by data.image_text_ratio."""
+        cfg, tc = self.cfg, self.cfg.trainer
+        if self.model.cfg.vision_n_layers == 0:
+            raise ConfigError(f"data.image_text_ratio={cfg.data.image_text_ratio} needs a vision tower: "
+                              "set model.vision_n_layers > 0")
+        if self.layout.cp > 1:
+            raise ConfigError("data.image_text_ratio > 0 with trainer.context_parallel > 1: an image span "
+                              "must stay on one rank, which sequence slicing does not ensure")
+        train, _ = load_image_corpus(cfg.data)
+        images = ImageTextDataset(train, self.tokenizer, self.model.cfg, cfg.data.seq_len)
+        layout = self.layout
+        loader = DistributedBatchLoader(images, tc.micro_batch_size, layout.dp_rank, layout.dp, tc.seed)
+        return MixedBatchLoader(text, loader, cfg.data.image_text_ratio)
 
     def _build_optimizer(self) -> None:
         cfg, tc, d, layout = self.cfg, self.cfg.trainer, self.dist, self.layout
@@ -271,7 +291,10 @@ class Trainer:
     # ------------------------------------------------------------------ one step
     def _batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """On this rank's device; with context parallelism, this rank's slice plus its shard."""
+        images = ImageBatch.from_batch(batch)
         batch = {k: v.to(self.dist.device, non_blocking=True) for k, v in batch.items()}
+        if images is not None:
+            batch["images"] = images.to(self.dist.device)
         if self.layout.cp > 1:
             batch, shard = slice_batch(batch, self.layout)
             batch["shard"] = shard
