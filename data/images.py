@@ -259,6 +259,19 @@ class DigitCorpus:
 IMAGE_MARKER = "<image>"  # where an image sits in a document's text; none: the images come first
 
 
+def interleave(text: str, images: Sequence[Any], where: str) -> list[Any]:
+    """Segments of a text with an image at each IMAGE_MARKER, in order (no marker: images first)."""
+    pieces = text.split(IMAGE_MARKER)
+    if len(pieces) == 1:
+        return [*images, text]
+    if len(pieces) - 1 != len(images):
+        raise DataError(f"{where} has {len(pieces) - 1} {IMAGE_MARKER} markers but {len(images)} images")
+    segments: list[Any] = [pieces[0]]
+    for image, piece in zip(images, pieces[1:]):
+        segments += [image, piece]
+    return [seg for seg in segments if not isinstance(seg, str) or seg]
+
+
 class RecordCorpus:
     """Documents from `datasets` rows: a text column and an image column (one image or a list), the
     images placed at the IMAGE_MARKERs of the text. Relative image paths are read from `root`."""
@@ -280,16 +293,7 @@ class RecordCorpus:
         # a path becomes a {"path"} record, so that only text is a str among the segments
         root = self.root or Path()
         images = [{"path": str(root / im)} if isinstance(im, str) else im for im in images]
-        pieces = text.split(IMAGE_MARKER)
-        if len(pieces) == 1:
-            return [*images, text]
-        if len(pieces) - 1 != len(images):
-            raise DataError(f"image-text document {index} has {len(pieces) - 1} {IMAGE_MARKER} markers "
-                            f"but {len(images)} images")
-        segments: list[Any] = [pieces[0]]
-        for image, piece in zip(images, pieces[1:]):
-            segments += [image, piece]
-        return [seg for seg in segments if not isinstance(seg, str) or seg]
+        return interleave(text, images, f"image-text document {index}")
 
 
 def load_image_corpus(cfg: DataConfig):

@@ -3,6 +3,7 @@ comments from the preprocessing rules of the public image processor and the layo
 docstrings state; F.unfold (PyTorch) is the second opinion on the pixel-unshuffle's channel order."""
 import dataclasses
 import json
+import random
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from data.images import (
     pack_documents,
     plan_image_grid,
     prepare_image,
+    render_digits,
 )
 from model.runtime import AttentionRuntime
 from model.transformer import Transformer
@@ -244,3 +246,27 @@ def test_image_text_documents_from_a_jsonl_file_with_image_paths(tmp_path):
     batch = ds.get_batch([0])
     assert batch["token_types"][0].tolist().count(IMAGE) == 2
     assert len(batch["image_patches"]) == 2 and batch["image_grids"] == [(2, 3), (2, 3)]
+
+
+def test_generate_reads_an_image_prompt_and_decodes_from_its_cache(tmp_path):
+    """generate.images: the prompt's image span is prefilled in one forward; the first two sampled
+    tokens' log-probs are those of plain forwards over the same image-text sequence."""
+    from types import SimpleNamespace
+
+    from inference.generate import generate
+    from trainer.generate import _image_prompt
+
+    render_digits("42", random.Random(0)).save(tmp_path / "d.png")
+    g = SimpleNamespace(prompt="look <image> digits: ", images=[str(tmp_path / "d.png")])
+    model = Transformer(TINY).eval()
+    prompt, vision = _image_prompt(g, TINY, _Chars())
+    types, images = vision[0]
+    assert types.count(IMAGE) == 6 and prompt[0] == _Chars.bos_id and len(prompt) == len(types)
+    (out,) = generate(model, [prompt], 2, temperature=0.0, vision=vision, packed=False)
+    ids, tt = torch.tensor([prompt + out.tokens[:1]]), torch.tensor([types + [TEXT]])
+    with torch.no_grad():
+        logp = model(ids, token_types=tt, images=images).logits.log_softmax(-1)
+    torch.testing.assert_close(torch.tensor(out.logprobs), logp[0, -2:].gather(-1, torch.tensor(
+        [[out.tokens[0]], [out.tokens[1]]]))[:, 0], atol=1e-4, rtol=0)
+    with pytest.raises(Exception, match="no vision tower"):
+        _image_prompt(g, dataclasses.replace(TINY, vision_n_layers=0), _Chars())
