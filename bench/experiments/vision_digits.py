@@ -16,6 +16,7 @@ A character-level vocabulary keeps the run on a CPU in minutes (no tokenizer tra
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
@@ -40,9 +41,9 @@ class Chars:
         return [CHARS.index(c) for c in text]
 
 
-def documents(count: int, seed: int, cfg, with_images: bool):
+def documents(count: int, seed: int, cfg, with_images: bool, n_digits: int):
     tok = Chars()
-    for image, caption in digit_documents(count, seed):
+    for image, caption in digit_documents(count, seed, n_digits):
         yield encode_document([image, caption] if with_images else [caption], tok, cfg, BOS, EOS, IMAGE_ID)
 
 
@@ -52,12 +53,13 @@ def model_inputs(batch: dict) -> dict:
 
 
 @torch.no_grad()
-def score(model: Transformer, cfg, with_images: bool, count: int, seed: int) -> dict[str, float]:
+def score(model: Transformer, cfg, with_images: bool, count: int, seed: int,
+          n_digits: int) -> dict[str, float]:
     """Greedy reading of held-out numbers: digit and whole-number accuracy."""
     model.eval()
     digit_hits = number_hits = 0
     digit_ids = torch.tensor([CHARS.index(d) for d in "0123456789"])
-    for image, caption in digit_documents(count, seed):
+    for image, caption in digit_documents(count, seed, n_digits):
         truth = caption[len(PROMPT):].split()
         segments = [image, PROMPT] if with_images else [PROMPT]
         doc = encode_document(segments, Chars(), cfg, BOS, EOS, IMAGE_ID)
@@ -72,18 +74,18 @@ def score(model: Transformer, cfg, with_images: bool, count: int, seed: int) -> 
         digit_hits += sum(a == b for a, b in zip(read, truth))
         number_hits += read == truth
     model.train()
-    return {"digit_accuracy": digit_hits / (2 * count), "number_accuracy": number_hits / count}
+    return {"digit_accuracy": digit_hits / (n_digits * count), "number_accuracy": number_hits / count}
 
 
 def train_arm(with_images: bool, steps: int, docs_per_step: int, seq_len: int, lr: float, seed: int,
-              eval_count: int) -> dict:
+              eval_count: int, n_digits: int) -> dict:
     cfg = TinyModelConfig(vocab_size=VOCAB, vision_n_layers=2 if with_images else 0, image_token_id=IMAGE_ID)
     torch.manual_seed(seed)
     model = Transformer(cfg).train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
     start, losses = time.perf_counter(), []
     for step in range(steps):
-        docs = list(documents(docs_per_step, seed * 1_000_003 + step, cfg, with_images))
+        docs = list(documents(docs_per_step, seed * 1_000_003 + step, cfg, with_images, n_digits))
         batch = model_inputs(collate(pack_documents(docs, seq_len, PAD)))
         for g in opt.param_groups:  # linear warm-up over the first 10% of steps, then constant
             g["lr"] = lr * min(1.0, (step + 1) / max(1, steps // 10))
@@ -95,8 +97,11 @@ def train_arm(with_images: bool, steps: int, docs_per_step: int, seq_len: int, l
         for router in model.routers():
             router.update_bias(cfg.bias_update_speed)
         losses.append(out.lm_loss.item())
+        if (step + 1) % 50 == 0:
+            print(f"{'image-text' if with_images else 'text-only'} step {step + 1}: loss "
+                  f"{sum(losses[-50:]) / 50:.4f}", file=sys.stderr, flush=True)
     train_s = time.perf_counter() - start
-    heldout = score(model, cfg, with_images, eval_count, seed=10_000 + seed)
+    heldout = score(model, cfg, with_images, eval_count, 10_000 + seed, n_digits)
     return {"with_images": with_images, "steps": steps, "documents_per_step": docs_per_step,
             "train_seconds": round(train_s, 1), "first_loss": round(losses[0], 4),
             "final_loss_mean_last_20": round(sum(losses[-20:]) / len(losses[-20:]), 4),
@@ -113,18 +118,19 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-count", type=int, default=200)
+    parser.add_argument("--digits", type=int, default=2, help="digits per image")
+    parser.add_argument("--arms", default="image_text,text_only")
     # one thread: on a shared 2-core machine two threads per process ran a step 40-70x slower
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    arms = [train_arm(with_images, args.steps, args.docs_per_step, args.seq_len, args.lr, args.seed,
-                      args.eval_count) for with_images in (True, False)]
+    arms = {arm: train_arm(arm == "image_text", args.steps, args.docs_per_step, args.seq_len, args.lr,
+                           args.seed, args.eval_count, args.digits) for arm in args.arms.split(",")}
     result = {**header("bench/experiments/vision_digits.py"), "model": "tiny + vision_n_layers=2 (width 64)",
               "config": {k: v for k, v in vars(args).items() if k != "out"},
-              "chance": {"digit_accuracy": 0.1, "number_accuracy": 0.01},
-              "image_text": arms[0], "text_only": arms[1]}
+              "chance": {"digit_accuracy": 0.1, "number_accuracy": 0.1 ** args.digits}, **arms}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
     emit(result, args.out)
