@@ -78,13 +78,16 @@ def score(model: Transformer, cfg, with_images: bool, count: int, seed: int,
 
 
 def train_arm(with_images: bool, steps: int, docs_per_step: int, seq_len: int, lr: float, seed: int,
-              eval_count: int, n_digits: int) -> dict:
+              eval_count: int, n_digits: int, budget_s: float = 0.0) -> dict:
+    """Train one arm for `steps` steps (or until `budget_s` seconds, when > 0), then score it."""
     cfg = TinyModelConfig(vocab_size=VOCAB, vision_n_layers=2 if with_images else 0, image_token_id=IMAGE_ID)
     torch.manual_seed(seed)
     model = Transformer(cfg).train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
     start, losses = time.perf_counter(), []
     for step in range(steps):
+        if budget_s and time.perf_counter() - start > budget_s:
+            break
         docs = list(documents(docs_per_step, seed * 1_000_003 + step, cfg, with_images, n_digits))
         batch = model_inputs(collate(pack_documents(docs, seq_len, PAD)))
         for g in opt.param_groups:  # linear warm-up over the first 10% of steps, then constant
@@ -102,7 +105,7 @@ def train_arm(with_images: bool, steps: int, docs_per_step: int, seq_len: int, l
                   f"{sum(losses[-50:]) / 50:.4f}", file=sys.stderr, flush=True)
     train_s = time.perf_counter() - start
     heldout = score(model, cfg, with_images, eval_count, 10_000 + seed, n_digits)
-    return {"with_images": with_images, "steps": steps, "documents_per_step": docs_per_step,
+    return {"with_images": with_images, "steps": len(losses), "documents_per_step": docs_per_step,
             "train_seconds": round(train_s, 1), "first_loss": round(losses[0], 4),
             "final_loss_mean_last_20": round(sum(losses[-20:]) / len(losses[-20:]), 4),
             "parameters": sum(p.numel() for p in model.parameters()),
@@ -120,6 +123,8 @@ def main() -> None:
     parser.add_argument("--eval-count", type=int, default=200)
     parser.add_argument("--digits", type=int, default=2, help="digits per image")
     parser.add_argument("--arms", default="image_text,text_only")
+    parser.add_argument("--budget-s", type=float, default=0.0,
+                        help="stop an arm's training after this many seconds (0: run all --steps)")
     # one thread: on a shared 2-core machine two threads per process ran a step 40-70x slower
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
     parser.add_argument("--out", type=Path)
@@ -127,7 +132,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     arms = {arm: train_arm(arm == "image_text", args.steps, args.docs_per_step, args.seq_len, args.lr,
-                           args.seed, args.eval_count, args.digits) for arm in args.arms.split(",")}
+                           args.seed, args.eval_count, args.digits, args.budget_s)
+            for arm in args.arms.split(",")}
     result = {**header("bench/experiments/vision_digits.py"), "model": "tiny + vision_n_layers=2 (width 64)",
               "config": {k: v for k, v in vars(args).items() if k != "out"},
               "chance": {"digit_accuracy": 0.1, "number_accuracy": 0.1 ** args.digits}, **arms}
