@@ -23,6 +23,15 @@ class DataConfig:
     # one would otherwise be waited for forever.
     lock_timeout_s: float = 1800.0
     split_seed: int = 1234  # seed of the train/validation document split
+    # Image-text documents mixed into pretraining (needs model.vision_n_layers > 0; data/images.py):
+    # this share of the micro-batches comes from the image-text corpus, the rest from the text one.
+    image_text_ratio: float = 0.0
+    # "digits": rendered two-digit numbers with their captions, made on the fly (no download);
+    # otherwise a .jsonl/.parquet file (or a directory of them) with text and image paths, an image
+    # folder (`datasets` imagefolder, captions in its metadata.jsonl), or a hub dataset name
+    image_source: str = "digits"
+    image_field: str = "images"  # column with the document's image(s): paths, bytes or `datasets` Images
+    image_documents: int = 20_000  # documents of the digits corpus (val_fraction of them held out)
 
 
 @dataclass

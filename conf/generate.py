@@ -19,6 +19,9 @@ class SamplingConfig:
     packed_cache: bool = True  # FP4 / MXFP4 / FP8 decode cache, as inference stores it
     max_batch: int = 64  # sequences decoded together (continuous batching)
     device: str = "auto"  # auto | cpu | cuda
+    # image files read with the prompt (needs model.vision_n_layers > 0), one at each `<image>` of the
+    # prompt in order (no marker: the images come first)
+    images: list[str] = field(default_factory=list)
 
 
 @dataclass

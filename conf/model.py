@@ -6,6 +6,11 @@
 from dataclasses import dataclass, field
 from typing import Optional
 
+# Token types of an image span, as the public image processor numbers them: every position of a
+# sequence has one (TEXT outside spans). A span is IMAGE_START, then per row of the token grid the
+# row's IMAGE tokens and one IMAGE_NEW_LINE, then IMAGE_END.
+TEXT, IMAGE_START, IMAGE, IMAGE_NEW_LINE, IMAGE_END = -1, 0, 1, 2, 3
+
 
 @dataclass
 class ModelConfig:
@@ -103,6 +108,21 @@ class ModelConfig:
     dspark_routed_experts: int = 128
     dspark_activated_experts: int = 3
     dspark_noise_id: Optional[int] = None  # the id of draft positions 1.. (None: the last vocabulary id)
+    # --- vision input (§9): a ViT over 14x14 patches, its features grouped 3x3 into channels, an MLP
+    # projector (`aligner`) into the backbone. vision_n_layers = 0: no vision tower (text only).
+    vision_n_layers: int = 0
+    vision_dim: int = 1024
+    vision_n_heads: int = 16
+    vision_inter_dim: int = 2816
+    vision_patch_size: int = 14  # pixels per patch side
+    vision_rope_theta: float = 10_000.0
+    vision_downsample_ratio: int = 3  # pixel-unshuffle factor: 3x3 patch features -> one token
+    vision_max_n_token: int = 1024  # an image's span (grid, newlines, start, end) is at most this long
+    vision_min_pixels: int = 544 * 544  # smaller images are scaled up to about this many pixels
+    vision_max_wh_ratio: Optional[float] = None  # wider images are stretched, not letterboxed (None: never)
+    # the id every position of an image span carries in input_ids (token types tell the positions
+    # apart); None: the tokenizer's pad id (a tokenizer trained here has no image token)
+    image_token_id: Optional[int] = 129_264
 
 
 @dataclass
@@ -142,6 +162,14 @@ class TinyModelConfig(ModelConfig):
     dspark_markov_rank: int = 16
     dspark_routed_experts: int = 8
     dspark_activated_experts: int = 2
+    # vision is opt-in here (model.vision_n_layers=2): the text-only Quickstart keeps its speed
+    vision_dim: int = 64
+    vision_n_heads: int = 4
+    vision_inter_dim: int = 128
+    vision_patch_size: int = 7
+    vision_max_n_token: int = 64
+    vision_min_pixels: int = 0
+    image_token_id: Optional[int] = None
 
 
 @dataclass
@@ -180,6 +208,11 @@ class SmallModelConfig(ModelConfig):
     engram_min_rows: int = 200_000
     dspark_markov_rank: int = 64
     dspark_routed_experts: int = 32
+    # vision opt-in (model.vision_n_layers=12), so the text benchmarks' figures stay comparable
+    vision_dim: int = 512
+    vision_n_heads: int = 8
+    vision_inter_dim: int = 1408
+    image_token_id: Optional[int] = None
 
 
 @dataclass
@@ -190,3 +223,4 @@ class FlashModelConfig(ModelConfig):
     norm_eps: float = 1e-20  # what the public reference gives the released model
     attn_chunk_tokens: int = 2048  # 64K-1M contexts: attention scores exist for one query chunk at a time
     loss_chunk_tokens: int = 4096
+    vision_n_layers: int = 32  # the published vision tower

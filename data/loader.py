@@ -136,3 +136,43 @@ class DistributedBatchLoader:
                 self._order = torch.arange(len(self.dataset))
             self._order_epoch = self.epoch
         return self._order
+
+
+class MixedBatchLoader:
+    """Micro-batches from two loaders, text and image-text, by a fixed share: micro-batch k (counted
+    from the start of training, the same on every rank) comes from the image-text loader when
+    floor((k + 1) * ratio) > floor(k * ratio), so any window of them holds the share to within one.
+    Each loader keeps its own position; the state holds both and k."""
+
+    def __init__(self, text: DistributedBatchLoader, images: DistributedBatchLoader, ratio: float) -> None:
+        if not 0 < ratio <= 1:
+            raise ValueError(f"the image-text share must be in (0, 1], got {ratio}")
+        self.text, self.images, self.ratio = text, images, ratio
+        self.served = 0
+
+    def next_batch(self) -> dict[str, Any]:
+        k, self.served = self.served, self.served + 1
+        from_images = int((k + 1) * self.ratio) > int(k * self.ratio)
+        return (self.images if from_images else self.text).next_batch()
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        while True:
+            yield self.next_batch()
+
+    def eval_batches(self, num_batches: int = 0) -> Iterator[dict[str, Any]]:
+        return self.text.eval_batches(num_batches)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"served": self.served, "ratio": self.ratio, "text": self.text.state_dict(),
+                "images": self.images.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "images" not in state:
+            raise DataError("the checkpoint's data position is of a text-only run; data.image_text_ratio "
+                            f"= {self.ratio} needs one of a mixed run")
+        if state["ratio"] != self.ratio:
+            raise DataError(f"data.image_text_ratio: the checkpoint was taken with {state['ratio']}, now "
+                            f"{self.ratio}")
+        self.text.load_state_dict(state["text"])
+        self.images.load_state_dict(state["images"])
+        self.served = int(state["served"])

@@ -16,6 +16,7 @@ from inference.cache import DecodeCache
 from inference.prefix import PrefixCache
 from inference.slots import SlotCache
 from model.transformer import Transformer
+from model.vision import ImageBatch
 
 
 @dataclass
@@ -28,10 +29,13 @@ class Generation:
 
 
 @torch.no_grad()
-def forward_new(model: Transformer, cache: DecodeCache, input_ids: torch.Tensor) -> torch.Tensor:
-    """Run input_ids [B, T] after the cached prefix -> logits [B, T, V] (fp32); the cache grows."""
+def forward_new(model: Transformer, cache: DecodeCache, input_ids: torch.Tensor,
+                token_types: Optional[torch.Tensor] = None,
+                images: Optional[ImageBatch] = None) -> torch.Tensor:
+    """Run input_ids [B, T] after the cached prefix -> logits [B, T, V] (fp32); the cache grows.
+    token_types / images: image spans among the new tokens (model.Transformer.forward)."""
     cache.begin(input_ids)
-    logits = model(input_ids, shard=cache).logits
+    logits = model(input_ids, shard=cache, token_types=token_types, images=images).logits
     cache.end(input_ids)
     cache.token_layer_passes += input_ids.shape[1] * len(model.layers)
     return logits
@@ -80,10 +84,18 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, generators: l
 
 
 def _prefill(model: Transformer, prompt: list[int], replay: Optional[int], packed: bool,
-             prefix_cache: Optional[PrefixCache], device) -> tuple[DecodeCache, torch.Tensor]:
+             prefix_cache: Optional[PrefixCache], device,
+             vision: Optional[tuple[list[int], ImageBatch]] = None) -> tuple[DecodeCache, torch.Tensor]:
     """A 1-sequence cache holding `prompt` and the logits [1, V] after its last token: from the
-    longest cached prefix when there is one, else CED prefill (or a plain forward: replay=None)."""
+    longest cached prefix when there is one, else CED prefill (or a plain forward: replay=None).
+    `vision`: the prompt's token types and images, prefilled by one plain forward over every layer
+    (image spans must lie in one forward, and CED's bounded replay reads token ids only)."""
     ids = torch.tensor([prompt], device=device)
+    if vision is not None:
+        types, images = vision
+        cache = DecodeCache(1, packed=packed)
+        return cache, forward_new(model, cache, ids, torch.tensor([types], device=device),
+                                  images.to(device))[:, -1]
     hit = prefix_cache.longest_prefix(prompt) if prefix_cache is not None else None
     if hit is not None:
         prefix_cache.hits += 1
@@ -101,7 +113,8 @@ def _prefill(model: Transformer, prompt: list[int], replay: Optional[int], packe
 def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
              top_p: float = 1.0, stop: Optional[set[int]] = None, seed: int = 0,
              policy_version: int = 0, packed: bool = True, replay: Optional[int] = 128,
-             prefix_cache: Optional[PrefixCache] = None, max_batch: int = 64) -> list[Generation]:
+             prefix_cache: Optional[PrefixCache] = None, max_batch: int = 64,
+             vision: Optional[list[Optional[tuple[list[int], ImageBatch]]]] = None) -> list[Generation]:
     """Continuous batching: up to `max_batch` sequences decode together, one token each per
     forward (inference/slots.py); a finished sequence frees its slot for the next waiting prompt,
     which is prefilled on its own first. Prompt i samples from its own generator (seeded by
@@ -110,7 +123,8 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
     `packed`: the cache stores FP4 / MXFP4 / FP8 (inference/cache.py). `replay`: CED prefill with
     bounded replay of that many tokens (None: every layer over the whole prompt). `prefix_cache`:
     prompts that extend a finished sequence reuse its global KV (agent loops: the same
-    conversation plus new tool output), and every finished sequence is offered to it."""
+    conversation plus new tool output), and every finished sequence is offered to it. `vision[i]`:
+    prompt i's token types and images (None: text), prefilled by `_prefill`'s plain forward."""
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 0")
     if max_batch < 1:
@@ -146,7 +160,8 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
     while waiting or running:
         while waiting and free:
             i = waiting.popleft()
-            cache, logits = _prefill(model, prompts[i], replay, packed, prefix_cache, device)
+            cache, logits = _prefill(model, prompts[i], replay, packed, prefix_cache, device,
+                                     vision[i] if vision is not None else None)
             out[i].token_layer_passes = cache.token_layer_passes
             if max_new_tokens == 0:
                 offer(i, cache)

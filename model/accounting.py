@@ -4,6 +4,7 @@ Parameters fall into four kinds:
   embedding  the token embedding: a lookup, no FLOPs
   engram     Engram tables: lookups, counted apart from the backbone (docs/ARCHITECTURE.md §1)
   routed     routed experts: a token touches n_activated / n_routed of them
+  vision     the vision tower, projector and image delimiters (§9): run on image patches, not per token
   dense      everything else, touched by every token
 """
 from __future__ import annotations
@@ -26,7 +27,9 @@ def parameter_kinds(model: nn.Module) -> dict[str, dict[str, int]]:
             full = f"{mod_name}.{p_name}" if mod_name else p_name
             parts = full.split(".")
             scope = ".".join(parts[:2]) if parts[0] in ("layers", "engrams") else parts[0]
-            if isinstance(module, EngramTable):
+            if parts[0] == "visual":
+                kind = "vision"
+            elif isinstance(module, EngramTable):
                 kind = "engram"
             elif isinstance(module, RoutedExperts):
                 kind = "routed"
@@ -127,12 +130,14 @@ def model_summary(model: nn.Module) -> dict[str, float]:
     for kinds in parameter_kinds(model).values():
         for kind, n in kinds.items():
             totals[kind] += n
-    engram = totals.get("engram", 0)
-    backbone = sum(totals.values()) - engram
+    engram, vision = totals.get("engram", 0), totals.get("vision", 0)
+    backbone = sum(totals.values()) - engram - vision
     return {
-        "total_params": backbone,  # the backbone: Engram tables are counted apart (docs/ARCHITECTURE.md §1)
+        # the backbone: Engram tables and the vision tower are counted apart (docs/ARCHITECTURE.md §1, §9)
+        "total_params": backbone,
         "engram_params": engram,
-        "all_params": backbone + engram,
+        "vision_params": vision,
+        "all_params": backbone + engram + vision,
         "embedding_params": totals.get("embedding", 0),
         "routed_expert_params": totals.get("routed", 0),
         "active_prefill_params": active_matmul_params(model, range(cfg.n_encoder_layers), with_head=False)

@@ -176,38 +176,55 @@ def combine_reference(y: torch.Tensor, inv: torch.Tensor, order: torch.Tensor, w
 
 
 class Router(nn.Module):
-    def __init__(self, dim: int, n_experts: int, topk: int, route_scale: float):
+    def __init__(self, dim: int, n_experts: int, topk: int, route_scale: float, vision: bool = False):
+        """vision: image-span tokens select with a bias of their own (`bias_vl`, the public gate's),
+        balanced by their own load, since their expert affinities differ from text's."""
         super().__init__()
         self.topk, self.route_scale = topk, route_scale
         self.weight = nn.Parameter(torch.empty(n_experts, dim))
         # selection-only bias of auxiliary-loss-free balancing, and the load it is updated from
         self.register_buffer("bias", torch.zeros(n_experts, dtype=torch.float32))
         self.register_buffer("load", torch.zeros(n_experts, dtype=torch.float32))
+        vl = (lambda: torch.zeros(n_experts, dtype=torch.float32)) if vision else (lambda: None)
+        self.register_buffer("bias_vl", vl())  # None buffers are not in the state dict
+        self.register_buffer("load_vl", vl())
 
-    def forward(self, x: torch.Tensor):
-        """x [N, D] -> scores [N, E] (fp32), chosen [N, k], weights [N, k]."""
+    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None):
+        """x [N, D], image_mask [N] bool (image-span tokens) or None -> scores [N, E] (fp32),
+        chosen [N, k], weights [N, k]."""
         # fp32 logits (as DeepSeek's gate computes them): autocast would cast the widened x and
         # weight back to bf16 for the linear, so the top-k would rank bf16-rounded logits, at the
         # price of a [N, D] cast each way
         with torch.autocast(x.device.type, enabled=False):
             logits = F.linear(wide(x), wide(self.weight))
         scores = torch.sqrt(F.softplus(logits))
-        chosen = torch.topk(scores.detach() + self.bias, self.topk, dim=-1).indices
+        vl = image_mask is not None and self.bias_vl is not None
+        bias = torch.where(image_mask.unsqueeze(-1), self.bias_vl, self.bias) if vl else self.bias
+        chosen = torch.topk(scores.detach() + bias, self.topk, dim=-1).indices
         weights = scores.gather(-1, chosen)
         if self.topk > 1:  # one expert keeps its raw score, as the public router leaves it
             weights = weights / weights.sum(-1, keepdim=True)
         weights = weights * self.route_scale
         if self.training:
-            self.load += expert_counts(chosen, scores.shape[-1])
+            if vl:
+                self.load += expert_counts(chosen[~image_mask], scores.shape[-1])
+                self.load_vl += expert_counts(chosen[image_mask], scores.shape[-1])
+            else:
+                self.load += expert_counts(chosen, scores.shape[-1])
         return scores, chosen, weights
+
+    def loads(self) -> list[torch.Tensor]:
+        """The load counters (text, then image tokens when there is a vision bias)."""
+        return [self.load] if self.load_vl is None else [self.load, self.load_vl]
 
     @torch.no_grad()
     def update_bias(self, speed: float) -> None:
         """Raise the bias of under-loaded experts and lower it for over-loaded ones, then reset
         the load counter. The caller all-reduces `load` first when data-parallel."""
-        if self.load.sum() > 0:
-            self.bias += speed * torch.sign(self.load.mean() - self.load)
-        self.load.zero_()
+        for bias, load in zip((self.bias, self.bias_vl), self.loads()):
+            if load.sum() > 0:
+                bias += speed * torch.sign(load.mean() - load)
+            load.zero_()
 
 
 class MoE(nn.Module):
@@ -217,10 +234,10 @@ class MoE(nn.Module):
     gather_sum = staticmethod(gather_sum_reference)
 
     def __init__(self, dim: int, n_routed: int, n_shared: int, topk: int, inter_dim: int,
-                 route_scale: float, limit: float, seq_aux_alpha: float):
+                 route_scale: float, limit: float, seq_aux_alpha: float, vision: bool = False):
         super().__init__()
         self.n_routed, self.topk, self.seq_aux_alpha = n_routed, topk, seq_aux_alpha
-        self.router = Router(dim, n_routed, topk, route_scale)
+        self.router = Router(dim, n_routed, topk, route_scale, vision)
         self.experts = RoutedExperts(n_routed, dim, inter_dim, limit)
         self.shared = SharedExpert(dim, inter_dim * n_shared, limit) if n_shared > 0 else None
 
@@ -249,12 +266,14 @@ class MoE(nn.Module):
         """The experts' rows y [N*k, D] in `order` -> [N, D]: weighted sum over each token's k experts."""
         return self.combine(y, inv, order, weights, out_dtype)
 
-    def forward(self, x: torch.Tensor, shard=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, shard=None,
+                image_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, D] -> (y [B, T, D], sequence-wise balance loss scalar). `shard`: where the T
-        tokens sit in the sequence (see model.runtime.SequenceShard); None: the whole sequence."""
+        tokens sit in the sequence (see model.runtime.SequenceShard); None: the whole sequence.
+        image_mask [B, T]: image-span tokens (their own selection bias), or None."""
         B, T, D = x.shape
         flat = x.reshape(B * T, D)
-        scores, chosen, weights = self.router(flat)
+        scores, chosen, weights = self.router(flat, None if image_mask is None else image_mask.reshape(-1))
         y = self.dispatch(flat, chosen, weights)
         if self.shared is not None:
             y = y + self.shared(flat)

@@ -112,10 +112,11 @@ class AttentionRuntime:
     def __init__(self, batch: int, seq_len: int, device: torch.device,
                  doc_ids: Optional[torch.Tensor] = None, with_indexer_loss: bool = False,
                  indexer_mode: str = "sparse", collect_recall: bool = False,
-                 shard: Optional[SequenceShard] = None):
+                 shard: Optional[SequenceShard] = None, token_types: Optional[torch.Tensor] = None):
         """indexer_mode: "sparse" attends to each query's top-k (the model as specified);
         "dense" attends to every visible entry (the indexer's dense warm-up, DeepSeek-V3.2).
-        collect_recall: measure how much of the dense attention mass the top-k and the pool hold."""
+        collect_recall: measure how much of the dense attention mass the top-k and the pool hold.
+        token_types [B, T]: TEXT (-1) or an image-span type (conf.model), None: all text."""
         if indexer_mode not in ("sparse", "dense"):
             raise ValueError(f"indexer_mode={indexer_mode!r}: expected sparse or dense")
         self.shard = shard or SequenceShard()
@@ -128,6 +129,15 @@ class AttentionRuntime:
             self.doc_start = torch.zeros(batch, seq_len, dtype=torch.long, device=device)
         else:
             self.doc_start = document_starts(doc_ids) + offset
+        # Image spans: the MoE routes their tokens with the vision bias, and Engram n-grams neither
+        # include nor cross them (the public code treats span tokens as dead: an n-gram's look-back
+        # stops there, as at a document start). Attention and the indexer stay causal over them.
+        self.token_types = token_types
+        self.image_mask = None if token_types is None else token_types >= 0  # [B, T]
+        self.ngram_start = self.doc_start
+        if self.image_mask is not None and bool(self.image_mask.any()):
+            after_image = torch.where(self.image_mask, self.positions + 1, torch.zeros_like(self.positions))
+            self.ngram_start = torch.maximum(self.doc_start, after_image.cummax(dim=1).values)
         self.with_indexer_loss = with_indexer_loss
         self.indexer_mode, self.collect_recall = indexer_mode, collect_recall
         # per-layer means

@@ -24,6 +24,7 @@ from model.moe import MoE, RoutedExperts
 from model.numerics import RMSNorm, wide
 from model.plan import LayerSpec, build_layer_plan
 from model.runtime import AttentionRuntime, SequenceShard
+from model.vision import ImageBatch, VisionAttention, VisionInput
 
 
 @dataclass
@@ -58,7 +59,8 @@ class Block(nn.Module):
         self.ffn_hc = HyperConnection(**hc)
         self.ffn_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.moe = MoE(cfg.dim, cfg.n_routed_experts, cfg.n_shared_experts, cfg.n_activated_experts,
-                       cfg.moe_inter_dim, cfg.route_scale, cfg.swiglu_limit, cfg.seq_aux_alpha)
+                       cfg.moe_inter_dim, cfg.route_scale, cfg.swiglu_limit, cfg.seq_aux_alpha,
+                       vision=cfg.vision_n_layers > 0)
 
     def forward(self, h: torch.Tensor, pre: torch.Tensor,
                 rt: AttentionRuntime) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,7 +76,7 @@ class Block(nn.Module):
 
     def ffn(self, x: torch.Tensor, rt: AttentionRuntime) -> torch.Tensor:
         """The MoE sub-layer: x [B, T, D] -> [B, T, D]; its balance loss goes to rt.aux_losses."""
-        y, balance = self.moe(self.ffn_norm(x), rt.shard)
+        y, balance = self.moe(self.ffn_norm(x), rt.shard, rt.image_mask)
         rt.aux_losses.append(balance)
         return y
 
@@ -109,6 +111,8 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, spec) for spec in self.plan.layers)
         self.norm = RMSNorm(D, eps=cfg.norm_eps)
         self.head = nn.Linear(D, V, bias=False)
+        # the ViT, its projector and the image delimiters (docs/ARCHITECTURE.md §9)
+        self.visual = VisionInput(cfg) if cfg.vision_n_layers > 0 else None
         if lookup_map is None:
             lookup_map = torch.arange(V)
         if lookup_map.shape != (V,):
@@ -123,7 +127,9 @@ class Transformer(nn.Module):
         std, out_std = self.cfg.init_std, self.cfg.init_std / (2 * self.cfg.n_layers) ** 0.5
         for name, module in self.named_modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, std=out_std if name.endswith(("wo_b", "w2")) else std)
+                nn.init.normal_(module.weight, std=out_std if name.endswith(("wo_b", "w2", "wo")) else std)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
             elif isinstance(module, HyperConnection):
@@ -139,6 +145,9 @@ class Transformer(nn.Module):
                 module.reset_parameters()
         for layer in self.layers:
             nn.init.normal_(layer.moe.router.weight, std=std)
+        if self.visual is not None:
+            for delimiter in (self.visual.image_start, self.visual.image_end, self.visual.image_newline):
+                nn.init.normal_(delimiter, std=std)
 
     def routers(self):
         return [layer.moe.router for layer in self.layers]
@@ -151,23 +160,27 @@ class Transformer(nn.Module):
                 splits[f"{name}.wq_b.weight"] = module.n_heads
             elif isinstance(module, IndexQuery):
                 splits[f"{name}.wq_b.weight"] = module.n_heads
+            elif isinstance(module, VisionAttention):  # rows: q, k, v, each n_heads blocks
+                splits[f"{name}.wqkv.weight"] = 3 * module.n_heads
         return splits
 
     def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 doc_ids: Optional[torch.Tensor] = None, collect_recall: bool = False,
                 keep_runtime: bool = False, shard: Optional[SequenceShard] = None,
-                indexer_mode: Optional[str] = None) -> ModelOutput:
+                indexer_mode: Optional[str] = None, token_types: Optional[torch.Tensor] = None,
+                images: Optional[ImageBatch] = None) -> ModelOutput:
         """input_ids [B, T]; labels [B, T] (-100 = ignore); doc_ids [B, T] document index of each
         position (attention never crosses documents). With labels: losses; without: logits.
         `shard`: the tokens are a slice of a longer sequence (context parallelism). indexer_mode:
-        "sparse" | "dense" for this call (None: model.indexer_mode)."""
+        "sparse" | "dense" for this call (None: model.indexer_mode). token_types [B, T] (conf.model's
+        TEXT or an image-span type) and `images`: the images whose features fill the IMAGE positions."""
         B, T = input_ids.shape
         rt = AttentionRuntime(B, T, input_ids.device, doc_ids,
                               with_indexer_loss=(labels is not None and self.training
                                                  and self.cfg.indexer_loss_coef > 0),
                               indexer_mode=indexer_mode or self.cfg.indexer_mode,
-                              collect_recall=collect_recall, shard=shard)
-        x = self.hidden(input_ids, rt)  # [B, T, D]
+                              collect_recall=collect_recall, shard=shard, token_types=token_types)
+        x = self.hidden(input_ids, rt, images)  # [B, T, D]
         rt.seal()  # what an activation-checkpoint recomputation writes later is dropped
         if labels is None:
             return ModelOutput(logits=wide(self.head(x)), runtime=rt if keep_runtime else None)
@@ -184,15 +197,23 @@ class Transformer(nn.Module):
         flat_x, flat_y = x.reshape(-1, x.shape[-1]), labels.reshape(-1)  # [N, D], [N]
         return self.head_loss(flat_x, self.head, flat_y)
 
-    def hidden(self, input_ids: torch.Tensor, rt: AttentionRuntime) -> torch.Tensor:
+    def hidden(self, input_ids: torch.Tensor, rt: AttentionRuntime,
+               images: Optional[ImageBatch] = None) -> torch.Tensor:
         """input_ids [B, T] -> final normed hidden state [B, T, D]."""
-        h, pre = self.embed_streams(input_ids)
+        h, pre = self.embed_streams(input_ids, rt, images)
         h, pre = self.run_layers(h, pre, input_ids, rt, self.layers)
         return self.norm(self.mix_streams(pre, h))
 
-    def embed_streams(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """input_ids [B, T] -> streams h [B, T, n, D] and the first sub-layer's one-hot pre-mix."""
+    def embed_streams(self, input_ids: torch.Tensor, rt: Optional[AttentionRuntime] = None,
+                      images: Optional[ImageBatch] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids [B, T] -> streams h [B, T, n, D] and the first sub-layer's one-hot pre-mix.
+        Image spans (rt.token_types) take the vision features and delimiter embeddings instead."""
         h = self.embed(input_ids)  # [B, T, D] in the table's dtype
+        if rt is not None and rt.image_mask is not None and bool(rt.image_mask.any()):
+            if self.visual is None:
+                raise ValueError("the batch has image tokens but the model has no vision tower "
+                                 "(model.vision_n_layers=0)")
+            h = self.visual.embed(h, rt.token_types, images or ImageBatch([], [], [], []))
         dev = h.device.type
         if not self.cfg.fp32_residual and torch.is_autocast_enabled(dev):
             h = h.to(torch.get_autocast_dtype(dev))  # every residual update keeps the streams' dtype
@@ -205,7 +226,10 @@ class Transformer(nn.Module):
         lookup, history = self.lookup_ids(input_ids, rt)
         for layer in layers:
             if layer.spec.engram:
-                h = self.engrams[str(layer.spec.layer_id)](h, lookup, rt.doc_start, rt.positions, history)
+                engram = self.engrams[str(layer.spec.layer_id)]
+                out = engram(h, lookup, rt.ngram_start, rt.positions, history)
+                # image-span positions take no Engram memory (the public gate is shut there)
+                h = out if rt.image_mask is None else torch.where(rt.image_mask[:, :, None, None], h, out)
             h, pre = layer(h, pre, rt)
         return h, pre
 

@@ -16,6 +16,11 @@ def test_inspect_flash_matches_spec(port_base, cli_zygote):
     s = json.loads(p.stdout.strip().splitlines()[-1])
     assert abs(s["total_params"] / 552e9 - 1) < 0.02, s
     assert abs(s["engram_params"] / 196.1e9 - 1) < 0.01, s
+    # the public tower: 32 blocks of 4 * 1024^2 + 3 * 1024 * 2816 weights (+ biases, norms), the patch
+    # embedding 588 -> 1024, the projector 9216 -> 5120 -> 5120, three 5120-d delimiters
+    blocks = 32 * (4 * 1024**2 + 4 * 1024 + 3 * 1024 * 2816 + 2 * 1024)
+    tower = blocks + 588 * 1024 + 1024 + 1024 + 9216 * 5120 + 5120 + 5120 * 5120 + 5120 + 3 * 5120
+    assert s["vision_params"] == tower, s
     assert abs(s["active_prefill_params"] / 8e9 - 1) < 0.05, s
     assert abs(s["active_decode_params"] / 16e9 - 1) < 0.05, s
     assert s["kv_bytes_per_token"] == 890

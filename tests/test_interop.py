@@ -490,3 +490,46 @@ def test_zero3_and_zero0_checkpoints_of_the_same_weights_export_alike(flashtrain
                        f"checkpoint={run}", f"hydra.run.dir={tmp_path / f'e{stage}'}", cache=False)
         assert p.returncode == 0, p.stderr[-3000:]
     assert _digests(tmp_path / "out3") == _digests(tmp_path / "out0")
+
+
+def test_vision_tensors_export_in_the_public_layout_and_round_trip_byte_for_byte(tmp_path):
+    """A tiny model with a vision tower: its tower goes out under the public names (vision.*, aligner.*,
+    image_start/end/newline, layers.N.ffn.gate.bias_vl), comes back into another model, and a second
+    export with the first as origin writes those tensors byte-identical."""
+    cfg = dataclasses.replace(CFG, vision_n_layers=1, image_token_id=3)
+    torch.manual_seed(0)
+    original = Transformer(cfg).eval()
+    with torch.no_grad():
+        for layer in original.layers:
+            layer.moe.router.bias_vl.normal_(0, 0.1)
+    export_model(original, tmp_path / "first", log=QUIET)
+    first = {n: v for f in (tmp_path / "first").glob("*.safetensors") for n, v in load_file(str(f)).items()}
+    vision = sorted(n for n in first if n.startswith(("vision.", "aligner.", "image_")) or "bias_vl" in n)
+    block = "vision.blocks.0."
+    names = {"vision.patch_embed.proj.weight", "vision.patch_embed.proj.bias", "vision.norm.weight",
+             *(block + n for n in ("attn.wqkv.weight", "attn.wqkv.bias", "attn.wo.weight", "mlp.w1.weight",
+                                   "mlp.w2.weight", "norm1.weight")),
+             "aligner.w1.weight", "aligner.w2.bias", "image_start", "image_end", "image_newline",
+             "layers.0.ffn.gate.bias_vl"}
+    assert names <= set(vision)
+    assert first["vision.blocks.0.attn.wqkv.weight"].shape == (3 * cfg.vision_dim, cfg.vision_dim)
+    assert first["aligner.w1.weight"].shape == (cfg.dim, 9 * cfg.vision_dim)
+    assert first["layers.0.ffn.gate.bias_vl"].dtype == torch.float32
+    config = json.loads((tmp_path / "first" / "config.json").read_text())
+    assert config["vision_n_layers"] == 1 and config["image_token_id"] == 3
+    torch.testing.assert_close(first["vision.blocks.0.attn.wqkv.weight"].float(),
+                               original.visual.vision.blocks[0].attn.wqkv.weight.bfloat16().float())
+
+    torch.manual_seed(1)
+    imported = Transformer(cfg).eval()
+    import_into_model(imported, tmp_path / "first", log=QUIET)
+    assert torch.equal(imported.layers[2].moe.router.bias_vl, original.layers[2].moe.router.bias_vl)
+    assert torch.equal(imported.visual.image_newline, original.visual.image_newline.bfloat16().float())
+    export_model(imported, tmp_path / "second", origin=tmp_path / "first", log=QUIET)
+    second = {n: v for f in (tmp_path / "second").glob("*.safetensors") for n, v in load_file(str(f)).items()}
+    for name in vision:
+        assert first[name].dtype == second[name].dtype, name
+        assert torch.equal(first[name].view(torch.uint8), second[name].view(torch.uint8)), name
+    with pytest.raises(InteropError, match="vision_n_layers=1 but the model has 2"):
+        other = Transformer(dataclasses.replace(cfg, vision_n_layers=2))
+        import_into_model(other, tmp_path / "first", log=QUIET)

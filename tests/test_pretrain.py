@@ -293,3 +293,22 @@ def test_a_missing_checkpoint_is_named_by_the_setting_that_gave_it(flashtrain, t
     p = flashtrain(stage, *extra, f"{setting}={tmp_path / 'nowhere'}", f"hydra.run.dir={run}")
     _one_line_error(p, f"{setting}={tmp_path / 'nowhere'}: no such checkpoint or directory")
     assert not (tmp_path / "nowhere").exists() and not (run / "unused").exists()
+
+
+@pytest.mark.slow
+def test_image_text_pretraining_resumes_exactly(flashtrain, tmp_path):
+    """tiny with a vision tower, half the micro-batches rendered-digit documents: 4 steps straight ==
+    2 steps, then a resume to 4 (the image loader's position comes back with the checkpoint)."""
+    common = [*FAST, "model.vision_n_layers=1", "data.image_text_ratio=0.5", "data.image_documents=64",
+              "trainer.save_every=2"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    p = flashtrain("pretrain", *common, "trainer.max_steps=4", f"hydra.run.dir={straight}")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert flashtrain("pretrain", *common, "trainer.max_steps=2", f"hydra.run.dir={resumed}").returncode == 0
+    p = flashtrain("pretrain", *common, "trainer.max_steps=4", f"hydra.run.dir={resumed}")
+    assert p.returncode == 0, p.stderr[-3000:]
+    a, b = train_losses(straight), train_losses(resumed)
+    assert a[3] == b[3] and a[4] == b[4], (a, b)
+    p = flashtrain("pretrain", *FAST, "data.image_text_ratio=0.5", "trainer.max_steps=1",
+                   f"hydra.run.dir={tmp_path / 'bad'}")
+    assert p.returncode == 2 and "model.vision_n_layers" in p.stderr

@@ -52,8 +52,9 @@ def keep_fp32_buffers(model: nn.Module) -> None:
     """bf16 engines cast floating buffers too; MoE balancing counters must stay fp32 (bf16
     cannot count past 256 exactly)."""
     for router in model.routers():
-        router.bias.data = router.bias.data.float()
-        router.load.data = router.load.data.float()
+        for buf in (router.bias, router.bias_vl, *router.loads()):
+            if buf is not None:
+                buf.data = buf.data.float()
 
 
 def build_engine(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, cfg: TrainerConfig,

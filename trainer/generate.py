@@ -10,7 +10,10 @@ import torch
 from conf.errors import ConfigError
 from conf.generate import GenerateConfig
 from data import build_datasets
+from data.errors import DataError
+from data.images import encode_document, interleave
 from inference.generate import generate
+from model.vision import ImageBatch
 from trainer.checkpoint import load_model_weights, resolve_checkpoint
 from trainer.pretrain import build_model
 
@@ -28,9 +31,11 @@ def run_generate(cfg: GenerateConfig, run_dir: Path) -> dict:
     if g.checkpoint:
         load_model_weights(model, resolve_checkpoint(Path(g.checkpoint), "generate.checkpoint"))
     model.to(device)
-    prompt = [tok.bos_id, *tok.encode(g.prompt)]
+    prompt, vision = [tok.bos_id, *tok.encode(g.prompt)], None
+    if g.images:
+        prompt, vision = _image_prompt(g, model.cfg, tok)
     (out,) = generate(model, [prompt], g.max_new_tokens, g.temperature, g.top_p, stop={tok.eos_id},
-                      seed=g.seed, packed=g.packed_cache, max_batch=g.max_batch)
+                      seed=g.seed, packed=g.packed_cache, max_batch=g.max_batch, vision=vision)
     text = tok.decode(out.tokens, skip_special_tokens=True)
     result = {"prompt": g.prompt, "completion": text, "tokens": out.tokens, "logprobs": out.logprobs,
               "finish": out.finish, "checkpoint": g.checkpoint}
@@ -38,3 +43,19 @@ def run_generate(cfg: GenerateConfig, run_dir: Path) -> dict:
     (Path(run_dir) / "generation.json").write_text(json.dumps(result, indent=1))
     print(g.prompt + text)
     return result
+
+
+def _image_prompt(g, model_cfg, tok):
+    """The prompt's ids with each generate.images file's span at its `<image>`, and [(types, images)]."""
+    if model_cfg.vision_n_layers == 0:
+        raise ConfigError(f"generate.images has {len(g.images)} images but the model has no vision tower "
+                          "(model.vision_n_layers=0)")
+    try:
+        segments = interleave(g.prompt, [{"path": p} for p in g.images], "generate.prompt")
+        image_id = tok.pad_id if model_cfg.image_token_id is None else model_cfg.image_token_id
+        doc = encode_document(segments, tok, model_cfg, tok.bos_id, tok.eos_id, image_id)
+    except DataError as e:
+        raise ConfigError(f"generate.images: {e}") from e
+    images = ImageBatch([im.patches for im in doc.images], [im.grid for im in doc.images],
+                        [0] * len(doc.images), doc.image_starts)
+    return doc.ids[:-1], [(doc.types[:-1], images)]  # no EOS: the continuation comes next

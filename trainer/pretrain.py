@@ -17,12 +17,15 @@ from omegaconf import OmegaConf
 from conf.errors import ConfigError
 from conf.pretrain import PretrainConfig
 from data import DistributedBatchLoader, build_datasets
+from data.images import ImageTextDataset, load_image_corpus
+from data.loader import MixedBatchLoader
 from model.accounting import train_flops_per_token
 from model.chunking import apply_chunking
 from model.csa import ATTENTION_IMPLS
 from model.engram import build_compression_map
 from model.ops import KernelPolicy
 from model.transformer import Transformer
+from model.vision import ImageBatch
 from optim import CompositeOptimizer, build_optimizer, lr_multiplier
 from trainer.checkpoint import CheckpointManager
 from trainer.context_parallel import slice_batch
@@ -183,6 +186,8 @@ class Trainer:
         self.loader = DistributedBatchLoader(self.train_ds, tc.micro_batch_size, dp_rank, dp, tc.seed)
         self.val_loader = DistributedBatchLoader(self.val_ds, tc.micro_batch_size, dp_rank, dp, tc.seed,
                                                  shuffle=False)
+        if cfg.data.image_text_ratio > 0:
+            self.loader = self._mix_in_images(self.loader)
         self.ckpts = CheckpointManager(self.run_dir / "checkpoints", tc.keep_last, d.rank)
         self.step, self.tokens_seen = 0, 0
         self.nonfinite = NonFiniteSteps(tc.max_nonfinite_steps, d.is_main)
@@ -227,6 +232,24 @@ class Trainer:
     def build_trained_model(self) -> torch.nn.Module:
         """The module the run trains (the model of cfg.model; the dspark stage trains a drafter)."""
         return build_model(self.cfg, self.tokenizer)
+
+    def _mix_in_images(self, text: DistributedBatchLoader) -> MixedBatchLoader:
+        """The text loader mixed with image-text documents by data.image_text_ratio."""
+        cfg, tc = self.cfg, self.cfg.trainer
+        if self.model.cfg.vision_n_layers == 0:
+            raise ConfigError(f"data.image_text_ratio={cfg.data.image_text_ratio} needs a vision tower: "
+                              "set model.vision_n_layers > 0")
+        if tc.engram_tables == "host":
+            raise ConfigError("data.image_text_ratio > 0 with trainer.engram_tables=host: the host tables "
+                              "prefetch rows from the token ids alone, which would read n-grams across image spans")
+        if self.layout.cp > 1:
+            raise ConfigError("data.image_text_ratio > 0 with trainer.context_parallel > 1: an image span "
+                              "must stay on one rank, which sequence slicing does not ensure")
+        train, _ = load_image_corpus(cfg.data)
+        images = ImageTextDataset(train, self.tokenizer, self.model.cfg, cfg.data.seq_len)
+        layout = self.layout
+        loader = DistributedBatchLoader(images, tc.micro_batch_size, layout.dp_rank, layout.dp, tc.seed)
+        return MixedBatchLoader(text, loader, cfg.data.image_text_ratio)
 
     def _build_optimizer(self) -> None:
         cfg, tc, d, layout = self.cfg, self.cfg.trainer, self.dist, self.layout
@@ -295,7 +318,10 @@ class Trainer:
 
     def _batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """On this rank's device; with context parallelism, this rank's slice plus its shard."""
+        images = ImageBatch.from_batch(batch)
         batch = {k: v.to(self.dist.device, non_blocking=True) for k, v in batch.items()}
+        if images is not None:
+            batch["images"] = images.to(self.dist.device)
         if self.layout.cp > 1:
             batch, shard = slice_batch(batch, self.layout)
             batch["shard"] = shard
@@ -377,10 +403,12 @@ class Trainer:
         routers = self.engine.module.routers()
         if not apply:
             for r in routers:
-                r.load.zero_()
+                for load in r.loads():
+                    load.zero_()
             return {}
         for r in routers:
-            all_reduce_sum_(r.load)
+            for load in r.loads():
+                all_reduce_sum_(load)
         balance = moe_balance([r.load for r in routers])
         for r in routers:
             r.update_bias(self.cfg.model.bias_update_speed)

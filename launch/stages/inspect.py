@@ -39,6 +39,7 @@ def inspect(cfg: InspectConfig, run_dir: Path, config_yaml: str):
         ("  of which routed experts", _fmt(summary["routed_expert_params"])),
         ("  of which embedding", _fmt(summary["embedding_params"])),
         ("Engram parameters", _fmt(summary["engram_params"])),
+        ("vision tower parameters (ViT, projector, delimiters)", _fmt(summary["vision_params"])),
         ("all parameters", _fmt(summary["all_params"])),
         ("active per token, prefill (encoder + decoder KV writer)", _fmt(summary["active_prefill_params"])),
         ("active per token, decode (all layers + head)", _fmt(summary["active_decode_params"])),

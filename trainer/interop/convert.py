@@ -135,9 +135,11 @@ class PublicReader:
     def tensor(self, name: str) -> torch.Tensor:
         return self._file(self.files[name]).get_tensor(name)
 
-    def carried(self) -> list[str]:
-        """The source's tensors of modules flashtrain does not train (layout.CARRIED)."""
-        return [n for n in self.names() if CARRIED.search(n)]
+    def carried(self, parts: list[Part]) -> list[str]:
+        """The source's tensors of modules the model does not have (layout.CARRIED, less those the
+        layout `parts` map)."""
+        mapped = _expected_tensors(parts)
+        return [n for n in self.names() if CARRIED.search(n) and n not in mapped]
 
     def tokenizer_files(self) -> list[Path]:
         return [self.root / f for f in TOKENIZER_FILES if (self.root / f).is_file()]
@@ -170,7 +172,7 @@ def check_public(reader: PublicReader, parts: list[Part], expected_config: dict[
             problems.append(f"{name}: dtype {got[0]}, expected {dtype}")
         elif got[1] != shape:
             problems.append(f"{name}: shape {list(got[1])}, expected {list(shape)}")
-    carried = reader.carried()
+    carried = reader.carried(parts)
     problems += [f"unexpected tensor {n}" for n in reader.names()
                  if n not in expected and not CARRIED.search(n)]
     reader.release()
@@ -336,7 +338,7 @@ def export_state(state: Mapping[str, torch.Tensor], dst: Path, cfg: ModelConfig,
     _check_source(state, shapes)
     config = _export_config(state, cfg, plan, tokenizer, source)
     _check_engram_state(state, shapes, config, tokenizer)
-    carried = source.carried() if source is not None else []
+    carried = source.carried(parts) if source is not None else []
     missing = [n for n in carried if not source.has_data(n)]
     if missing:
         raise InteropError(f"origin {source.root} names {len(missing)} tensors it does not hold "

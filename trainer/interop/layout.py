@@ -16,10 +16,12 @@ from conf.model import ModelConfig
 from model.engram import engram_table_primes
 from model.plan import LayerPlan
 
-# Public tensors of modules flashtrain does not train yet: the DSpark drafter (`mtp.*`) and the
-# vision tower with its per-layer routing bias for image tokens. Import keeps them as they are and
-# export writes them back unchanged.
+# Public tensors of modules a model may not have: the DSpark drafter (`mtp.*`), which flashtrain does
+# not train, and the vision tower with its per-layer routing bias for image tokens, when the model
+# has none (model.vision_n_layers=0). Import keeps them as they are and export writes them back
+# unchanged; a model with a vision tower maps the vision tensors into it (`build_layout`).
 CARRIED = re.compile(r"^mtp\.|^vision\.|^aligner\.|^image_(start|end|newline)$|\.ffn\.gate\.bias_vl$")
+VISION_PREFIX = "visual."  # flashtrain's module holding the public top-level vision tensors
 
 # The reference ModelArgs' defaults of the fields flashtrain compares on import: a config.json that
 # leaves a field out means this value to the public code. dtype fp8 and expert_dtype fp4 are the
@@ -37,6 +39,10 @@ REFERENCE_DEFAULTS: dict[str, Any] = {
     "hc_eps": 1e-6, "engram_layer_ids": [], "engram_num_embeddings": [], "engram_max_ngram_size": 1,
     "engram_vocab_size": 0, "engram_n_heads": 0, "engram_head_dim": 0, "engram_pad_id": 2,
     "engram_compressed_vocab_size": 0, "n_mtp_layers": 1, "max_seq_len": 4096,
+    "vision_n_layers": 0, "vision_dim": 1024, "vision_n_heads": 16, "vision_inter_dim": 2816,
+    "vision_patch_size": 14, "vision_rope_theta": 10000.0, "vision_downsample_ratio": 3,
+    "vision_max_n_token": 1024, "vision_min_pixels": 544 * 544, "vision_max_wh_ratio": None,
+    "image_token_id": 129264,
 }
 
 
@@ -104,6 +110,9 @@ def build_layout(cfg: ModelConfig, plan: LayerPlan, shapes: dict[str, tuple[int,
         add(p, m + "gate.weight", fm + "router.weight", "bf16")
         add(p, m + "gate.bias", fm + "router.bias", "fp32")
         p.derived[fm + "router.load"] = "zeros"  # a load counter, emptied at every step
+        if cfg.vision_n_layers > 0:  # image-span tokens' selection bias
+            add(p, m + "gate.bias_vl", fm + "router.bias_vl", "fp32")
+            p.derived[fm + "router.load_vl"] = "zeros"
         n_experts, *_ = shapes[fm + "experts.w1"]
         for j in range(n_experts):
             for w in ("w1", "w2", "w3"):
@@ -125,6 +134,11 @@ def build_layout(cfg: ModelConfig, plan: LayerPlan, shapes: dict[str, tuple[int,
             # draws them
             g.derived[fe + "multipliers"] = "engram_multipliers"
             parts.append(g)
+    if cfg.vision_n_layers > 0:  # the ViT, aligner and delimiters: the public names, unquantised
+        v = Part("vision")
+        for key in sorted(k for k in shapes if k.startswith(VISION_PREFIX)):
+            add(v, key[len(VISION_PREFIX):], key, "bf16")
+        parts.append(v)
     for part in parts:
         for entry in part.entries:
             if entry.encoding == "fp4_expert" and entry.shape[1] % 32:
@@ -188,6 +202,15 @@ def public_config(cfg: ModelConfig, plan: LayerPlan, vocab_size: int,
         "engram_head_dim": cfg.engram_dim if layers else 0,
     }
     config.update({k: engram[k] for k in TOKENIZER_KEYS if k in engram})
+    if cfg.vision_n_layers > 0:
+        config.update({k: getattr(cfg, k) for k in (
+            "vision_n_layers", "vision_dim", "vision_n_heads", "vision_inter_dim", "vision_patch_size",
+            "vision_rope_theta", "vision_downsample_ratio", "vision_max_n_token", "vision_min_pixels",
+            "vision_max_wh_ratio")})
+        # None: the tokenizer's pad id (conf/model.py), which config.json states as engram_pad_id
+        image_token = cfg.image_token_id if cfg.image_token_id is not None else engram.get("engram_pad_id")
+        if image_token is not None:
+            config["image_token_id"] = image_token
     # `dtype` (fp8) and `expert_dtype` (fp4) are the public defaults and stay out: transformers'
     # AutoTokenizer reads config.json as a model config, where "fp8" is not a torch dtype
     return config
