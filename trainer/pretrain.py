@@ -241,7 +241,8 @@ class Trainer:
                               "set model.vision_n_layers > 0")
         if tc.engram_tables == "host":
             raise ConfigError("data.image_text_ratio > 0 with trainer.engram_tables=host: the host tables "
-                              "prefetch rows from the token ids alone, which would read n-grams across image spans")
+                              "prefetch rows from the token ids alone, which would read n-grams across "
+                              "image spans")
         if self.layout.cp > 1:
             raise ConfigError("data.image_text_ratio > 0 with trainer.context_parallel > 1: an image span "
                               "must stay on one rank, which sequence slicing does not ensure")
