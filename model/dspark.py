@@ -67,6 +67,7 @@ class DraftRuntime:
         self.context_pos = context_pos  # [B, S]
         self.anchor_pos = anchor_pos  # [B, A]
         self.shard = None
+        self.image_mask = None  # the drafter reads no images: every row routes as text
         self.aux_losses: list[torch.Tensor] = []
 
 

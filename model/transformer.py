@@ -145,8 +145,9 @@ class Transformer(nn.Module):
                 module.reset_parameters()
         for layer in self.layers:
             nn.init.normal_(layer.moe.router.weight, std=std)
-        if self.visual is not None:
-            for delimiter in (self.visual.image_start, self.visual.image_end, self.visual.image_newline):
+        visual = getattr(self, "visual", None)  # the DSpark drafter shares these rules and has no tower
+        if visual is not None:
+            for delimiter in (visual.image_start, visual.image_end, visual.image_newline):
                 nn.init.normal_(delimiter, std=std)
 
     def routers(self):
