@@ -56,6 +56,13 @@ def pytest_collection_modifyitems(config, items):
     # xdist hands out files in this order to whichever worker is free, so the workers finish
     # together instead of one running a long file alone at the end. A file with no recorded time
     # goes first: it may be long, and a short one costs nothing there.
+    if not config.option.markexpr:
+        # the `extended` tier (minutes-long integration runs) runs only when a -m expression asks
+        # for it (`pytest -m extended`), so the default suite keeps to its 2-core time budget
+        extended = [item for item in items if "extended" in item.keywords]
+        if extended:
+            config.hook.pytest_deselected(items=extended)
+            items[:] = [item for item in items if "extended" not in item.keywords]
     known = json.loads(FILE_DURATIONS.read_text()) if FILE_DURATIONS.exists() else {}
     rel = {item.path: item.path.relative_to(REPO).as_posix() for item in items}
     items.sort(key=lambda item: -known.get(rel[item.path], float("inf")))

@@ -338,6 +338,7 @@ def test_trainer_host_tables_resume_exactly_and_export_whole_tables(flashtrain, 
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # two whole trainer runs; the fast tier holds the same equality in process
 def test_trainer_host_tables_match_gpu_tables(flashtrain, tmp_path):
     """The same run with the tables on the device and in host memory: the same losses to fp32
     rounding, and the same tables: to fp32 rounding after two steps; after four, within what

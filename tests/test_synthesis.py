@@ -312,6 +312,7 @@ def test_the_stage_counts_filters_and_writes_the_pool(monkeypatch, tmp_path):
 
 # ------------------------------------------------------------------------------ RL end to end
 @pytest.mark.slow
+@pytest.mark.extended  # an SFT, an RL run on Ray and its resume
 def test_rl_trains_on_a_synthesised_pool_with_failed_cases_replayed_and_resumes(flashtrain, tmp_path):
     """`flashtrain rl rl.task=synth` on a pool file, with replay: failed problems come back in
     later versions (replay_frac > 0), the buffer is in the checkpoint and a resume continues."""
