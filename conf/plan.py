@@ -74,7 +74,8 @@ class PlanOptions:
     # sequences per optimizer step over the whole cluster; 0: one micro-step per rank and step
     global_batch: int = 0
     checkpointing: list[bool] = field(default_factory=lambda: [False, True])
-    engram_tables: list[str] = field(default_factory=lambda: ["gpu"])  # gpu | host (trainer.engram_tables)
+    # gpu | host (trainer.engram_tables): both by default, as the trainer runs both
+    engram_tables: list[str] = field(default_factory=lambda: ["gpu", "host"])
     top: int = 12  # rows of the table (feasible first)
     json: bool = False  # one JSON object instead of the table
 

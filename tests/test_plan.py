@@ -81,7 +81,7 @@ def _plan(cli_zygote, port_base, *args):
 
 def test_plan_lists_the_layouts_of_a_gpu_and_what_a_rank_holds(cli_zygote, port_base):
     p = _plan(cli_zygote, port_base, "model=small", "cluster.gpus_per_node=2", "cluster.gpu=h100",
-              "plan.micro_batches=[1,8]", "plan.json=true")
+              "plan.micro_batches=[1,8]", "plan.json=true", "plan.engram_tables=[gpu]")
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
     rows = out["rows"]
@@ -105,7 +105,8 @@ def test_plan_lists_the_layouts_of_a_gpu_and_what_a_rank_holds(cli_zygote, port_
 
 
 def test_flash_plan_names_what_does_not_fit(cli_zygote, port_base):
-    p = _plan(cli_zygote, port_base, "model=flash", "cluster.nodes=8", "plan.top=3")
+    p = _plan(cli_zygote, port_base, "model=flash", "cluster.nodes=8", "plan.top=3",
+              "plan.engram_tables=[gpu]")
     assert p.returncode == 0, p.stderr[-3000:]
     lines = p.stdout.strip().splitlines()
     head = next(line for line in lines if line.startswith("flashtrain plan:"))
@@ -113,6 +114,17 @@ def test_flash_plan_names_what_does_not_fit(cli_zygote, port_base):
     rows = [line for line in lines if line.rstrip().endswith(("fits", "on every rank)")) or "needs" in line]
     # Engram tables of 196B fp32 weights, whole on every rank, fit no layout today
     assert len(rows) == 3 and all("needs" in row and "Engram tables" in row for row in rows)
+
+
+def test_flash_fits_16_nodes_only_with_host_tables(cli_zygote, port_base):
+    # 732 GiB of tables on every rank fit no card; in host memory, a rank keeps its 1/128 of the rows
+    p = _plan(cli_zygote, port_base, "model=flash", "cluster.nodes=16", "plan.top=1")
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = p.stdout.strip().splitlines()
+    head = next(line for line in lines if line.startswith("flashtrain plan:"))
+    assert " 0 of " not in head, head
+    best = next(line for line in lines if line.rstrip().endswith("in host memory)") or "needs" in line)
+    assert " host " in best and "fits" in best, best
 
 
 def test_plan_refuses_an_unknown_gpu_in_one_line(cli_zygote, port_base):
