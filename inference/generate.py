@@ -109,6 +109,16 @@ def _prefill(model: Transformer, prompt: list[int], replay: Optional[int], packe
     return cache, prefill_ced(model, cache, ids, replay)[:, -1]
 
 
+def check_generate_args(prompts: list[list[int]], max_new_tokens: int, max_batch: int) -> None:
+    """What every decoder refuses (`generate`, inference/speculative.py), in one line each."""
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 0")
+    if max_batch < 1:
+        raise ValueError(f"max_batch={max_batch}: must be >= 1")
+    if any(not p for p in prompts):
+        raise ValueError("an empty prompt: there is no position to predict from")
+
+
 @torch.no_grad()
 def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
              top_p: float = 1.0, stop: Optional[set[int]] = None, seed: int = 0,
@@ -125,12 +135,7 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
     prompts that extend a finished sequence reuse its global KV (agent loops: the same
     conversation plus new tool output), and every finished sequence is offered to it. `vision[i]`:
     prompt i's token types and images (None: text), prefilled by `_prefill`'s plain forward."""
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 0")
-    if max_batch < 1:
-        raise ValueError(f"max_batch={max_batch}: must be >= 1")
-    if any(not p for p in prompts):
-        raise ValueError("an empty prompt: there is no position to predict from")
+    check_generate_args(prompts, max_new_tokens, max_batch)
     device = next(model.parameters()).device
     model.eval()
     n_layers = len(model.layers)

@@ -29,7 +29,14 @@ from typing import Optional
 import torch
 
 from inference.cache import DecodeCache
-from inference.generate import Generation, forward_new, prefill_ced, sample, sampling_logprobs
+from inference.generate import (
+    Generation,
+    check_generate_args,
+    forward_new,
+    prefill_ced,
+    sample,
+    sampling_logprobs,
+)
 from model.dspark import DSpark, TapRecorder
 from model.transformer import Transformer
 
@@ -137,12 +144,7 @@ def generate_speculative(model: Transformer, drafter: DSpark, prompts: list[list
     (None: `choose_draft_length` with `capacity` and `draft_cost`). Greedy output equals `generate`'s;
     sampled output has its distribution but not its per-prompt draws (a row's randomness is spent on
     drafts and acceptance tests)."""
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 0")
-    if max_batch < 1:
-        raise ValueError(f"max_batch={max_batch}: must be >= 1")
-    if any(not p for p in prompts):
-        raise ValueError("an empty prompt: there is no position to predict from")
+    check_generate_args(prompts, max_new_tokens, max_batch)
     if draft_length is not None and not 0 <= draft_length <= drafter.block:
         raise ValueError(f"draft_length={draft_length}: expected 0..{drafter.block}")
     device = next(model.parameters()).device

@@ -3,6 +3,7 @@ helpers that run the CLI as a user would (a process per run)."""
 import collections
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -181,3 +182,16 @@ def flashtrain_popen(data_cache, port_base, cli_zygote):
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     return start
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> list[str]:
+    """A small arithmetic text corpus whose tokenizer trains in a moment: the pretraining data of the
+    CLI runs that use it (a module that needs other data defines its own `corpus`)."""
+    root = tmp_path_factory.mktemp("corpus")
+    rng = random.Random(0)
+    for d in range(12):
+        lines = [f"{a} + {b} = {a + b}. What is {a} plus {b}? The answer is {a + b}."
+                 for a, b in ((rng.randint(0, 99), rng.randint(0, 99)) for _ in range(120))]
+        (root / f"doc{d}.txt").write_text("\n".join(lines))
+    return ["data=files", f"data.path={root}", "data.vocab_size=512", "data.val_fraction=0.1"]

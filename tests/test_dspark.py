@@ -20,18 +20,6 @@ CFG = dataclasses.replace(TinyModelConfig(vocab_size=97), engram_min_rows=50, wi
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> list[str]:
-    """A small text corpus whose tokenizer trains in a moment."""
-    root = tmp_path_factory.mktemp("corpus")
-    rng = random.Random(0)
-    for d in range(12):
-        lines = [f"{a} + {b} = {a + b}. What is {a} plus {b}? The answer is {a + b}."
-                 for a, b in ((rng.randint(0, 99), rng.randint(0, 99)) for _ in range(120))]
-        (root / f"doc{d}.txt").write_text("\n".join(lines))
-    return ["data=files", f"data.path={root}", "data.vocab_size=512", "data.val_fraction=0.1"]
-
-
-@pytest.fixture(scope="module")
 def target():
     torch.manual_seed(0)
     model = Transformer(CFG).eval()

@@ -269,18 +269,6 @@ def test_invalid_json_line_is_named_once(tmp_path, caplog):
 
 
 # ------------------------------------------------------------------ the CLI
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> list[str]:
-    """A small text corpus whose tokenizer trains in a moment: the pretraining data of these runs."""
-    root = tmp_path_factory.mktemp("corpus")
-    rng = random.Random(0)
-    for d in range(12):
-        lines = [f"{a} + {b} = {a + b}. What is {a} plus {b}? The answer is {a + b}."
-                 for a, b in ((rng.randint(0, 99), rng.randint(0, 99)) for _ in range(120))]
-        (root / f"doc{d}.txt").write_text("\n".join(lines))
-    return ["data=files", f"data.path={root}", "data.vocab_size=512", "data.val_fraction=0.1"]
-
-
 def _rows(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
