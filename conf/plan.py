@@ -70,7 +70,9 @@ class PlanOptions:
     # []: every degree that divides both the routed experts and the world size
     expert_parallel: list[int] = field(default_factory=list)
     context_parallel: list[int] = field(default_factory=lambda: [1])  # each sequence cut over this many ranks
-    zero_stages: list[int] = field(default_factory=lambda: [0, 1])
+    zero_stages: list[int] = field(default_factory=lambda: [0, 1, 2])
+    # trainer.grad_accum_dtype at the composite optimizer's zero_stage=2
+    grad_accum_dtypes: list[str] = field(default_factory=lambda: ["fp32", "bf16"])
     # sequences per optimizer step over the whole cluster; 0: one micro-step per rank and step
     global_batch: int = 0
     checkpointing: list[bool] = field(default_factory=lambda: [False, True])

@@ -22,7 +22,11 @@ class TrainerConfig:
     max_nonfinite_steps: int = 10
     # a rank waiting longer on the others in a collective fails with one line
     collective_timeout_s: float = 1800.0
-    zero_stage: int = 1  # ZeRO stage: DeepSpeed's for optim=adamw; 0/1 for Muon or expert parallelism
+    # ZeRO stage: DeepSpeed's for optim=adamw; for Muon or expert parallelism (the composite optimiser)
+    # 0 replicates, 1 shards the optimiser state by parameter, 2 also gradients (trainer/backward_reduce.py)
+    zero_stage: int = 1
+    # the composite optimiser's gradients at zero_stage=2, held and reduced: fp32 | bf16 (half the bytes)
+    grad_accum_dtype: str = "fp32"
     activation_checkpointing: bool = False  # recompute each block's activations in the backward
     compile: bool = False  # torch.compile each block's forward (trainer/parallelize.py compile_blocks)
     context_parallel: int = 1  # CP degree: each sequence cut into this many slices, one per rank

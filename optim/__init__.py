@@ -23,8 +23,8 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, zero_stage: int = 0, ran
     """AdamW everywhere on a plainly replicated model: a torch AdamW that DeepSpeed's ZeRO (any
     stage) partitions. Any Muon or Sinkhorn route, or expert-parallel shards (`replicas`): a
     CompositeOptimizer, which needs whole parameters, so DeepSpeed must not partition it:
-    zero_stage 0 replicates its state, 1 shards it by parameter (flashtrain's own ZeRO-1);
-    ZeRO-2/3 are refused."""
+    zero_stage 0 replicates its state, 1 and 2 shard it by parameter (flashtrain's own ZeRO; at 2 the
+    trainer also keeps each gradient on its owner alone: trainer/backward_reduce.py); ZeRO-3 is refused."""
     try:
         return _build(model, cfg, zero_stage, rank, world_size, verbose, replicas, row_offsets)
     except ConfigError:
@@ -44,9 +44,9 @@ def _build(model, cfg, zero_stage, rank, world_size, verbose, replicas, row_offs
         return torch.optim.AdamW([{"params": ps, "lr": cfg.lr * mult, "weight_decay": wd}
                                   for (mult, wd), ps in groups.items()],
                                  lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
-    if zero_stage not in (0, 1):
+    if zero_stage not in (0, 1, 2):
         raise ConfigError(f"trainer.zero_stage={zero_stage} with optim={cfg.name} or expert parallelism: "
-                          "the optimiser needs whole parameters, which ZeRO-2/3 split; use zero_stage=1 "
-                          "(state sharded by parameter)")
-    return CompositeOptimizer(routes, cfg, rank, world_size, shard=zero_stage == 1, replicas=replicas,
+                          "the optimiser needs whole parameters, which ZeRO-3 splits; use zero_stage=1 "
+                          "(state sharded by parameter) or 2 (gradients too)")
+    return CompositeOptimizer(routes, cfg, rank, world_size, shard=zero_stage >= 1, replicas=replicas,
                               row_offsets=row_offsets)

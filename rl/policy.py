@@ -16,6 +16,7 @@ from typing import Any, Optional
 import torch
 from omegaconf import OmegaConf
 
+from conf.errors import ConfigError
 from rl.algorithm import policy_loss, stale_mask
 
 
@@ -80,6 +81,11 @@ class PolicyTrainer:
         self.optimizer = build_optimizer(self.model, cfg.optim, cfg.trainer.zero_stage, self.dist.rank,
                                          self.dist.world_size, verbose=False)
         self.own_optimizer_state = isinstance(self.optimizer, CompositeOptimizer)
+        if (self.own_optimizer_state and tc.zero_stage == 2) or tc.grad_accum_dtype != "fp32":
+            raise ConfigError(f"trainer.zero_stage={tc.zero_stage}, "
+                              f"trainer.grad_accum_dtype={tc.grad_accum_dtype} "
+                              "in the RL/distillation policy: it all-reduces whole fp32 gradients (the "
+                              "pretraining trainer's ZeRO-2 is not wired here); use zero_stage=1 and fp32")
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_multiplier(
             cfg.optim, self.rl.steps * self.rl.ppo_epochs * self.rl.minibatches))
         self.engine, _ = build_engine(self.model, self.optimizer, self.scheduler, cfg.trainer, self.dist,

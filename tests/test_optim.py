@@ -58,8 +58,9 @@ def test_rules_from_config_and_errors():
     assert routes["embed.weight"].optimizer == "muon"
     with pytest.raises(ConfigError, match="no rule matches"):
         route_parameters(model, MuonConfig(rules=[RouteRule(pattern="wq_a", optimizer="muon")]))
-    with pytest.raises(ConfigError, match="zero_stage=2"):
-        build_optimizer(model, MuonConfig(), zero_stage=2)
+    with pytest.raises(ConfigError, match="zero_stage=3"):
+        build_optimizer(model, MuonConfig(), zero_stage=3)
+    assert build_optimizer(model, MuonConfig(), zero_stage=2, world_size=2).shard  # state sharded too
     assert isinstance(build_optimizer(model, AdamWConfig(), zero_stage=2), torch.optim.AdamW)
 
 

@@ -85,9 +85,11 @@ def test_plan_lists_the_layouts_of_a_gpu_and_what_a_rank_holds(cli_zygote, port_
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
     rows = out["rows"]
-    # EP 1 and 2 (both divide 32 experts and 2 ranks) x ZeRO 0/1 x micro-batch 1/8 x checkpointing
-    assert out["world"] == 2 and len(rows) == out["layouts"] == 2 * 2 * 2 * 2
-    assert {(r["ep"], r["zero_stage"]) for r in rows} == {(1, 0), (1, 1), (2, 0), (2, 1)}
+    # EP 1 and 2 (both divide 32 experts and 2 ranks) x ZeRO 0/1/2 (2 with fp32 or bf16 gradients) x
+    # micro-batch 1/8 x checkpointing
+    assert out["world"] == 2 and len(rows) == out["layouts"] == 2 * 4 * 2 * 2
+    assert {(r["ep"], r["zero_stage"], r["grad_accum_dtype"]) for r in rows} == {
+        (ep, z, g) for ep in (1, 2) for z, g in ((0, "fp32"), (1, "fp32"), (2, "fp32"), (2, "bf16"))}
     fits = [r["fits"] for r in rows]
     assert fits == sorted(fits, reverse=True) and 0 < sum(fits) < len(rows)  # the fitting ones first
     for r in rows:
@@ -96,10 +98,17 @@ def test_plan_lists_the_layouts_of_a_gpu_and_what_a_rank_holds(cli_zygote, port_
         assert abs(parts - r["total_gib"]) < 1e-6 and r["fits"] == (r["total_gib"] <= out["capacity_gib"])
         need = f"needs {r['total_gib']:,.1f} GiB of {out['capacity_gib']:,.1f}"
         assert r["fits"] or r["why"].startswith(need)
-    by = {(r["ep"], r["zero_stage"], r["micro_batch"], r["activation_checkpointing"]): r for r in rows}
-    # expert parallelism halves the routed experts a rank holds; ZeRO-1 spreads the optimizer state
+    by = {(r["ep"], r["zero_stage"], r["micro_batch"], r["activation_checkpointing"]): r for r in rows
+          if r["grad_accum_dtype"] == "fp32"}
+    bf16 = {r["ep"]: r for r in rows if r["grad_accum_dtype"] == "bf16" and r["micro_batch"] == 1
+            and not r["activation_checkpointing"]}
+    # expert parallelism halves the routed experts a rank holds; ZeRO-1 spreads the optimizer state,
+    # ZeRO-2 the gradients too (about half of them at 2 ranks), bf16 gradients are half of those
     assert by[2, 0, 1, False]["parameters_gib"] < by[1, 0, 1, False]["parameters_gib"]
     assert by[1, 1, 1, False]["optimizer_gib"] < by[1, 0, 1, False]["optimizer_gib"]
+    assert by[1, 2, 1, False]["optimizer_gib"] == by[1, 1, 1, False]["optimizer_gib"]
+    assert 0.4 < by[1, 2, 1, False]["gradients_gib"] / by[1, 1, 1, False]["gradients_gib"] < 0.6
+    assert 0.45 < bf16[1]["gradients_gib"] / by[1, 2, 1, False]["gradients_gib"] < 0.55
     # micro-batch 8 without checkpointing does not fit an 80 GB card; checkpointing makes it fit
     assert not by[1, 0, 8, False]["fits"] and by[1, 0, 8, True]["fits"]
 
@@ -125,6 +134,16 @@ def test_flash_fits_16_nodes_only_with_host_tables(cli_zygote, port_base):
     assert " 0 of " not in head, head
     best = next(line for line in lines if line.rstrip().endswith("in host memory)") or "needs" in line)
     assert " host " in best and "fits" in best, best
+
+
+def test_flash_fits_8_nodes_only_with_zero2_and_bf16_gradients(cli_zygote, port_base):
+    # at EP=64 each rank holds 8B dense weights whole; only ZeRO-2's owner-only bf16 gradients leave room
+    p = _plan(cli_zygote, port_base, "model=flash", "cluster.nodes=8", "plan.json=true")
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    fits = [r for r in out["rows"] if r["fits"]]
+    assert fits and all((r["zero_stage"], r["grad_accum_dtype"], r["engram_tables"]) == (2, "bf16", "host")
+                        for r in fits)
 
 
 def test_plan_refuses_an_unknown_gpu_in_one_line(cli_zygote, port_base):

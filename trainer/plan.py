@@ -31,6 +31,7 @@ from model.engram import Engram, EngramTable
 from model.moe import RoutedExperts
 from optim.composite import assign_owners
 from optim.routing import route_parameters
+from trainer.backward_reduce import BUCKET_BYTES
 
 GIB = 2**30
 FP32 = 4
@@ -48,6 +49,11 @@ class Layout:
     micro_batch: int = 1
     seq_len: int = 4096
     engram_host: bool = False  # trainer.engram_tables=host: the tables are row shards in host memory
+    grad_accum_dtype: str = "fp32"  # trainer.grad_accum_dtype: bf16 halves the gradients at zero_stage=2
+
+    @property
+    def grad_bytes(self) -> int:
+        return 2 if self.grad_accum_dtype == "bf16" else FP32
 
     @property
     def tokens_per_rank(self) -> int:
@@ -117,21 +123,29 @@ def state_bytes(facts: ModelFacts, layout: Layout) -> dict[str, int]:
     (trainer/parallelize.py check_training_layout)."""
     if not facts.holds_whole_parameters(layout.ep):
         return _deepspeed_bytes(sum(r.param.numel() for r in facts.routes), layout)
-    if layout.zero_stage not in (0, 1):
+    if layout.zero_stage not in (0, 1, 2):
         raise ConfigError(f"trainer.zero_stage={layout.zero_stage} with Muon/Sinkhorn routes or expert "
-                          "parallelism: the composite optimizer shards whole parameters (0 or 1)")
+                          "parallelism: the composite optimizer shards whole parameters (0, 1 or 2)")
     local = {r.name: facts.local(r.name, r.param.numel(), layout.ep) for r in facts.routes
              if not (layout.engram_host and facts.kinds[r.name] == "engram")}
-    dense_grads = sum(n for name, n in local.items() if facts.kinds[name] != "engram")
+    held = {name: n for name, n in local.items() if facts.kinds[name] != "engram"}  # dense gradients
+    if layout.zero_stage == 2:
+        # each gradient on its owner alone, plus one bucket in flight: autograd's fp32 gradients and
+        # their flat copy in the reduced dtype (trainer/backward_reduce.py)
+        bucket = BUCKET_BYTES // FP32
+        dense_grad_bytes = (layout.grad_bytes * _largest_owned(facts, held, layout)
+                            + (FP32 + layout.grad_bytes) * bucket)
+    else:
+        dense_grad_bytes = FP32 * sum(held.values())
     lookups = facts.engram_rows_per_token * layout.tokens_per_rank
     if layout.engram_host:
         # at most one fetched row (fp32) a lookup, its gradient, and the lookup's int64 position
-        return {"parameters": FP32 * sum(local.values()), "gradients": FP32 * dense_grads,
+        return {"parameters": FP32 * sum(local.values()), "gradients": dense_grad_bytes,
                 "optimizer": _composite_state_bytes(facts, local, layout),
                 "engram rows in flight": lookups * (2 * facts.table_dim * FP32 + 8)}
     # sparse row gradients of the Engram tables: each read row's values (fp32) and its int64 index
     sparse = lookups * (facts.table_dim * FP32 + 8)
-    return {"parameters": FP32 * sum(local.values()), "gradients": FP32 * dense_grads + sparse,
+    return {"parameters": FP32 * sum(local.values()), "gradients": dense_grad_bytes + sparse,
             "optimizer": _composite_state_bytes(facts, local, layout)}
 
 
@@ -143,12 +157,19 @@ def host_table_bytes(facts: ModelFacts, layout: Layout) -> int:
 
 def _composite_state_bytes(facts: ModelFacts, local: dict[str, int], layout: Layout) -> int:
     """The largest rank's optimizer state. ZeRO-0: every rank keeps state for all it holds.
-    ZeRO-1: dense parameters are owned across all ranks, an expert shard (EP > 1) across the ranks
+    ZeRO-1 and 2: dense parameters are owned across all ranks, an expert shard (EP > 1) across the ranks
     that hold the same experts (world / EP of them; rank r is member r // EP of its group)."""
     routes = [r for r in facts.routes if r.name in local]  # host tables keep their state off the GPU
     state = {r.name: STATE_BYTES[r.optimizer] * local[r.name] for r in routes}
     if layout.zero_stage == 0:
         return sum(state.values())
+    return _largest_owned(facts, state, layout)
+
+
+def _largest_owned(facts: ModelFacts, amounts: dict[str, int], layout: Layout) -> int:
+    """The most of `amounts` (route name -> a quantity) any one rank owns under the composite
+    optimizer's assignment."""
+    routes = [r for r in facts.routes if r.name in amounts]
     # the composite optimizer balances each set of identically replicated parameters on its own;
     # without EP every parameter is replicated on every rank, so that is one set
     shards = [r for r in routes if layout.ep > 1 and facts.kinds[r.name] == "routed"]
@@ -156,10 +177,10 @@ def _composite_state_bytes(facts: ModelFacts, local: dict[str, int], layout: Lay
     replicated = [r for r in routes if r.name not in sharded]
     per_rank: dict[int, int] = defaultdict(int)
     for name, rank in assign_owners(replicated, tuple(range(layout.world))).items():
-        per_rank[rank] += state[name]
+        per_rank[rank] += amounts[name]
     per_member: dict[int, int] = defaultdict(int)
     for name, member in assign_owners(shards, tuple(range(layout.world // layout.ep))).items():
-        per_member[member] += state[name]
+        per_member[member] += amounts[name]
     return max(per_rank[r] + per_member[r // layout.ep] for r in range(layout.world))
 
 
@@ -247,8 +268,11 @@ def step_time(facts: ModelFacts, layout: Layout, checkpointing: bool, accumulati
     # the tables' sparse row gradients are all-gathered: a rank receives every other rank's rows
     rows = facts.engram_rows_per_token * tokens * (facts.table_dim * FP32 + 8)
     gathered = 0 if layout.engram_host else rows * (world - 1)
-    parts["gradient reduction"] = ((FP32 * dense * passes * (world - 1) / world + gathered) / link
-                                   + FP32 * routed * passes * (replicas - 1) / replicas / link)
+    # ZeRO-2 reduces each micro-batch's gradients during its backward, in the gradient dtype
+    per_step = accumulation if layout.zero_stage == 2 else 1
+    gb = layout.grad_bytes if layout.zero_stage == 2 else FP32
+    parts["gradient reduction"] = ((per_step * gb * dense * passes * (world - 1) / world + gathered) / link
+                                   + per_step * gb * routed * passes * (replicas - 1) / replicas / link)
     # ZeRO-1: a rank updates its share of what it holds (the owners balance it), then each owner
     # broadcasts its new weights to the other replicas
     updated = dense / world + routed / replicas if zero1 else dense + routed
@@ -305,12 +329,13 @@ def plan_rank(facts: ModelFacts, layout: Layout, checkpointing: bool, rates: Act
 
 
 def candidate_layouts(facts: ModelFacts, world: int, model_cfg, seq_len: int, micro_batches, expert_parallel,
-                      zero_stages, context_parallel=(1,), engram_tables=("gpu",)) -> list[Layout]:
+                      zero_stages, context_parallel=(1,), engram_tables=("gpu",),
+                      grad_accum_dtypes=("fp32",)) -> list[Layout]:
     """Every layout the trainer can run on `world` ranks among the given options: EP degrees that
     divide both the routed experts and the world (all of them when none are given), each CP degree
     (checked as a run checks it: it divides the world and cuts the sequence into valid slices),
-    and the ZeRO stages the optimizer path accepts (0-1 for the composite optimizer, 0-3 for
-    DeepSpeed's)."""
+    the ZeRO stages the optimizer path accepts (0-2 for the composite optimizer, 0-3 for
+    DeepSpeed's) and, at the composite optimizer's ZeRO-2, each gradient dtype."""
     from trainer.parallelize import check_training_layout
 
     experts = model_cfg.n_routed_experts
@@ -320,12 +345,14 @@ def candidate_layouts(facts: ModelFacts, world: int, model_cfg, seq_len: int, mi
         for ep in degrees:
             check_training_layout(model_cfg, seq_len, world, ep, cp)
             # one rank has nothing to shard: stage 0 only
-            allowed = (0,) if world == 1 else (0, 1) if facts.holds_whole_parameters(ep) else (0, 1, 2, 3)
+            whole = facts.holds_whole_parameters(ep)
+            allowed = (0,) if world == 1 else (0, 1, 2) if whole else (0, 1, 2, 3)
             # host tables need a whole-sequence slice to hash (trainer/engram_host.py)
             places = [t for t in engram_tables if t == "gpu" or (cp == 1 and facts.of_kind("engram"))]
             out += [Layout(world, ep=ep, cp=cp, zero_stage=z, micro_batch=mb, seq_len=seq_len,
-                           engram_host=t == "host")
-                    for z in zero_stages if z in allowed for mb in micro_batches for t in places]
+                           engram_host=t == "host", grad_accum_dtype=g)
+                    for z in zero_stages if z in allowed for mb in micro_batches for t in places
+                    for g in (grad_accum_dtypes if z == 2 and whole else ("fp32",))]
     return out
 
 

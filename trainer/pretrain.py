@@ -27,6 +27,7 @@ from model.ops import KernelPolicy
 from model.transformer import Transformer
 from model.vision import ImageBatch
 from optim import CompositeOptimizer, build_optimizer, lr_multiplier
+from trainer.backward_reduce import BackwardReducer, check_grad_accum_dtype, grad_dtype_of
 from trainer.checkpoint import CheckpointManager
 from trainer.context_parallel import slice_batch
 from trainer.distributed import DistInfo, all_reduce_sum_, init_distributed
@@ -133,6 +134,7 @@ class Trainer:
         if tc.max_steps <= 0:
             raise ConfigError(f"trainer.max_steps={tc.max_steps}: must be positive")
         check_trainer_counts(tc)  # before the data and the model are built
+        check_grad_accum_dtype(tc.grad_accum_dtype, tc.zero_stage)
         if start_from is None:
             start_from, init_setting = cfg.model.init_from, "model.init_from"
         if start_from is not None:
@@ -220,7 +222,7 @@ class Trainer:
             meta = Transformer(model_config_for(cfg.model, self.tokenizer))
         layout = Layout(self.dist.world_size, ep=tc.expert_parallel, cp=tc.context_parallel,
                         zero_stage=tc.zero_stage, micro_batch=tc.micro_batch_size, seq_len=cfg.data.seq_len,
-                        engram_host=tc.engram_tables == "host")
+                        engram_host=tc.engram_tables == "host", grad_accum_dtype=tc.grad_accum_dtype)
         gpu = torch.cuda.get_device_properties(self.dist.device)
         check_layout_fits(meta, cfg.optim, layout, tc.activation_checkpointing, gpu.total_memory, gpu.name)
 
@@ -272,6 +274,15 @@ class Trainer:
         with torch.no_grad():
             for p, data in local_experts:
                 p.copy_(data)
+        self.backward_reducer = None
+        if tc.zero_stage == 2 and self.own_optimizer_state:
+            self.backward_reducer = BackwardReducer(self.engine.module, layout, self.expert_params,
+                                                    self.optimizer.owner_ranks(),
+                                                    grad_dtype_of(tc.grad_accum_dtype))
+        elif tc.grad_accum_dtype != "fp32":
+            raise ConfigError(f"trainer.grad_accum_dtype={tc.grad_accum_dtype} applies to the composite "
+                              "optimiser (optim=muon or expert parallelism); DeepSpeed's ZeRO already "
+                              "keeps bf16 gradients")
 
     def _load_weights(self, source, what: str = "model.init_from") -> None:
         """Model weights only (optimiser, schedule and data start fresh): a stage boundary, or
@@ -341,6 +352,8 @@ class Trainer:
             out = engine(**batch)
             lm = out.lm_loss * self._token_share(batch["labels"])
             engine.backward(lm + out.balance_loss + out.indexer_loss)
+            if self.backward_reducer is not None:
+                self.backward_reducer.finish_micro_batch()
             sums += torch.stack([lm.detach(), out.balance_loss.detach(),
                                  out.indexer_loss.detach()]).double().cpu()
             if not engine.is_gradient_accumulation_boundary():
@@ -350,7 +363,10 @@ class Trainer:
                 if host is not None:
                     host.reduce_gradients()
                 owners = self.optimizer.owner_ranks()
+                # at zero_stage=2 only the sparse table gradients are left to reduce here
                 reduce_gradients(engine.module, self.layout, self.expert_params, owners)
+                if self.backward_reducer is not None:
+                    self.backward_reducer.finish_step()
                 grad_norm = clip_grad_norm(engine.module, self.layout, self.expert_params, tc.grad_clip,
                                            sharded=bool(owners), external=host)
             elif engine.zero_optimization_stage() == 0:

@@ -40,8 +40,11 @@ def plan(cfg: PlanConfig, run_dir: Path, config_yaml: str):
     bad = [t for t in o.engram_tables if t not in ("gpu", "host")]
     if bad or not o.engram_tables:
         raise ConfigError(f"plan.engram_tables={list(o.engram_tables)}: expected gpu and/or host")
+    bad = [g for g in o.grad_accum_dtypes if g not in ("fp32", "bf16")]
+    if bad or not o.grad_accum_dtypes:
+        raise ConfigError(f"plan.grad_accum_dtypes={list(o.grad_accum_dtypes)}: expected fp32 and/or bf16")
     for layout in candidate_layouts(facts, world, model_cfg, o.seq_len, o.micro_batches, o.expert_parallel,
-                                    o.zero_stages, o.context_parallel, o.engram_tables):
+                                    o.zero_stages, o.context_parallel, o.engram_tables, o.grad_accum_dtypes):
         for ac in o.checkpointing:
             row = plan_rank(facts, layout, ac, ActivationRates(), capacity)
             accumulation = accumulation_steps(layout, o.global_batch)
@@ -59,6 +62,7 @@ def plan(cfg: PlanConfig, run_dir: Path, config_yaml: str):
     summary = {"model": model_cfg.name, "world": world, "gpu": c.gpu, "capacity_gib": capacity / GIB,
                "feasible": sum(r.fits for r in rows), "layouts": len(rows),
                "rows": [{"ep": r.layout.ep, "cp": r.layout.cp, "zero_stage": r.layout.zero_stage,
+                         "grad_accum_dtype": r.layout.grad_accum_dtype,
                          "micro_batch": r.layout.micro_batch, "seq_len": r.layout.seq_len,
                          "activation_checkpointing": r.checkpointing,
                          "engram_tables": "host" if r.layout.engram_host else "gpu",
@@ -73,16 +77,17 @@ def plan(cfg: PlanConfig, run_dir: Path, config_yaml: str):
     print(f"flashtrain plan: model {model_cfg.name} on {c.nodes} x {c.gpus_per_node} {c.gpu.upper()} "
           f"({world} ranks, {capacity / GIB:,.1f} GiB usable each), {o.seq_len}-token sequences: "
           f"{summary['feasible']} of {len(rows)} layouts fit")
-    print(f"  {'EP':>4} {'CP':>3} {'ZeRO':>4} {'mb':>3} {'AC':>3} {'tables':>6} {'GiB':>8} {'step s':>7} "
-          f"{'tok/s/GPU':>9} {'MFU':>5}  parameters / gradients / optimizer / [host-table rows in flight /] "
-          "activations or optimizer workspace (GiB)")
+    print(f"  {'EP':>4} {'CP':>3} {'ZeRO':>4} {'grads':>5} {'mb':>3} {'AC':>3} {'tables':>6} {'GiB':>8} "
+          f"{'step s':>7} {'tok/s/GPU':>9} {'MFU':>5}  parameters / gradients / optimizer / "
+          "[host-table rows in flight /] activations or optimizer workspace (GiB)")
     for r in rows[:o.top]:
         parts = " / ".join(f"{v / GIB:,.1f}" for v in r.parts.values())
         verdict = "fits" if r.fits else r.why_not()
         if r.host_bytes:
             verdict += f" (+{r.host_bytes / GIB:,.1f} GiB of Engram shards in host memory)"
         t = times[id(r)]
-        print(f"  {r.layout.ep:>4} {r.layout.cp:>3} {r.layout.zero_stage:>4} {r.layout.micro_batch:>3} "
+        print(f"  {r.layout.ep:>4} {r.layout.cp:>3} {r.layout.zero_stage:>4} {r.layout.grad_accum_dtype:>5} "
+              f"{r.layout.micro_batch:>3} "
               f"{'on' if r.checkpointing else 'off':>3} {'host' if r.layout.engram_host else 'gpu':>6} "
               f"{r.total / GIB:>8,.1f} {t['step_s']:>7.2f} "
               f"{t['tokens_per_s_per_gpu']:>9,.0f} {t['mfu']:>5.1%}  {parts}  {verdict}")
