@@ -10,7 +10,9 @@ pretraining run did (same corpus, same cache), so token ids match the checkpoint
   source=NAME               anything else: a `datasets.load_dataset` name (hub or local script)
 A row is either `messages_field` (a list of {role, content, reasoning?}) or, when
 `prompt_field` is set, the flat schema prompt / response / reasoning. Its effort is `effort_field`
-(1-100 or a tier name); rows without one get an effort drawn from `tiers`.
+(1-100 or a tier name); rows without one get an effort drawn from `tiers`. Images (a model with a
+vision tower): a turn's content as a list of {"type": "text", "text"} / {"type": "image", "image"}
+parts, or `images_field` with `<image>` markers in the turns' text (data/sft.py).
 """
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -36,6 +38,7 @@ class SFTDataConfig:
     response_field: str = "response"
     reasoning_field: Optional[str] = "reasoning"  # optional column (absent or null: no reasoning)
     effort_field: Optional[str] = "effort"  # optional column: 1-100 or a tier name (null: drawn from tiers)
+    images_field: Optional[str] = "images"  # optional column: image(s) at the <image> markers of the turns
     max_samples: Optional[int] = None  # cap on conversations read (None = all)
     builtin_samples: int = 4000  # conversations of the built-in set
     builtin_task: str = "arithmetic"  # the tasks task it is generated from (a name or package.module:Class)

@@ -9,11 +9,16 @@ An assistant turn is `reasoning` inside <|think|> ... <|/think|> (empty at low e
 answer, then <|end_of_turn|>. The loss covers assistant turns only: their content and the
 closing <|end_of_turn|>, never the role token that opens them (the prompt supplies it).
 A generation prompt ends with <|assistant|>; generation stops at <|end_of_turn|> or <|eos|>.
+
+The content of a system, user or tool turn may be segments instead of one string: strings and
+images (anything data/images.open_image reads, never a str), in reading order. `pieces` lays such a
+conversation out; data/sft.py turns its images into image spans (data/images.py), which are never
+in the loss.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional, Union
 
 from data.errors import DataError
 
@@ -30,8 +35,12 @@ def system_prompt(effort: int) -> str:
 @dataclass
 class Message:
     role: str  # system | user | assistant | tool
-    content: str  # the answer, for an assistant turn
+    content: Union[str, list[Any]]  # the answer, for an assistant turn; or segments (module docstring)
     reasoning: Optional[str] = None  # assistant only: the text inside <|think|> ... <|/think|>
+
+    @property
+    def images(self) -> list[Any]:
+        return [] if isinstance(self.content, str) else [s for s in self.content if not isinstance(s, str)]
 
 
 class ChatFormat:
@@ -46,21 +55,37 @@ class ChatFormat:
         """A conversation -> (token ids, loss mask: True on assistant content and its
         <|end_of_turn|>). `effort`: a system turn "Reasoning Effort: {effort}" goes first (a
         conversation may not have its own system turn as well)."""
+        ids, mask = [], []
+        for piece in self.pieces(messages, effort):
+            if not isinstance(piece, tuple):
+                raise DataError("the conversation has images: data/sft.py lays out image conversations")
+            ids += piece[0]
+            mask += [piece[1]] * len(piece[0])
+        return ids, mask
+
+    def pieces(self, messages: list[Message], effort: Optional[int] = None) -> list[Any]:
+        """The conversation in reading order as (token ids, in the loss?) runs of text and, where a
+        turn's content segments put them, its images (`encode` without images)."""
         if effort is not None:
             if any(m.role == "system" for m in messages):
                 raise DataError("a conversation with a system turn cannot also take an effort")
             messages = [Message("system", system_prompt(effort)), *messages]
-        ids, mask = [self.bos], [False]
+        out: list[Any] = [([self.bos], False)]
         for m in messages:
             if m.role not in self.role:
                 raise DataError(f"unknown chat role {m.role!r} (expected one of {', '.join(ROLES)})")
-            ids.append(self.role[m.role])
-            mask.append(False)
-            body = (self.assistant_body(m.content, m.reasoning) if m.role == "assistant"
-                    else self.tok.encode(m.content))
-            ids += body + [self.eot]
-            mask += [m.role == "assistant"] * (len(body) + 1)
-        return ids, mask
+            if m.role == "assistant":
+                if not isinstance(m.content, str):
+                    raise DataError("an assistant turn's content is text: images go in system, user or tool "
+                                    "turns")
+                out += [([self.role[m.role]], False),
+                        (self.assistant_body(m.content, m.reasoning) + [self.eot], True)]
+                continue
+            out.append(([self.role[m.role]], False))
+            for segment in [m.content] if isinstance(m.content, str) else m.content:
+                out.append((self.tok.encode(segment), False) if isinstance(segment, str) else segment)
+            out.append(([self.eot], False))
+        return out
 
     def assistant_body(self, answer: str, reasoning: Optional[str]) -> list[int]:
         think = [self.think, *self.tok.encode(reasoning or ""), self.end_think]

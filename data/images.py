@@ -91,7 +91,10 @@ def open_image(source: Any) -> Image.Image:
     if isinstance(source, dict):
         source = source.get("bytes") or source.get("path")
     if isinstance(source, (bytes, bytearray)):
-        return Image.open(io.BytesIO(source))
+        try:
+            return Image.open(io.BytesIO(source))
+        except OSError as e:
+            raise DataError(f"cannot read an image of {len(source)} bytes: {e}") from e
     if isinstance(source, str):
         try:
             return Image.open(source)
@@ -99,6 +102,25 @@ def open_image(source: Any) -> Image.Image:
             raise DataError(f"cannot read image {source}: {e}") from e
     raise DataError(f"an image must be a PIL image, a path, bytes or a datasets Image record, "
                     f"got {type(source).__name__}")
+
+
+def span_types(n_llm_h: int, n_llm_w: int) -> list[int]:
+    """The token types of the span of an n_llm_h x n_llm_w token grid (module docstring)."""
+    return [IMAGE_START] + ([IMAGE] * n_llm_w + [IMAGE_NEW_LINE]) * n_llm_h + [IMAGE_END]
+
+
+def plan_image(source: Any, cfg: ModelConfig) -> tuple[tuple[int, int], list[int]]:
+    """(patch grid (n_h, n_w), span types) of an image, from its size alone: the file's header is
+    read, the pixels are not decoded (prepare_image does that, to the same plan)."""
+    image = open_image(source)
+    try:
+        width, height = image.size
+    finally:
+        if image is not source:
+            image.close()
+    n_llm_h, n_llm_w, best_h, best_w = plan_image_grid(width, height, cfg)
+    p = cfg.vision_patch_size
+    return (best_h // p, best_w // p), span_types(n_llm_h, n_llm_w)
 
 
 @dataclass
@@ -121,8 +143,7 @@ def prepare_image(source: Any, cfg: ModelConfig) -> PreparedImage:
     x = (x - 0.5) / 0.5
     n_h, n_w = height // p, width // p
     patches = x.reshape(3, n_h, p, n_w, p).permute(1, 3, 0, 2, 4).reshape(n_h * n_w, 3, p, p)
-    types = [IMAGE_START] + ([IMAGE] * n_llm_w + [IMAGE_NEW_LINE]) * n_llm_h + [IMAGE_END]
-    return PreparedImage(patches, (n_h, n_w), types)
+    return PreparedImage(patches, (n_h, n_w), span_types(n_llm_h, n_llm_w))
 
 
 # ------------------------------------------------------------------ documents and packing
@@ -349,9 +370,7 @@ class ImageTextDataset:
             if isinstance(seg, str):
                 n += len(self.tokenizer.encode(seg))
             else:
-                image = open_image(seg)
-                n_h, n_w, _, _ = plan_image_grid(image.width, image.height, self.model_cfg)
-                n += span_length(n_h, n_w)
+                n += len(plan_image(seg, self.model_cfg)[1])
         return n
 
     def __len__(self) -> int:

@@ -47,8 +47,7 @@ def fused_run_layers(model, h: torch.Tensor, pre: torch.Tensor, input_ids: torch
     pending, last = None, None
     for layer in layers:
         if layer.spec.engram:
-            h, pending = model.engrams[str(layer.spec.layer_id)](settle(last, h, pending), lookup,
-                                                                 rt.doc_start, rt.positions, history), None
+            h, pending = model.add_engram(layer, settle(last, h, pending), lookup, rt, history), None
         h, pre, pending = layer(h, pre, rt, pending)
         last = layer
     return settle(last, h, pending), pre

@@ -227,12 +227,17 @@ class Transformer(nn.Module):
         lookup, history = self.lookup_ids(input_ids, rt)
         for layer in layers:
             if layer.spec.engram:
-                engram = self.engrams[str(layer.spec.layer_id)]
-                out = engram(h, lookup, rt.ngram_start, rt.positions, history)
-                # image-span positions take no Engram memory (the public gate is shut there)
-                h = out if rt.image_mask is None else torch.where(rt.image_mask[:, :, None, None], h, out)
+                h = self.add_engram(layer, h, lookup, rt, history)
             h, pre = layer(h, pre, rt)
         return h, pre
+
+    def add_engram(self, layer, h: torch.Tensor, lookup: torch.Tensor, rt: AttentionRuntime,
+                   history: Optional[torch.Tensor]) -> torch.Tensor:
+        """The streams h [B, T, n, D] with the Engram memory before `layer` added: n-grams start at
+        rt.ngram_start (a document start or the end of an image span), and image-span positions take
+        no memory (the public gate is shut there)."""
+        out = self.engrams[str(layer.spec.layer_id)](h, lookup, rt.ngram_start, rt.positions, history)
+        return out if rt.image_mask is None else torch.where(rt.image_mask[:, :, None, None], h, out)
 
     def lookup_ids(self, input_ids: torch.Tensor, rt: AttentionRuntime):
         """The Engram lookup ids of input_ids [B, T] and of the shard's history (None without Engrams)."""

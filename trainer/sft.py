@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from conf.errors import ConfigError
 from conf.sft import SFTConfig
 from data import DataError, build_datasets
 from data.chat import ChatFormat
@@ -55,8 +56,17 @@ class SFTTrainer(Trainer):
                                            str(Path(cfg.data.cache_dir).expanduser() / "hf"), exclude)
         # the pretraining tokenizer, exactly as pretraining built it
         _, _, tokenizer = build_datasets(cfg.data)
-        train, val = build_sft_datasets(cfg.sft, cfg.efforts, tokenizer, conversations=conversations)
+        train, val = build_sft_datasets(cfg.sft, cfg.efforts, tokenizer, conversations=conversations,
+                                        model_cfg=cfg.model)
         tc = cfg.trainer
+        if train.has_images or val.has_images:
+            if tc.engram_tables == "host":
+                raise ConfigError("sft data with images and trainer.engram_tables=host: the host tables "
+                                  "prefetch rows from the token ids alone, which would read n-grams across "
+                                  "image spans")
+            if tc.context_parallel > 1:
+                raise ConfigError("sft data with images and trainer.context_parallel > 1: an image span must "
+                                  "stay on one rank, which sequence slicing does not ensure")
         global_batch = tc.micro_batch_size * max(1, self.dist.world_size // max(1, tc.context_parallel))
         for name, split in (("train", train), ("validation", val)):
             if len(split) < global_batch:
@@ -68,8 +78,9 @@ class SFTTrainer(Trainer):
         if self.dist.is_main:
             s, v = train.stats, val.stats
             efforts = ", ".join(f"{e}: {n}" for e, n in sorted(s.efforts.items()))
+            images = f", {s.images} / {v.images} images" if train.has_images or val.has_images else ""
             print(f"flashtrain sft: {s.conversations} train / {v.conversations} validation conversations -> "
-                  f"{len(train)} / {len(val)} rows of {train.seq_len} ({s.fill:.0%} filled), "
+                  f"{len(train)} / {len(val)} rows of {train.seq_len} ({s.fill:.0%} filled){images}, "
                   f"{s.assistant_tokens} assistant tokens to train on; truncated "
                   f"{s.truncated + v.truncated}, dropped {s.dropped + v.dropped}; efforts {{{efforts}}}",
                   flush=True)

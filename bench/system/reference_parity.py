@@ -35,6 +35,20 @@ that position, and, as a diagnostic, `aligned` with flashtrain's top-k made by t
 torch.topk call: the two differ only where index scores tie at the k-th place (flashtrain breaks
 such ties towards the lowest entry ids, the public code leaves them to torch.topk, which on a GPU
 does the same and on a CPU does not). Prints one JSON object.
+
+An export with a vision tower (config.json's vision_n_layers > 0) is also run on an image prompt,
+which needs REF's `vision.py` too: each row is text, one image's span, text (the image after 7 and
+after 40 text tokens), the image a PNG (`--image FILE`, default rendered digits, 112 x 56 px).
+  image_preprocessing  the public `load_image` against data/images.prepare_image on the same bytes:
+                 patch grid, span token types, and the patches (the public code returns them in
+                 bf16, flashtrain in fp32: equal after rounding flashtrain's to bf16)
+  image_aligned_*, image_native, image_decode_last_token
+                 the comparisons above on the image prompt; both models read the public code's
+                 patches (bf16 values), and flashtrain its own spans (token types, ImageBatch),
+                 the reference its ImageInput records and token_types
+  image_own_preprocessing
+                 flashtrain on its own fp32 patches against the aligned reference (kv quant): what
+                 the public processor's bf16 patches change
 """
 from __future__ import annotations
 
@@ -155,12 +169,13 @@ KERNELS = dict(act_quant=act_quant, fp4_act_quant=fp4_act_quant, fp4_gemm=fp4_ge
 
 
 # ------------------------------------------------------------------ loading both models
-def reference_package(reference: Path, work: Path):
-    """The public model.py / engram.py / image_processor.py as a package beside the torch kernels
-    above (module `kernel_cpu`) and a vision placeholder (the check runs text only)."""
+def reference_package(reference: Path, work: Path, vision: bool = False):
+    """The public model.py / engram.py / image_processor.py (and vision.py for a model with a vision
+    tower) as a package beside the torch kernels above (module `kernel_cpu`); without a tower, a
+    vision placeholder."""
     pkg = work / "public_reference"
     pkg.mkdir()
-    for name in ("model.py", "engram.py", "image_processor.py"):
+    for name in ("model.py", "engram.py", "image_processor.py", *(("vision.py",) if vision else ())):
         src = reference / name if (reference / name).is_file() else reference / "inference" / name
         if not src.is_file():
             raise SystemExit(f"--reference {reference}: no {name} (nor inference/{name})")
@@ -168,11 +183,12 @@ def reference_package(reference: Path, work: Path):
     (pkg / "__init__.py").write_text("")
     (pkg / "kernel_cpu.py").write_text(f"from bench.system.reference_parity import {', '.join(KERNELS)}  "
                                        "# noqa: F401\n")
-    (pkg / "vision.py").write_text(
-        "class _TextOnly:\n    def __init__(self, *a, **k):\n"
-        "        raise RuntimeError('bench.system.reference_parity runs text only: '\n"
-        "                           'a vision tower is not built')\n"
-        "ViT = Aligner = _TextOnly\n")
+    if not vision:
+        (pkg / "vision.py").write_text(
+            "class _TextOnly:\n    def __init__(self, *a, **k):\n"
+            "        raise RuntimeError('bench.system.reference_parity runs text only: '\n"
+            "                           'a vision tower is not built')\n"
+            "ViT = Aligner = _TextOnly\n")
     sys.path.insert(0, str(work))
     return importlib.import_module("public_reference.model")
 
@@ -214,31 +230,44 @@ def build_reference(ref, export: Path, tokenizer, aligned: bool):
     return model.eval()
 
 
-def run_reference(ref, model, ids: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
+def run_reference(ref, model, ids: torch.Tensor, start_pos: int = 0, images=None,
+                  token_types=None) -> torch.Tensor:
     """Logits [B, T, V] of `model` (build_reference). The reference picks its GEMM by the weight's
-    dtype in a module-level function; the aligned model's fp32 weights take plain fp32 matmuls."""
+    dtype in a module-level function; the aligned model's fp32 weights take plain fp32 matmuls.
+    images / token_types: the public code's image inputs (ImageInput records per row, [B, T] types)."""
     native, dtype = ref.linear, torch.get_default_dtype()
     if model.aligned:
         ref.linear = lambda x, weight, bias=None: F.linear(x.to(weight.dtype), weight)
     else:  # the public code serves under a bf16 default dtype, which its GEMMs return
         torch.set_default_dtype(torch.bfloat16)
     try:
-        return model(ids, start_pos)[1].float()
+        if images is None:
+            return model(ids, start_pos)[1].float()
+        return model(ids, start_pos, images=images, token_types=token_types)[1].float()
     finally:
         ref.linear = native
         torch.set_default_dtype(dtype)
 
 
-def build_flashtrain(export: Path, model_name: str, tokenizer_path: Path, qat: bool):
+def flashtrain_config(config: dict, model_name: str, qat: bool):
+    """The flashtrain model config of an export's config.json: the named preset with the export's
+    vocabulary and vision tower (vision_* fields; none: no tower)."""
     from conf.model import FlashModelConfig, SmallModelConfig, TinyModelConfig
+
+    base = {"tiny": TinyModelConfig, "small": SmallModelConfig, "flash": FlashModelConfig}[model_name]()
+    vision = {k: v for k, v in config.items() if k.startswith("vision_") and hasattr(base, k)}
+    return dataclasses.replace(base, vocab_size=config["vocab_size"], kv_quant="qat" if qat else "off",
+                               **{"vision_n_layers": 0, **vision})
+
+
+def build_flashtrain(export: Path, model_name: str, tokenizer_path: Path, qat: bool):
     from data.tokenizer import TextTokenizer
     from model.engram import build_compression_map
     from model.transformer import Transformer
     from trainer.interop.convert import import_into_model
 
     config = json.loads((export / "config.json").read_text())
-    base = {"tiny": TinyModelConfig, "small": SmallModelConfig, "flash": FlashModelConfig}[model_name]()
-    cfg = dataclasses.replace(base, vocab_size=config["vocab_size"], kv_quant="qat" if qat else "off")
+    cfg = flashtrain_config(config, model_name, qat)
     tok = TextTokenizer.from_file(tokenizer_path)
     lookup, _ = build_compression_map(tok.tokenizer, cfg.vocab_size)
     model = Transformer(cfg, lookup_map=lookup, lookup_pad_id=int(lookup[config.get("engram_pad_id", 2)]))
@@ -298,6 +327,85 @@ def token_ids(tokenizer_path: Path, batch: int, tokens: int) -> torch.Tensor:
     return torch.tensor([ids[i * 997:i * 997 + tokens] for i in range(batch)])
 
 
+# ------------------------------------------------------------------ the image prompt
+IMAGE_AFTER = (7, 40)  # text tokens before the image, per row
+
+
+def digits_png() -> bytes:
+    """The default image: digits drawn on 112 x 56 px (data/images.render_digits), as PNG bytes."""
+    import io
+    import random
+
+    from data.images import render_digits
+
+    buffer = io.BytesIO()
+    render_digits("4719", random.Random(0), height=56, width=112).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+@dataclasses.dataclass
+class ImageCase:
+    """Rows of text, one image's span, text. ids [B, T] (span positions: image_token_id), types
+    [B, T] (conf.model: TEXT or a span type), the image's span start in each row, and flashtrain's
+    spans of the image (data/images.PreparedImage) with the patches both models read."""
+    ids: torch.Tensor
+    types: torch.Tensor
+    starts: list[int]
+    image: object  # data/images.PreparedImage
+    patches: torch.Tensor  # [n_h * n_w, 3, p, p] fp32
+
+    def flashtrain_images(self):
+        from model.vision import ImageBatch
+
+        n = len(self.starts)
+        return ImageBatch([self.patches] * n, [self.image.grid] * n, list(range(n)), list(self.starts))
+
+
+def image_case(png: bytes, cfg, text: list[int], tokens: int, image_token_id: int,
+               after: tuple[int, ...] = IMAGE_AFTER) -> ImageCase:
+    """The image prompt of `png` for a flashtrain model config: row r is text[:after[r]], the span,
+    then text up to `tokens` positions."""
+    from data.images import prepare_image
+
+    image = prepare_image(png, cfg)
+    span = len(image.types)
+    if max(after) + span >= tokens or len(text) < tokens:
+        raise SystemExit(f"--tokens {tokens}: too few for text, a {span}-position image span and text")
+    ids, types = [], []
+    for prefix in after:
+        ids.append(text[:prefix] + [image_token_id] * span + text[prefix:tokens - span])
+        types.append([-1] * prefix + image.types + [-1] * (tokens - span - prefix))
+    return ImageCase(torch.tensor(ids), torch.tensor(types), list(after), image, image.patches)
+
+
+def reference_images(image_processor, case: ImageCase, patches: torch.Tensor, grid: tuple[int, int]):
+    """The public code's image inputs of the case: per row its ImageInput (span start, patches, patch
+    grid, span token types)."""
+    types = torch.tensor(case.image.types, dtype=torch.int64)
+    return [[image_processor.ImageInput(start=start, patches=patches, n_vit_h=grid[0], n_vit_w=grid[1],
+                                        types=types)] for start in case.starts]
+
+
+def public_preprocessing(image_processor, args, png: bytes, case: ImageCase) -> tuple[dict, torch.Tensor]:
+    """The public processor on the PNG against flashtrain's spans of it -> (the comparison, the
+    public patches)."""
+    try:
+        patches, n_vit_h, n_vit_w, n_llm_h, n_llm_w = image_processor.load_image({"data": png}, args)
+        public_types = image_processor.image_token_types(n_llm_h, n_llm_w).tolist()
+    except AttributeError as e:
+        raise SystemExit(f"--reference: image_processor.py lacks what this script calls ({e})") from None
+    ours = case.image.patches
+    same_shape = tuple(patches.shape) == tuple(ours.shape)
+    return {
+        "patch_grid": [n_vit_h, n_vit_w], "flashtrain_patch_grid": list(case.image.grid),
+        "span": len(public_types), "types_equal": public_types == case.image.types,
+        "public_patch_dtype": str(patches.dtype).replace("torch.", ""),
+        "patches_max_abs_diff_bf16": (ours.bfloat16().float() - patches.float()).abs().max().item()
+        if same_shape else None,
+        "patches_max_abs_diff": (ours - patches.float()).abs().max().item() if same_shape else None,
+    }, patches
+
+
 def compare(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
     a, b = a.double(), b.double()
     return {"rel_err": ((a - b).norm() / b.norm()).item(),
@@ -313,6 +421,9 @@ def main(argv=None) -> dict:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--device", default="cpu", help="cpu, or cuda: both models on the GPU (the public "
                    "code's own device, where torch.topk breaks ties as flashtrain does)")
+    p.add_argument("--image", type=Path, default=None, help="the image of the image prompt (an export "
+                   "with a vision tower; default: rendered digits)")
+    p.add_argument("--out", type=Path, default=None, help="also write the JSON object to this file")
     args = p.parse_args(argv)
 
     torch.manual_seed(0)
@@ -320,11 +431,12 @@ def main(argv=None) -> dict:
     hf_tok = reference_tokenizer(export)
     device = torch.device(args.device)
     ids = token_ids(export / "tokenizer.json", args.batch, args.tokens).to(device)
+    vision = json.loads((export / "config.json").read_text()).get("vision_n_layers", 0) > 0
     out = {"export": str(export), "tokens": list(ids.shape), "torch": torch.__version__,
            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "tokenizer": type(hf_tok).__name__}
     with tempfile.TemporaryDirectory() as work, torch.no_grad(), device:
-        ref = reference_package(args.reference.resolve(), Path(work))
+        ref = reference_package(args.reference.resolve(), Path(work), vision)
         logits = {}
         for qat in (True, False):
             ours = build_flashtrain(export, args.model, export / "tokenizer.json", qat)(ids).logits
@@ -356,7 +468,71 @@ def main(argv=None) -> dict:
         run_reference(ref, aligned, ids[:, :-1])
         step = run_reference(ref, aligned, ids[:, -1:], ids.shape[1] - 1)
         out["decode_last_token"] = compare(step[:, -1], ours[:, -1])
+        if vision:
+            out.update(image_comparisons(ref, export, args, hf_tok, device))
     print(json.dumps(out, indent=2))
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(out, indent=2) + "\n")
+    return out
+
+
+def image_comparisons(ref, export: Path, args, hf_tok, device: torch.device) -> dict:
+    """The comparisons of the module docstring on the image prompt (inside main's no-grad, device
+    and package context)."""
+    image_processor = importlib.import_module("public_reference.image_processor")
+    config = json.loads((export / "config.json").read_text())
+    png = args.image.read_bytes() if args.image is not None else digits_png()
+    cfg = flashtrain_config(config, args.model, qat=True)
+    text = token_ids(export / "tokenizer.json", 1, args.tokens)[0].tolist()
+    image_token_id = config.get("image_token_id", 0)
+    case = image_case(png, cfg, text, args.tokens, image_token_id)
+    public_args = ref.ModelArgs(**config)
+    out = {"image": str(args.image) if args.image is not None else "rendered digits 112 x 56 px"}
+    out["image_preprocessing"], public_patches = public_preprocessing(image_processor, public_args, png, case)
+    ids, types = case.ids.to(device), case.types.to(device)
+    grid = tuple(out["image_preprocessing"]["patch_grid"])
+    if grid != case.image.grid or not out["image_preprocessing"]["types_equal"]:
+        return out  # the spans differ: the models cannot read the same prompt
+    case.patches = public_patches.float()  # the values both models read (bf16-exact)
+
+    def ours(qat: bool, patches=None):
+        model = build_flashtrain(export, args.model, export / "tokenizer.json", qat)
+        images = case.flashtrain_images()
+        if patches is not None:
+            images.patches = [patches] * len(images)
+        return model(ids, token_types=types, images=images.to(device)).logits
+
+    def theirs(aligned: bool, ids=ids, types=types, start_pos: int = 0, model=None):
+        model = model or build_reference(ref, export, hf_tok, aligned=aligned)
+        patches = public_patches.to(device, torch.float32 if aligned else torch.bfloat16)
+        images = reference_images(image_processor, case, patches, grid) if start_pos == 0 else None
+        return run_reference(ref, model, ids, start_pos, images=images, token_types=types), model
+
+    for qat in (True, False):
+        name = "image_aligned_kv_quant" if qat else "image_aligned_no_quant"
+        if not qat:  # the reference with its cache quantisers off, as for the text prompt
+            saved = ref.act_quant, ref.fp4_act_quant
+            ref.act_quant = ref.fp4_act_quant = lambda x, *a, **k: x
+        try:
+            reference, aligned = theirs(aligned=True)
+        finally:
+            if not qat:
+                ref.act_quant, ref.fp4_act_quant = saved
+        flashtrain = ours(qat)
+        out[name] = compare(reference, flashtrain)
+        with reference_ties():
+            out[name + "_reference_ties"] = compare(reference, ours(qat))
+        if qat:
+            kv_quant_reference, kv_quant_ours = reference, flashtrain
+            out["image_own_preprocessing"] = compare(reference, ours(qat, case.image.patches.to(device)))
+    native, _ = theirs(aligned=False)
+    out["image_native"] = compare(native, kv_quant_ours)
+    out["image_native_vs_aligned_reference"] = compare(native, kv_quant_reference)
+    # incremental decoding: the image prompt but its last token prefilled, then that (text) token
+    _, aligned = theirs(aligned=True, ids=ids[:, :-1], types=types[:, :-1])
+    step, _ = theirs(aligned=True, ids=ids[:, -1:], types=None, start_pos=ids.shape[1] - 1, model=aligned)
+    out["image_decode_last_token"] = compare(step[:, -1], kv_quant_ours[:, -1])
     return out
 
 
