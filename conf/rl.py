@@ -57,6 +57,8 @@ class RLLoopConfig:
     # (inference/speculative.py: the samples' distribution and log-probs stay the policy's); null: none
     drafter: Optional[str] = None
     trainer_gpus: float = 0.0  # GPUs per trainer actor (0 on CPU)
+    # GPUs per rollout worker; above 0 it decodes on its GPU in the trainer's precision there. Fractions
+    # share one GPU: trainer_gpus=0.5 with two rollout workers at 0.25 puts every actor on one card
     rollout_gpus: float = 0.0
     timeout_s: float = 300.0  # any one generation, scoring, weight transfer or training call
     save_every: int = 10  # versions between checkpoints (0: only at the end)

@@ -13,6 +13,20 @@ from typing import Any, Optional
 import torch
 
 
+def place_for_rollout(modules: list[Optional[torch.nn.Module]], trainer_cfg, device: torch.device) -> None:
+    """Moves the rollout's models (None entries skipped) to `device`, in the precision the trainer's
+    forward runs in there (bf16 on a GPU unless trainer.precision says otherwise), so the behaviour
+    log-probs are close to the ones the trainer recomputes."""
+    from trainer.engine import keep_fp32_buffers, resolve_precision
+
+    bf16 = resolve_precision(trainer_cfg, device) == "bf16"
+    for module in modules:
+        if module is not None:
+            module.to(device=device, dtype=torch.bfloat16 if bf16 else None)
+    if bf16:  # the policy's MoE balancing counters stay fp32, as the trainer keeps them
+        keep_fp32_buffers(modules[0])
+
+
 class RolloutWorker:
     def __init__(self, cfg, tokenizer_path: str, seed: int):
         from data.chat import ChatFormat
@@ -29,6 +43,8 @@ class RolloutWorker:
             from trainer.dspark import load_drafter
 
             self.drafter = load_drafter(self.rl.drafter, self.model.cfg, "rl.drafter")
+        if self.rl.rollout_gpus > 0:  # Ray made the GPU(s) it placed this actor on visible as cuda:0
+            place_for_rollout([self.model, self.drafter], cfg.trainer, torch.device("cuda"))
         self.version: Optional[int] = None  # no weights yet
         self.seed, self.calls = seed, 0
 

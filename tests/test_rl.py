@@ -187,3 +187,29 @@ def test_resource_shortfall_names_cpus_and_gpus():
     assert resource_shortfall({"CPU": 8.0, "GPU": 4.0}, need, rl, 2) is None
     said = resource_shortfall({"CPU": 8.0, "GPU": 2.0}, need, rl, 2)
     assert "need 2.5 GPUs but the cluster has 2" in said and "2 teacher workers" in said and "CPU" not in said
+
+
+@pytest.mark.parametrize("precision", ["bf16", "auto"])
+def test_rollout_models_take_the_trainers_precision_on_their_device(precision):
+    """A rollout worker on a GPU decodes in the precision the trainer's forward runs in there
+    (trainer.precision=auto: bf16 on a GPU, fp32 on a CPU), with the MoE balancing counters fp32
+    as the trainer keeps them; here on the CPU, with bf16 asked for explicitly."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    import torch
+
+    from conf.model import TinyModelConfig
+    from rl.workers import place_for_rollout
+    from trainer.pretrain import assemble_model
+
+    model, _ = assemble_model(dataclasses.replace(TinyModelConfig(), vocab_size=64))
+    drafter = torch.nn.Linear(4, 4)
+    place_for_rollout([model, None, drafter], SimpleNamespace(precision=precision), torch.device("cpu"))
+    counters = {id(b) for r in model.routers() for b in (r.bias, r.bias_vl, *r.loads()) if b is not None}
+    assert counters
+    want = torch.bfloat16 if precision == "bf16" else torch.float32
+    assert all(p.dtype == want for p in model.parameters()) and drafter.weight.dtype == want
+    for b in model.buffers():
+        if b.is_floating_point():
+            assert b.dtype == (torch.float32 if id(b) in counters else want)
