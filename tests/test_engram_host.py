@@ -64,8 +64,7 @@ class Run:
         from trainer.parallelize import clip_grad_norm, reduce_gradients
 
         if self.host is not None:
-            for b in micro_batches:
-                self.host.prefetch(b["input_ids"], b["doc_ids"])
+            self.host.prefetch([(b["input_ids"], b["doc_ids"]) for b in micro_batches])
         for b in micro_batches:
             out = self.model(b["input_ids"], labels=b["labels"], doc_ids=b["doc_ids"])
             (out.loss / len(micro_batches)).backward()
@@ -125,6 +124,45 @@ def test_host_tables_match_gpu_tables_at_one_rank(accum):
     for name, p in gpu.dense().items():
         torch.testing.assert_close(host.dense()[name], p, rtol=RTOL, atol=ATOL)
     host.host.close()
+
+
+def test_rows_updated_in_a_step_reach_the_next_step_before_their_write_back():
+    """The writer thread held up so that step 2's rows are still not in the shards when step 3
+    fetches: step 3's forward reads step 2's update all the same (copied over from the update's
+    rows), so three steps equal the GPU-table run's; a fetch that needs the held write-back (step
+    4's, which reads the shards for step 2's rows) waits for it and, past its deadline, says so."""
+    import threading
+
+    data = batches(0, 4)
+    gpu, host = Run(host=False), Run(host=True)
+    tables = host.host
+    for step in data[:1]:
+        gpu.step(step)
+        host.step(step)
+    tables.synchronize()
+    after_one = {layer: s.weight.clone() for layer, s in tables.shards.items()}
+    gate = threading.Event()
+    tables.writer.submit(gate.wait, 120)  # step 2's and 3's write-backs queue behind this
+    for step in data[1:3]:
+        gpu.step(step)
+        host.step(step)
+    assert not tables.written.done()
+    for layer, s in tables.shards.items():  # still step 1's rows: step 3 could not read step 2's from here
+        assert torch.equal(s.weight, after_one[layer]), layer
+    touched = {layer: (gpu.tables()[layer] != after_one[layer]).any(1).sum() for layer in after_one}
+    assert all(n > 100 for n in touched.values()), touched
+    tables.timeout_s = 1.0
+    tables.prefetch([(b["input_ids"], b["doc_ids"]) for b in data[3]])
+    fetch, _ = tables.queued[True, tables.layers[0]][0]
+    error = fetch.chunks[0].exception(timeout=60)
+    assert isinstance(error, RuntimeError) and "write-back of the update before the last one" in str(error)
+    gate.set()
+    for layer, table in gpu.tables().items():
+        torch.testing.assert_close(host.tables()[layer], table, rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(host.momentum()[layer], gpu.momentum()[layer], rtol=RTOL, atol=ATOL)
+    for name, p in gpu.dense().items():
+        torch.testing.assert_close(host.dense()[name], p, rtol=RTOL, atol=ATOL)
+    tables.close()
 
 
 def test_host_table_resume_is_exact(tmp_path):

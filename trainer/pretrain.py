@@ -311,11 +311,11 @@ class Trainer:
               f"({self.peak_source}) | {start} at step {self.step}", flush=True)
 
     # ------------------------------------------------------------------ one step
-    def _prefetch(self, batches: list[dict[str, torch.Tensor]]) -> None:
-        """Host Engram tables: queue the rows of these micro-batches, which their forwards take in order."""
+    def _prefetch(self, batches: list[dict[str, torch.Tensor]], train: bool) -> None:
+        """Host Engram tables: queue the rows of these micro-batches (a training step's, or an
+        evaluation batch), which their forwards take in order."""
         if self.engram_host is not None:
-            for batch in batches:
-                self.engram_host.prefetch(batch["input_ids"], batch.get("doc_ids"))
+            self.engram_host.prefetch([(b["input_ids"], b.get("doc_ids")) for b in batches], train=train)
 
     def _batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """On this rank's device; with context parallelism, this rank's slice plus its shard."""
@@ -334,7 +334,7 @@ class Trainer:
         grad_norm: Optional[float] = None
         skipped = False
         micro_batches = [self.loader.next_batch() for _ in range(tc.grad_accum_steps)]
-        self._prefetch(micro_batches)  # the rows of later micro-batches arrive while earlier ones compute
+        self._prefetch(micro_batches, train=True)  # the rows of later micro-batches arrive while earlier ones compute
         host = self.engram_host
         for raw in micro_batches:
             batch = self._batch(raw)
@@ -422,7 +422,7 @@ class Trainer:
         # token loss sum, tokens, top-k / pool recall sums, batches
         total = torch.zeros(5, dtype=torch.float64)
         for batch in self.val_loader.eval_batches(self.cfg.trainer.eval_batches):
-            self._prefetch([batch])
+            self._prefetch([batch], train=False)
             batch = self._batch(batch)
             n = (batch["labels"] != -100).sum()
             out = self.engine(**batch, collect_recall=True)
