@@ -269,6 +269,32 @@ def test_host_tables_match_gpu_tables_at_two_ranks(tmp_path):
         assert lo == 0 and hi == results[1]["snapshots"][0]["shards"][layer][0]
 
 
+def test_step_plan_gives_rows_slots_in_first_reader_order():
+    """StepPlan against a plain reading of its contract: the unique rows ordered by the first
+    micro-batch that reads them, then by row; each lookup's slot holds its row; the sorted view and
+    `find` agree with the rows by slot."""
+    from trainer.engram_host import StepPlan
+
+    g = torch.Generator().manual_seed(1)
+    addresses = [torch.randint(0, 400, (2, 7, 3), generator=g) for _ in range(4)]
+    plan = StepPlan()
+    news = [plan.add(a) for a in addresses]
+    first: dict[int, int] = {}
+    for i, a in enumerate(addresses):
+        for r in a.reshape(-1).tolist():
+            first.setdefault(r, i)
+    want = sorted(first, key=lambda r: (first[r], r))
+    assert plan.rows.tolist() == want
+    assert plan.bounds == [0, *[sum(v <= i for v in first.values()) for i in range(4)]]
+    assert [n.tolist() for n in news] == [[r for r in want if first[r] == i] for i in range(4)]
+    for a, slots in zip(addresses, plan.slots):
+        assert torch.equal(plan.rows[slots], a)
+    assert plan.sorted_rows.tolist() == sorted(want)
+    assert torch.equal(plan.rows[plan.sorted_slots], plan.sorted_rows)
+    hit, slots = plan.find(torch.tensor([want[5], 10_000, want[0], -1]))
+    assert hit.tolist() == [0, 2] and slots.tolist() == [5, 0]
+
+
 def test_sharded_sinkhorn_balance_matches_the_whole_matrix():
     """sinkhorn_balance over two row shards, their sums added (the all-reduce of two owners), equals
     the balance of the whole matrix on each shard's rows."""

@@ -131,36 +131,41 @@ class StepPlan:
         """[S] the rows by slot."""
         return torch.cat(self.chunks) if self.chunks else torch.zeros(0, dtype=torch.long)
 
+    def _positions(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """rows [n] -> (insertion points into sorted_rows [n], whether each row is there [n])."""
+        pos = torch.searchsorted(self.sorted_rows, rows)
+        if self.sorted_rows.numel() == 0:
+            return pos, torch.zeros(rows.numel(), dtype=torch.bool)
+        return pos, self.sorted_rows[pos.clamp(max=self.sorted_rows.numel() - 1)] == rows
+
     def find(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(indices into `rows` of those this plan holds, their slots here)."""
-        n = self.sorted_rows.numel()
-        if n == 0 or rows.numel() == 0:
-            return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
-        pos = torch.searchsorted(self.sorted_rows, rows).clamp_(max=n - 1)
-        hit = torch.nonzero(self.sorted_rows[pos] == rows).squeeze(1)
+        pos, held = self._positions(rows)
+        hit = torch.nonzero(held).squeeze(1)
         return hit, self.sorted_slots[pos[hit]]
 
     def add(self, addresses: torch.Tensor) -> torch.Tensor:
         """The next micro-batch's rows [B, T, L] -> its new rows (sorted), which get the next slots."""
         unique, inverse = torch.unique(addresses.reshape(-1), sorted=True, return_inverse=True)  # [U], [N]
-        hit, hit_slots = self.find(unique)
-        fresh = torch.ones(unique.numel(), dtype=torch.bool)
-        fresh[hit] = False
-        new = unique[fresh]
-        slot = torch.empty_like(unique)
-        slot[hit] = hit_slots
+        pos, held = self._positions(unique)
+        fresh = ~held
+        new = unique[fresh]  # [m] sorted
         new_slots = torch.arange(self.size, self.size + new.numel())
+        slot = torch.empty_like(unique)
+        slot[held] = self.sorted_slots[pos[held]]
         slot[fresh] = new_slots
         self.slots.append(slot[inverse].view(addresses.shape))
         self.chunks.append(new)
         self.bounds.append(self.size + new.numel())
-        if self.sorted_rows.numel() == 0:
-            self.sorted_rows, self.sorted_slots = new, new_slots
-        else:
-            merged = torch.cat((self.sorted_rows, new))
-            order = torch.argsort(merged)
-            self.sorted_rows = merged[order]
-            self.sorted_slots = torch.cat((self.sorted_slots, new_slots))[order]
+        # merge two sorted runs without a sort: the new rows land at their insertion points, shifted
+        # by the new rows before them, the old rows fill the other places in order
+        at = pos[fresh] + torch.arange(new.numel())  # [m]
+        old = torch.ones(self.sorted_rows.numel() + new.numel(), dtype=torch.bool)
+        old[at] = False
+        rows, slots = torch.empty(old.numel(), dtype=torch.long), torch.empty(old.numel(), dtype=torch.long)
+        rows[at], slots[at] = new, new_slots
+        rows[old], slots[old] = self.sorted_rows, self.sorted_slots
+        self.sorted_rows, self.sorted_slots = rows, slots
         return new
 
 
