@@ -527,8 +527,9 @@ class HostEngramTables:
             self.grads[layer] = (unique - self.shards[layer].lo, summed / self.world)
 
     def _device_grads(self) -> list[torch.Tensor]:
+        """One rank: each layer's row gradients [S, E] (the buffer's rows past S have none)."""
         return [] if self.reduced is None else [
-            r.weight.grad for r in self.reduced.layers.values() if r.weight.grad is not None]
+            r.weight.grad[:r.plan.size] for r in self.reduced.layers.values() if r.weight.grad is not None]
 
     def grad_square_sum(self) -> torch.Tensor:
         """float64 squared L2 norm of every layer's reduced row gradients, over all ranks (CPU)."""

@@ -177,7 +177,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=129_280)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
-    ap.add_argument("--out", type=Path)
+    ap.add_argument("--out", type=Path, help="also write the JSON to this file")
     args = ap.parse_args()
     if args.threads:  # a shared CPU: one thread avoids OpenMP barriers waiting on descheduled threads
         torch.set_num_threads(args.threads)
