@@ -286,22 +286,34 @@ def test_host_tables_match_gpu_tables_at_two_ranks(tmp_path):
 
 def test_step_plan_gives_rows_slots_in_first_reader_order():
     """StepPlan against a plain reading of its contract: the unique rows ordered by the first
-    micro-batch that reads them, then by row; each lookup's slot holds its row; the sorted view and
-    `find` agree with the rows by slot."""
+    micro-batch that reads them, then by row; each lookup's slot holds its row; `add` splits a
+    micro-batch's new rows into those the last update's plan lacks (read from the host) and those it
+    holds (copied over, with their slots there); the sorted view and `find` agree with the rows by
+    slot."""
     from trainer.engram_host import StepPlan
 
     g = torch.Generator().manual_seed(1)
+    last = StepPlan()
+    last.add(torch.randint(0, 400, (2, 7, 3), generator=g))
     addresses = [torch.randint(0, 400, (2, 7, 3), generator=g) for _ in range(4)]
     plan = StepPlan()
-    news = [plan.add(a) for a in addresses]
+    returned = [plan.add(a, last) for a in addresses]
     first: dict[int, int] = {}
     for i, a in enumerate(addresses):
         for r in a.reshape(-1).tolist():
             first.setdefault(r, i)
     want = sorted(first, key=lambda r: (first[r], r))
+    in_last = set(last.rows.tolist())
+    assert 0 < len(in_last & set(want)) < len(want)  # both kinds occur
     assert plan.rows.tolist() == want
     assert plan.bounds == [0, *[sum(v <= i for v in first.values()) for i in range(4)]]
-    assert [n.tolist() for n in news] == [[r for r in want if first[r] == i] for i in range(4)]
+    for i, (host, hit, src) in enumerate(returned):
+        chunk = plan.chunks[i].tolist()
+        assert chunk == [r for r in want if first[r] == i]
+        assert [chunk[j] for j in host.tolist()] == [r for r in chunk if r not in in_last]
+        copied = [r for r in chunk if r in in_last]
+        assert [chunk[j] for j in hit.tolist()] == last.rows[src].tolist() == copied
+        assert plan.from_host[i] == host.numel()
     for a, slots in zip(addresses, plan.slots):
         assert torch.equal(plan.rows[slots], a)
     assert plan.sorted_rows.tolist() == sorted(want)

@@ -111,12 +111,15 @@ class _Hasher:
 
 class StepPlan:
     """One layer's unique rows of a fetch and where each lookup reads them (CPU tensors). Slots go
-    to the rows in the order the micro-batches first read them: micro-batch i's new rows take
-    slots bounds[i]:bounds[i + 1], so its forward reads only chunks 0..i and need not wait for
-    later ones, and chunk 0 is planned from micro-batch 0 alone."""
+    to the rows in the order the micro-batches first read them, then by row: micro-batch i's new
+    rows take slots bounds[i]:bounds[i + 1], so its forward reads only chunks 0..i and need not
+    wait for later ones, and chunk 0 is planned from micro-batch 0 alone. The slots depend on the
+    step's ids alone (not on what the last update held), so the update adds its rows in the same
+    order after a resume as in an uninterrupted run."""
 
     def __init__(self):
         self.chunks: list[torch.Tensor] = []  # per micro-batch: the rows it reads first, sorted
+        self.from_host: list[int] = []  # per micro-batch: how many of them are read from the host
         self.bounds: list[int] = [0]
         self.slots: list[torch.Tensor] = []  # per micro-batch: [B, T, L] int64 slot of each lookup
         self.sorted_rows = torch.zeros(0, dtype=torch.long)  # [S] every row so far, sorted
@@ -144,8 +147,11 @@ class StepPlan:
         hit = torch.nonzero(held).squeeze(1)
         return hit, self.sorted_slots[pos[hit]]
 
-    def add(self, addresses: torch.Tensor) -> torch.Tensor:
-        """The next micro-batch's rows [B, T, L] -> its new rows (sorted), which get the next slots."""
+    def add(self, addresses: torch.Tensor,
+            last: Optional[StepPlan] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The next micro-batch's rows [B, T, L]: its new rows (sorted) take the next slots. Returns
+        indices into them (its chunk) of those the `last` update's plan lacks, to read from the
+        host; of the others, to copy over from that update; and the others' slots in `last`."""
         unique, inverse = torch.unique(addresses.reshape(-1), sorted=True, return_inverse=True)  # [U], [N]
         pos, held = self._positions(unique)
         fresh = ~held
@@ -166,7 +172,12 @@ class StepPlan:
         rows[at], slots[at] = new, new_slots
         rows[old], slots[old] = self.sorted_rows, self.sorted_slots
         self.sorted_rows, self.sorted_slots = rows, slots
-        return new
+        hit, src = last.find(new) if last is not None else (new[:0], new[:0])
+        from_host = torch.ones(new.numel(), dtype=torch.bool)
+        from_host[hit] = False
+        host = torch.nonzero(from_host).squeeze(1)
+        self.from_host.append(host.numel())
+        return host, hit, src
 
 
 @dataclass
@@ -177,10 +188,11 @@ class LayerRows:
     weight: torch.Tensor
     plan: StepPlan = field(default_factory=StepPlan)
     slots: list[torch.Tensor] = field(default_factory=list)  # per micro-batch: [B, T, L] int64
-    # per micro-batch: (slots here, slots in the last update's rows) of rows that update changed
+    # per micro-batch: (slots here, slots in the last update's rows) of the rows to copy over from
+    # that update (the host may not hold them yet; they are not read from it), or None
     patches: list[Optional[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)
     momentum: Optional[torch.Tensor] = None  # [S, E] fp32: a training fetch at one rank
-    momentum_patch: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    momentum_patch: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (slots here, slots there)
 
 
 class Fetch:
@@ -376,39 +388,54 @@ class HostEngramTables:
             buffers[layer] = torch.empty(sum(a.numel() for a in parts), dim, dtype=torch.float32,
                                          device=self.device)
             fetch.layers[layer] = LayerRows(buffers[layer].detach().requires_grad_(fetch.train))
-        prev, patched = fetch.prev, defaultdict(list)  # layer -> CPU (dst, src) per chunk
+        last = fetch.prev
+        # layer -> per chunk: (slots read from the host, slots copied over, their slots in `last`)
+        parts = defaultdict(list)
         for i in range(fetch.n):
             for layer, rows in fetch.layers.items():
                 planned = time.perf_counter()
-                new = rows.plan.add(addresses[layer][i])  # [n_i] sorted
+                plan = rows.plan
+                host, hit, src = plan.add(addresses[layer][i],
+                                          None if last is None else last.layers[layer].plan)
                 plan_s += time.perf_counter() - planned
-                a = rows.plan.bounds[i]
-                if new.numel():
-                    buffers[layer][a:a + new.numel()].copy_(self._gather(layer, new), non_blocking=True)
-                rows.slots.append(self._to_device(rows.plan.slots[i]))
-                hit, src = prev.layers[layer].plan.find(new) if prev is not None else (new[:0], new[:0])
-                if hit.numel():
-                    patched[layer].append((hit + a, src))
+                a, chunk = plan.bounds[i], plan.chunks[i]
+                if host.numel():
+                    self._place(buffers[layer], a, chunk.numel(), host, self._gather(layer, chunk[host]))
+                rows.slots.append(self._to_device(plan.slots[i]))
                 rows.patches.append((self._to_device(hit + a), self._to_device(src)) if hit.numel() else None)
+                parts[layer].append((host + a, hit + a, src))
             fetch.chunks[i].set_result(self._copy_event())
-        moved = sum(r.plan.size * self.shards[layer].weight.shape[1] * 4
+        moved = sum(sum(r.plan.from_host) * self.shards[layer].weight.shape[1] * 4
                     + sum(s.numel() * 8 for s in r.plan.slots) for layer, r in fetch.layers.items())
         if fetch.train and self.world == 1:  # the update's momentum rows, after every weight row
             for layer, rows in fetch.layers.items():
-                shard = self.shards[layer]
-                staged = self._staging(rows.plan.size, shard.weight.shape[1])
+                shard, plan = self.shards[layer], rows.plan
+                host, hit, src = (torch.cat(t) for t in zip(*parts[layer]))  # slots, slots, slots in last
+                rows.momentum = torch.empty(plan.size, shard.weight.shape[1], dtype=torch.float32,
+                                            device=self.device)
                 gathered = time.perf_counter()
-                torch.index_select(shard.momentum, 0, rows.plan.rows - shard.lo, out=staged)
+                staged = self._staging(host.numel(), shard.weight.shape[1])
+                torch.index_select(shard.momentum, 0, plan.rows[host] - shard.lo, out=staged)
                 self._count(gather_s=time.perf_counter() - gathered)
-                rows.momentum = staged.to(self.device, non_blocking=True)
+                if host.numel():
+                    self._place(rows.momentum, 0, plan.size, host, staged)
                 moved += staged.numel() * 4
-                if patched[layer]:
-                    dst, src = (torch.cat(t) for t in zip(*patched[layer]))
-                    rows.momentum_patch = (self._to_device(dst), self._to_device(src))
+                if hit.numel():
+                    rows.momentum_patch = (self._to_device(hit), self._to_device(src))
         fetch.momentum.set_result(self._copy_event())
         self._count(rows_fetched=sum(r.plan.size for r in fetch.layers.values()),
+                    rows_from_host=sum(sum(r.plan.from_host) for r in fetch.layers.values()),
                     lookups=sum(b.shape[0] for b in buffers.values()), bytes_to_device=moved,
                     plan_s=plan_s, fetch_s=time.perf_counter() - start, fetches=1)
+
+    def _place(self, buffer: torch.Tensor, first: int, n: int, slots: torch.Tensor,
+               staged: torch.Tensor) -> None:
+        """staged [k, E] (pinned) into buffer rows first + slots (slots ascending, < n), on the copy
+        stream: one copy when they are all n."""
+        if slots.numel() == n:
+            buffer[first:first + n].copy_(staged, non_blocking=True)
+        else:
+            buffer.index_copy_(0, self._to_device(slots + first), staged.to(self.device, non_blocking=True))
 
     def _gather(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
         """Rows `rows` (sorted) of a layer, into pinned staging [n, E] in that order: this rank's
@@ -481,7 +508,7 @@ class HostEngramTables:
             stream.wait_event(ready)
             for t in (rows.weight, slots, *(patch or ())):  # allocated on the copy stream, used on this one
                 t.record_stream(stream)
-        if patch is not None:  # after the update in stream order: the shard may not hold it yet
+        if patch is not None:  # after the last update in stream order: the host may not hold it yet
             with torch.no_grad():
                 source = fetch.prev.layers[layer].weight
                 rows.weight.index_copy_(0, patch[0], source.index_select(0, patch[1]))

@@ -124,6 +124,8 @@ def measure(cfg, tables: str, seq_len: int, micro_batch: int, accum: int, steps:
         row.update(
             host_table_gib=host.host_bytes / GIB,
             lookups_per_step=st["lookups"] / fetches, rows_fetched_per_step=st["rows_fetched"] / fetches,
+            # the others are copied over on the device from the last update's rows
+            rows_from_host_per_step=st["rows_from_host"] / fetches,
             rows_updated_per_step=st["rows_updated"] / steps,
             mib_to_device_per_step=st["bytes_to_device"] / fetches / 2**20,
             mib_to_host_per_step=st["bytes_to_host"] / steps / 2**20,
