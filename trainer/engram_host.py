@@ -24,11 +24,12 @@ computes (tests/test_engram_host.py). Per Engram layer:
             rows' owners (gloo), which sum them, divide by W, and run the step on their rows on
             the device, the column norms and mean row norm summed over the owners, so it equals
             the step on the whole table's touched rows.
-  order     a fetch may run while the previous update's write-back is still scattering: it waits
-            for the write-back before that one, and the rows the previous update changed are
-            copied over on the device from that update's buffers (`patches`) before a forward or
-            the next update reads them. At W ranks the update runs on the worker thread, so every
-            later fetch, served by the owners from their shards, queues behind it.
+  order     a fetch may run while the last update's write-back is still scattering: it waits for
+            the write-back before that one and reads from the shard only the rows the last update
+            did not change; those it did are copied over on the device from that update's buffers
+            (`patches`), in stream order after it, before a forward or the next update reads them.
+            At W ranks the update runs on the worker thread, so every later fetch, served by the
+            owners from their shards, queues behind it.
   checkpoint every rank writes its shards (weights and momentum) as safetensors files named by
             their row range; a resume reads the rows it owns from whichever files hold them, so the
             world size may change between save and resume.
