@@ -192,6 +192,10 @@ class Trainer:
             self.loader = self._mix_in_images(self.loader)
         self.ckpts = CheckpointManager(self.run_dir / "checkpoints", tc.keep_last, d.rank)
         self.step, self.tokens_seen = 0, 0
+        # host Engram tables: the next step's micro-batches, taken from the loader (and their rows
+        # prefetched) a step early, and the loader's position before them
+        self._next_micro_batches: Optional[list[dict[str, torch.Tensor]]] = None
+        self._data_state: Optional[dict[str, Any]] = None
         self.nonfinite = NonFiniteSteps(tc.max_nonfinite_steps, d.is_main)
         self.resumed_from = self.ckpts.resolve(tc.resume)
         run_id = self._resume(self.resumed_from) if self.resumed_from is not None else None
@@ -322,11 +326,11 @@ class Trainer:
               f"({self.peak_source}) | {start} at step {self.step}", flush=True)
 
     # ------------------------------------------------------------------ one step
-    def _prefetch(self, batches: list[dict[str, torch.Tensor]]) -> None:
-        """Host Engram tables: queue the rows of these micro-batches, which their forwards take in order."""
+    def _prefetch(self, batches: list[dict[str, torch.Tensor]], train: bool) -> None:
+        """Host Engram tables: queue the rows of these micro-batches (a training step's, or an
+        evaluation batch), which their forwards take in order."""
         if self.engram_host is not None:
-            for batch in batches:
-                self.engram_host.prefetch(batch["input_ids"], batch.get("doc_ids"))
+            self.engram_host.prefetch([(b["input_ids"], b.get("doc_ids")) for b in batches], train=train)
 
     def _batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """On this rank's device; with context parallelism, this rank's slice plus its shard."""
@@ -344,8 +348,11 @@ class Trainer:
         sums = torch.zeros(3, dtype=torch.float64)  # lm, balance, indexer losses
         grad_norm: Optional[float] = None
         skipped = False
-        micro_batches = [self.loader.next_batch() for _ in range(tc.grad_accum_steps)]
-        self._prefetch(micro_batches)  # the rows of later micro-batches arrive while earlier ones compute
+        micro_batches, self._next_micro_batches = self._next_micro_batches, None
+        if micro_batches is None:
+            micro_batches = [self.loader.next_batch() for _ in range(tc.grad_accum_steps)]
+            # the rows of later micro-batches arrive while earlier ones compute
+            self._prefetch(micro_batches, train=True)
         host = self.engram_host
         for raw in micro_batches:
             batch = self._batch(raw)
@@ -378,6 +385,12 @@ class Trainer:
                 host.drop_grads()
             elif host is not None:
                 host.step(lr_multiplier)
+            if host is not None and self.step + 1 < tc.max_steps:
+                # the next step's rows are fetched behind this step's optimizer work on the GPU, so its
+                # first forward need not wait for them; a checkpoint of this step resumes before them
+                self._data_state = self.loader.state_dict()
+                self._next_micro_batches = [self.loader.next_batch() for _ in range(tc.grad_accum_steps)]
+                self._prefetch(self._next_micro_batches, train=True)
         if grad_norm is None:
             norm = engine.get_global_grad_norm()
             grad_norm = float(norm) if norm is not None else float("nan")
@@ -438,7 +451,7 @@ class Trainer:
         # token loss sum, tokens, top-k / pool recall sums, batches
         total = torch.zeros(5, dtype=torch.float64)
         for batch in self.val_loader.eval_batches(self.cfg.trainer.eval_batches):
-            self._prefetch([batch])
+            self._prefetch([batch], train=False)
             batch = self._batch(batch)
             n = (batch["labels"] != -100).sum()
             out = self.engine(**batch, collect_recall=True)
@@ -458,7 +471,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoint
     def save(self) -> None:
-        trainer_state = {"step": self.step, "tokens_seen": self.tokens_seen, "data": self.loader.state_dict(),
+        data = self._data_state if self._next_micro_batches is not None else self.loader.state_dict()
+        trainer_state = {"step": self.step, "tokens_seen": self.tokens_seen, "data": data,
                          "wandb_run_id": self.tracker.run_id, "config": self.config_yaml}
         rank_state = {"rng": rng_state()}
         if self.own_optimizer_state:

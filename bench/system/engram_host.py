@@ -6,15 +6,20 @@ bench/system/step_memory.py does): kernels on, bf16 autocast on a GPU, Muon + Si
 the global gradient norm clipped. `gpu`: the tables are parameters with sparse row gradients and
 Sinkhorn's sparse step on the device. `host`: the tables are fp32 row shards in host memory
 (with fp32 momentum), built on the meta device and drawn on the host, so a host-only row count
-may exceed what the device holds (`--host-only-rows`). The timed figure is the wall clock of
-the timed steps together, divided by their number, so the host update that runs behind a step
-is counted where the next step waits for it.
+may exceed what the device holds (`--host-only-rows`). As in the trainer, a step's rows are
+prefetched right after the previous step's update is queued, behind the GPU's optimizer step.
+The timed figure is the wall clock of the timed steps together, divided by their number, so the
+host work that runs behind a step is counted where the next step waits for it. The JSON rows
+and one line a mode on stderr break the host tables' time down: the training thread's waits
+(fetch_wait: forwards waiting for rows; grad: the row gradients' reduction and norm; update:
+queueing the device step and its write-back), the worker's fetch (plan, gather) and the
+writer's write-back (scatter), each per step.
 
 Token ids: `uniform` draws every id alike (almost every n-gram new: the most rows a step can
 fetch); `zipf` draws id k with weight 1 / (k + 1), closer to text, where frequent n-grams repeat.
 
     python -m bench.system.engram_host --model flash-L2 --seq-len 4096 --micro-batch 2 --accum 4 \\
-        --min-rows 250000 --engram-layers 0,1 [--host-only-rows 16000000] [--out FILE]
+        --min-rows 125000 --engram-layers 0,1 --steps 3 [--host-only-rows 900000] [--out FILE]
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ import contextlib
 import dataclasses
 import gc
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -68,24 +74,27 @@ def measure(cfg, tables: str, seq_len: int, micro_batch: int, accum: int, steps:
     cuda = device.type == "cuda"
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
 
+    def draw() -> list[torch.Tensor]:
+        batches = [draw_ids(ids, (micro_batch, seq_len + 1), cfg.vocab_size, g) for _ in range(accum)]
+        if host is not None:  # as the trainer does: the step's rows are fetched behind the last step
+            host.prefetch([(b[:, :-1], None) for b in batches])
+        return batches
+
     def sync():
         if cuda:
             torch.cuda.synchronize()
         if host is not None:
             host.synchronize()
 
-    times, start_all = [], None
-    for step in range(steps + 2):  # two warm-up steps: autotuning, allocator growth, optimizer state
-        batches = [draw_ids(ids, (micro_batch, seq_len + 1), cfg.vocab_size, g) for _ in range(accum)]
+    times, start_all, before = [], None, {}
+    batches = draw()
+    total = steps + 2  # two warm-up steps: autotuning, allocator growth, optimizer state
+    for step in range(total):
         if step == 2:
             sync()
-            if host is not None:
-                host.stats.clear()
+            before = dict(host.stats) if host is not None else {}
             start_all = time.perf_counter()
         start = time.perf_counter()
-        if host is not None:
-            for b in batches:
-                host.prefetch(b[:, :-1])
         for b in batches:
             b = b.to(device, non_blocking=True)
             with autocast:
@@ -97,6 +106,8 @@ def measure(cfg, tables: str, seq_len: int, micro_batch: int, accum: int, steps:
         opt.step()
         if host is not None:
             host.step(1.0)
+        if step + 1 < total:
+            batches = draw()
         opt.zero_grad(set_to_none=True)
         if cuda:
             torch.cuda.synchronize()
@@ -108,14 +119,26 @@ def measure(cfg, tables: str, seq_len: int, micro_batch: int, accum: int, steps:
            "table_rows_per_layer": engram_table_params(cfg) // cfg.engram_dim // len(cfg.engram_layers),
            "lm_loss_last": out.lm_loss.item()}
     if host is not None:
-        st = host.stats
-        row.update(host_table_gib=host.host_bytes / GIB,
-                   lookups_per_step=st["lookups"] / steps, rows_fetched_per_step=st["rows_fetched"] / steps,
-                   rows_updated_per_step=st["rows_updated"] / steps,
-                   mib_to_device_per_step=st["bytes_to_device"] / steps / 2**20,
-                   mib_to_host_per_step=st["bytes_to_host"] / steps / 2**20,
-                   fetch_wait_s_per_step=st["fetch_wait_s"] / steps, reduce_s_per_step=st["reduce_s"] / steps,
-                   host_update_s_per_step=st["update_s"] / steps)
+        st = {k: v - before.get(k, 0.0) for k, v in host.stats.items()}  # the timed steps'
+        fetches, writes = max(st.get("fetches", 0), 1), max(st.get("writebacks", 0), 1)
+        row.update(
+            host_table_gib=host.host_bytes / GIB,
+            lookups_per_step=st["lookups"] / fetches, rows_fetched_per_step=st["rows_fetched"] / fetches,
+            # the others are copied over on the device from the last update's rows
+            rows_from_host_per_step=st["rows_from_host"] / fetches,
+            rows_updated_per_step=st["rows_updated"] / steps,
+            mib_to_device_per_step=st["bytes_to_device"] / fetches / 2**20,
+            mib_to_host_per_step=st["bytes_to_host"] / steps / 2**20,
+            # the training thread's waits and work, per step
+            fetch_wait_s_per_step=st["fetch_wait_s"] / steps,  # forwards waiting for their rows
+            grad_s_per_step=st["grad_s"] / steps,  # reduce_gradients + the rows' gradient norm
+            update_s_per_step=st["update_s"] / steps,  # step(): queueing the update and write-back
+            # the worker thread's, per fetch (behind the GPU unless a forward waits)
+            fetch_s_per_step=st["fetch_s"] / fetches, plan_s_per_step=st["plan_s"] / fetches,
+            gather_s_per_step=st["gather_s"] / fetches,
+            writeback_wait_s_per_step=st["writeback_wait_s"] / fetches,
+            # the writer thread's, per update: waiting for the device copy, then the scatter
+            writeback_s_per_step=st["writeback_s"] / writes, scatter_s_per_step=st["scatter_s"] / writes)
         host.close()
     else:
         row["table_gib_on_device"] = 2 * 4 * engram_table_params(cfg) / GIB  # fp32 weights + momentum
@@ -127,6 +150,15 @@ def measure(cfg, tables: str, seq_len: int, micro_batch: int, accum: int, steps:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     return row
+
+
+def breakdown(row: dict) -> str:
+    """One line of a row's step time and, for host tables, where the host-side time went."""
+    line = f"{row['tables']}: {row['step_s']:.3f} s/step"
+    if row["tables"] == "host":
+        keys = ("fetch_wait", "grad", "update", "writeback", "fetch", "gather", "scatter", "writeback_wait")
+        line += " | " + " ".join(f"{k} {row[f'{k}_s_per_step']:.3f}" for k in keys)
+    return line
 
 
 def main() -> None:
@@ -147,7 +179,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=129_280)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
-    ap.add_argument("--out", type=Path)
+    ap.add_argument("--out", type=Path, help="also write the JSON to this file")
     args = ap.parse_args()
     if args.threads:  # a shared CPU: one thread avoids OpenMP barriers waiting on descheduled threads
         torch.set_num_threads(args.threads)
@@ -169,6 +201,9 @@ def main() -> None:
         row["overhead_vs_device_tables_of_min_rows"] = row["step_s"] / gpu["step_s"] - 1
         result["rows"].append(row)
     provenance.emit(result, args.out)
+    for row in result["rows"]:
+        print(breakdown(row), file=sys.stderr)
+    print(f"overhead {result['overhead']:+.1%} (goal <= +10%)", file=sys.stderr)
 
 
 if __name__ == "__main__":
