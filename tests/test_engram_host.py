@@ -474,7 +474,11 @@ def test_planner_counts_host_tables_off_the_gpu():
     assert gpu["optimizer"] - host["optimizer"] == 4 * table  # Sinkhorn's one fp32 buffer
     lookups = 2 * 64 * len(cfg.engram_orders) * cfg.engram_heads * len(cfg.engram_layers)
     assert gpu["gradients"] - host["gradients"] == lookups * (cfg.engram_dim * 4 + 8)
-    assert host["engram rows in flight"] == lookups * (2 * cfg.engram_dim * 4 + 8)
+    # a step's rows with their gradient and momentum, the last update's rows and momentum, a slot each
+    assert host["engram rows in flight"] == lookups * (5 * cfg.engram_dim * 4 + 8)
+    three = plan_rank(facts, Layout(4, zero_stage=0, micro_batch=2, seq_len=64, engram_host=True), False,
+                      ActivationRates(), 2**40, accumulation=3)
+    assert three.parts["engram rows in flight"] == 3 * host["engram rows in flight"]
     assert (plans[False].host_bytes, plans[True].host_bytes) == (0, 8 * table // 4)
     times = {h: step_time(facts, p.layout, False, 1, GPUS["h100"], 8, StepRates()) for h, p in plans.items()}
     assert times[False]["host traffic"] == 0 < times[True]["host traffic"]

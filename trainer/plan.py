@@ -11,7 +11,7 @@ The trainer has two ways of holding a model (trainer/engine.py, optim/__init__.p
                    hold the same experts; Engram tables take sparse row gradients. With
                    trainer.engram_tables=host (Layout.engram_host) the tables and their momentum
                    are fp32 row shards in host memory (8 bytes a parameter over the world, off
-                   the GPU); the GPU holds a micro-step's fetched rows and their gradients.
+                   the GPU); the GPU holds a step's fetched rows, their gradients and momentum.
   DeepSpeed ZeRO   every route to AdamW and no EP: bf16 weights and gradients with fp32 master weights and
                    Adam moments that ZeRO stage 1, 2 and 3 partition over the ranks (2 + 2 + 12
                    bytes a parameter; stage 0 keeps fp32 gradients too).
@@ -117,7 +117,7 @@ class ModelFacts:
         return sum(r.param.numel() for r in self.routes if self.kinds[r.name] == kind)
 
 
-def state_bytes(facts: ModelFacts, layout: Layout) -> dict[str, int]:
+def state_bytes(facts: ModelFacts, layout: Layout, accumulation: int = 1) -> dict[str, int]:
     """Bytes of weights, gradients and optimizer state on the rank that holds the most:
     {"parameters", "gradients", "optimizer"}. The layout's degrees are checked before
     (trainer/parallelize.py check_training_layout)."""
@@ -139,10 +139,13 @@ def state_bytes(facts: ModelFacts, layout: Layout) -> dict[str, int]:
         dense_grad_bytes = FP32 * sum(held.values())
     lookups = facts.engram_rows_per_token * layout.tokens_per_rank
     if layout.engram_host:
-        # at most one fetched row (fp32) a lookup, its gradient, and the lookup's int64 position
+        # a step's rows (all `accumulation` micro-batches; at most one a lookup) sit in one device
+        # buffer with their gradient and momentum, beside the last update's rows and momentum (the
+        # next fetch copies those over on the device), and each lookup's int64 slot
+        step_lookups = lookups * accumulation
         return {"parameters": FP32 * sum(local.values()), "gradients": dense_grad_bytes,
                 "optimizer": _composite_state_bytes(facts, local, layout),
-                "engram rows in flight": lookups * (2 * facts.table_dim * FP32 + 8)}
+                "engram rows in flight": step_lookups * (5 * facts.table_dim * FP32 + 8)}
     # sparse row gradients of the Engram tables: each read row's values (fp32) and its int64 index
     sparse = lookups * (facts.table_dim * FP32 + 8)
     return {"parameters": FP32 * sum(local.values()), "gradients": dense_grad_bytes + sparse,
@@ -317,10 +320,10 @@ class RankPlan:
 
 
 def plan_rank(facts: ModelFacts, layout: Layout, checkpointing: bool, rates: ActivationRates,
-              capacity: int) -> RankPlan:
+              capacity: int, accumulation: int = 1) -> RankPlan:
     """Per-rank memory of one layout: the kept state, then the larger of a micro-step's
     activations (with the EP exchange buffers) and the optimizer step's workspace."""
-    parts = state_bytes(facts, layout)
+    parts = state_bytes(facts, layout, accumulation)
     acts = activation_bytes(facts, layout, checkpointing, rates) + dispatch_bytes(facts, layout)
     workspace = int(rates.optimizer_workspace * FP32 * optimizer_workspace_elements(facts, layout.ep))
     parts["activations" if acts >= workspace else "optimizer workspace"] = max(acts, workspace)
@@ -362,10 +365,11 @@ REFUSE_OVER = 1.10
 
 
 def check_layout_fits(model: nn.Module, optim: OptimConfig, layout: Layout, checkpointing: bool,
-                      capacity: int, gpu: str) -> RankPlan:
+                      capacity: int, gpu: str, accumulation: int = 1) -> RankPlan:
     """Before a GPU run builds anything: refuse, in one line, a layout whose fullest rank the planner
     puts above the card's memory by more than its measured error. Returns the plan."""
-    rank = plan_rank(ModelFacts.of(model, optim), layout, checkpointing, ActivationRates(), capacity)
+    rank = plan_rank(ModelFacts.of(model, optim), layout, checkpointing, ActivationRates(), capacity,
+                     accumulation)
     if rank.total > REFUSE_OVER * capacity:
         parts = ", ".join(f"{name} {size / GIB:,.1f}" for name, size in rank.parts.items())
         raise ConfigError(f"trainer: this layout needs about {rank.total / GIB:,.1f} GiB a GPU ({parts}) "

@@ -228,7 +228,8 @@ class Trainer:
                         zero_stage=tc.zero_stage, micro_batch=tc.micro_batch_size, seq_len=cfg.data.seq_len,
                         engram_host=tc.engram_tables == "host", grad_accum_dtype=tc.grad_accum_dtype)
         gpu = torch.cuda.get_device_properties(self.dist.device)
-        check_layout_fits(meta, cfg.optim, layout, tc.activation_checkpointing, gpu.total_memory, gpu.name)
+        check_layout_fits(meta, cfg.optim, layout, tc.activation_checkpointing, gpu.total_memory, gpu.name,
+                          tc.grad_accum_steps)
 
     def build_data(self):
         """(train split, validation split, tokenizer): the packed corpus of cfg.data. A stage that

@@ -46,8 +46,8 @@ def plan(cfg: PlanConfig, run_dir: Path, config_yaml: str):
     for layout in candidate_layouts(facts, world, model_cfg, o.seq_len, o.micro_batches, o.expert_parallel,
                                     o.zero_stages, o.context_parallel, o.engram_tables, o.grad_accum_dtypes):
         for ac in o.checkpointing:
-            row = plan_rank(facts, layout, ac, ActivationRates(), capacity)
             accumulation = accumulation_steps(layout, o.global_batch)
+            row = plan_rank(facts, layout, ac, ActivationRates(), capacity, accumulation)
             parts = step_time(facts, layout, ac, accumulation, gpu, c.gpus_per_node, StepRates())
             step_s = sum(parts.values())
             tokens = layout.tokens_per_rank * accumulation
