@@ -18,6 +18,13 @@ carries, or tokenizer=PATH) and the checkpoint's origin, the public directory it
 from (recorded by import and by every run started from one; origin=DIR when it moved, origin=none to
 do without): its tensors of modules flashtrain does not train are written back unchanged, and its
 scales keep untrained weights byte-identical.
+
+The DSpark drafter (`mtp.*`) is a module of its own (model/dspark.py). `drafter=` says what becomes
+of it: on import, auto (default) imports a source's drafter into <out>/drafter (a weights-only
+checkpoints dir: rl.drafter=<out>/drafter) and none carries it through unchanged; on export, a
+drafter checkpoint (a `flashtrain dspark` run, its checkpoints dir or one checkpoint, or an import's
+drafter dir) is written as the release's mtp.* blocks, auto (default) writes the origin's drafter
+back unchanged, if it has one, and none leaves any drafter out.
 """
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -39,5 +46,6 @@ class ConvertConfig:
     # export: the public directory the weights came from (None: as recorded; none)
     origin: Optional[str] = None
     tokenizer: Optional[str] = None  # export: a tokenizer.json (None: the one the checkpoint carries)
+    drafter: Optional[str] = None  # the DSpark drafter: auto (None) | none | export: a drafter checkpoint
     model: ModelConfig = MISSING
     launcher: LauncherConfig = MISSING

@@ -103,7 +103,8 @@ class ModelConfig:
     # --- DSpark drafter (§8): trained after the target, which stays frozen (model/dspark.py)
     dspark_layers: int = 3  # blocks, window attention only (over `window` context rows)
     dspark_block: int = 5  # draft positions proposed in parallel
-    dspark_taps: Optional[list[int]] = None  # target layers whose outputs feed it (None: the last 3)
+    # target layers whose inputs feed it, the public dspark_target_layer_ids (None: the last 3)
+    dspark_taps: Optional[list[int]] = None
     dspark_markov_rank: int = 256  # rank of the previous-token logit bias
     dspark_routed_experts: int = 128
     dspark_activated_experts: int = 3
@@ -224,3 +225,4 @@ class FlashModelConfig(ModelConfig):
     attn_chunk_tokens: int = 2048  # 64K-1M contexts: attention scores exist for one query chunk at a time
     loss_chunk_tokens: int = 4096
     vision_n_layers: int = 32  # the published vision tower
+    dspark_noise_id: Optional[int] = 128_799  # the release's dspark_noise_token_id

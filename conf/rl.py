@@ -53,8 +53,9 @@ class RLLoopConfig:
     # rollout_replay (null: every layer over the whole prompt, exactly the training forward)
     rollout_replay: Optional[int] = 128
     rollout_threads: int = 1  # torch threads per rollout worker (CPU)
-    # a `flashtrain dspark` run (or checkpoint) whose drafter the rollout workers decode with
-    # (inference/speculative.py: the samples' distribution and log-probs stay the policy's); null: none
+    # a `flashtrain dspark` run (or checkpoint), the drafter dir `convert import` writes, or a public-layout
+    # dir (its mtp.* drafter): the rollout workers decode with that drafter (inference/speculative.py:
+    # the samples' distribution and log-probs stay the policy's); null: none
     drafter: Optional[str] = None
     trainer_gpus: float = 0.0  # GPUs per trainer actor (0 on CPU)
     # GPUs per rollout worker; above 0 it decodes on its GPU in the trainer's precision there. Fractions

@@ -2,9 +2,11 @@
 frozen, that proposes `dspark_block` next tokens at once for the target to verify in one forward.
 
 Inputs at a decode step whose newest token (the anchor) sits at position p:
-  context  the outputs of the target's tap layers (the last three) at positions < p, averaged over
-           the mHC streams, concatenated, projected to the model width and normed: one row per
-           position, the last `window` of them visible
+  context  the inputs of the target's tap layers (the streams entering each, after its Engram; by
+           default the last three layers) at positions < p, averaged over the mHC streams,
+           concatenated in layer order, projected to the model width and normed: one row per
+           position, the last `window` of them visible. These are the public code's
+           `dspark_target_layer_ids` reads, so a released drafter runs here unchanged
   block    K rows: the anchor's embedding, then K-1 copies of a noise token's embedding, at positions
            p .. p+K-1 (the target's embedding table)
 Three blocks (mHC streams, window-only attention, their own MoE) run the K block rows at once: every
@@ -49,11 +51,12 @@ def draft_config(cfg: ModelConfig) -> ModelConfig:
 
 
 def tap_layers(cfg: ModelConfig) -> list[int]:
-    """The target layers whose outputs feed the drafter (default: the last three)."""
+    """The target layers whose inputs feed the drafter, in layer order (default: the last three).
+    Layer order because the public code concatenates them so, whatever order its config lists."""
     taps = list(cfg.dspark_taps) if cfg.dspark_taps is not None else list(range(cfg.n_layers))[-3:]
-    if not taps or any(not 0 <= t < cfg.n_layers for t in taps):
-        raise ValueError(f"dspark_taps={taps}: expected target layer ids in [0, {cfg.n_layers})")
-    return taps
+    if not taps or len(set(taps)) != len(taps) or any(not 0 <= t < cfg.n_layers for t in taps):
+        raise ValueError(f"dspark_taps={taps}: expected distinct target layer ids in [0, {cfg.n_layers})")
+    return sorted(taps)
 
 
 class DraftRuntime:
@@ -247,9 +250,10 @@ class DSpark(nn.Module):
 
 
 class TapRecorder:
-    """Records the outputs of the target's tap layers, averaged over the mHC streams, in every
-    forward the target runs while inside (training, prefill, decode and verification alike):
-    forward hooks, so the target's code does not change."""
+    """Records the inputs of the target's tap layers (the streams entering each block, after its
+    Engram), averaged over the mHC streams, in every forward the target runs while inside
+    (training, prefill, decode and verification alike): forward pre-hooks, so the target's code
+    does not change."""
 
     def __init__(self, target: Transformer, taps: list[int]):
         self.target, self.taps = target, taps
@@ -258,9 +262,13 @@ class TapRecorder:
 
     def __enter__(self) -> TapRecorder:
         for t in self.taps:
-            def hook(module, args, output, t=t):
-                self.outputs[t] = output[0].mean(2)  # streams [B, T, n, D] -> [B, T, D]
-            self._handles.append(self.target.layers[t].register_forward_hook(hook))
+            def hook(module, args, t=t):
+                h = args[0]  # streams [B, T, n, D]
+                pending = args[3] if len(args) > 3 else None
+                if pending is not None:  # the fused schedule (model/fused_mhc.py) hands a block the
+                    h = module.update_streams(h, *pending)  # streams before the last MoE update
+                self.outputs[t] = h.mean(2)  # [B, T, D]
+            self._handles.append(self.target.layers[t].register_forward_pre_hook(hook))
         return self
 
     def __exit__(self, *exc) -> None:

@@ -49,6 +49,45 @@ def test_shapes_and_taps(target):
     assert out.positions.tolist() == [2 * 18, 2 * 17, 2 * 16, 2 * 15, 2 * 14]
 
 
+def test_taps_are_the_streams_entering_each_tap_layer_in_layer_order(target):
+    """What the public code's dspark_target_layer_ids read: the streams entering a layer, after its
+    Engram, averaged over the mHC streams; concatenated in layer order however the config lists them.
+    Under the fused schedule (a block receives the streams before the last MoE update) the same."""
+    from model.fused_mhc import apply_fused_schedule
+    from model.kernels.mhc import reference_mhc_mix, reference_mhc_step
+
+    cfg = dataclasses.replace(CFG, dspark_taps=[3, 0, 2])  # tiny: Engrams at layers 1 and 2
+    d = DSpark(cfg)
+    assert d.taps == [0, 2, 3]
+    ids = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(7))
+    block_out = {}
+    hooks = [target.layers[i].register_forward_hook(lambda m, a, out, i=i: block_out.__setitem__(i, out[0]))
+             for i in (1, 2)]
+    try:
+        with TapRecorder(target, d.taps) as rec, torch.no_grad():
+            out = target(ids, keep_runtime=True)
+            taps = rec.take().unflatten(-1, (3, CFG.dim))
+    finally:
+        for h in hooks:
+            h.remove()
+    rt = out.runtime
+    with torch.no_grad():
+        after_engram = target.engrams["2"](block_out[1], target.lookup_map[ids], rt.ngram_start, rt.positions,
+                                           None)
+    assert torch.equal(taps[..., 0, :], target.embed(ids))  # layer 0's input: the embedding in every stream
+    assert torch.equal(taps[..., 1, :], after_engram.mean(2))
+    assert not torch.allclose(taps[..., 1, :], block_out[1].mean(2))  # the Engram's memory is in it
+    assert torch.equal(taps[..., 2, :], block_out[2].mean(2))  # no Engram at 3: layer 2's output
+
+    fused = copy.deepcopy(target)
+    for block in fused.layers:
+        block.fused_mhc, block.fused_mix = reference_mhc_step, reference_mhc_mix
+    apply_fused_schedule(fused)
+    with TapRecorder(fused, d.taps) as rec, torch.no_grad():
+        fused(ids)
+        torch.testing.assert_close(rec.take().unflatten(-1, (3, CFG.dim)), taps)
+
+
 def test_a_draft_sees_only_the_past_window(target):
     """Hidden states at an anchor depend on context rows in [p - window, p) and on nothing later."""
     torch.manual_seed(2)

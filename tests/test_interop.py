@@ -18,7 +18,13 @@ from safetensors.torch import load_file, save_file
 from conf.model import TinyModelConfig
 from model.transformer import Transformer
 from trainer.checkpoint import load_model_weights, write_manifest
-from trainer.interop.convert import InteropError, export_model, import_checkpoint, import_into_model
+from trainer.interop.convert import (
+    InteropError,
+    export_model,
+    export_state,
+    import_checkpoint,
+    import_into_model,
+)
 
 VOCAB = 512
 CFG = dataclasses.replace(TinyModelConfig(), vocab_size=VOCAB)
@@ -160,11 +166,11 @@ def test_logits_after_export_and_import(exported):
     torch.testing.assert_close(got, want, rtol=2**-8, atol=2**-8 * want.abs().max().item())
 
 
-def _rewrite(src: Path, dst: Path, edit) -> None:
-    """Copy a public dir, then edit(tensors of the shard holding layer 1, index weight_map)."""
+def _rewrite(src: Path, dst: Path, edit, key: str = "layers.1.attn.wq_a.weight") -> None:
+    """Copy a public dir, then edit(tensors of the shard holding `key` (layer 1), index weight_map)."""
     shutil.copytree(src, dst)
     index = json.loads((dst / "model.safetensors.index.json").read_text())
-    shard = dst / index["weight_map"]["layers.1.attn.wq_a.weight"]
+    shard = dst / index["weight_map"][key]
     tensors = load_file(str(shard))
     edit(tensors, index["weight_map"], shard.name)
     save_file(tensors, str(shard), metadata={"format": "pt"})
@@ -222,7 +228,8 @@ def test_tensors_flashtrain_does_not_train_are_named_once_and_carried_through(ex
     assert len(said) == 1 and "4 tensors of modules flashtrain does not train" in said[0], said
     assert "mtp" in said[0] and "vision" in said[0] and "image_start" in said[0] and "bias_vl" in said[0]
     assert torch.equal(model.layers[1].attn.wq_a.weight, imported.layers[1].attn.wq_a.weight)
-    import_checkpoint(tmp_path / "pub", tmp_path / "imp" / "checkpoints", CFG, log=QUIET)
+    # drafter=none (the CLI's): the drafter, which this model's dspark_* keys do not size, is carried
+    import_checkpoint(tmp_path / "pub", tmp_path / "imp" / "checkpoints", CFG, log=QUIET, drafter=False)
     p = flashtrain("convert", "model=tiny", f"export={tmp_path / 'out'}", f"checkpoint={tmp_path / 'imp'}",
                    f"hydra.run.dir={tmp_path / 'exp'}", cache=False)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -254,6 +261,216 @@ def test_a_config_that_differs_is_named(exported, tmp_path):
         import_into_model(_model(5), tmp_path / "pub", log=QUIET)
     assert "config.json swiglu_limit=7.0 but the model has 10.0" in str(err.value)
     assert "config.json index_topk=64 (absent: the public default) but the model has 32" in str(err.value)
+
+
+# ------------------------------------------------------------------ the DSpark drafter (mtp.*)
+def drafter_tensor(drafter, name: str) -> torch.Tensor:
+    """The drafter tensor a public mtp.<i>.* name describes, by module attribute (model/dspark.py)."""
+    _, i, *rest = name.split(".")
+    key = ".".join(rest)
+    heads = {"main_proj.weight": drafter.main_proj.weight, "main_norm.weight": drafter.main_norm.weight,
+             "norm.weight": drafter.norm.weight, "markov_head.embed.weight": drafter.markov.w1.weight,
+             "markov_head.head.weight": drafter.markov.w2.weight,
+             "confidence_head.proj.weight": drafter.confidence.proj.weight}
+    return heads[key] if key in heads else module_tensor(drafter, f"layers.{i}.{key}")
+
+
+def _draft_logits(target, drafter, ids):
+    """Draft logits (Markov bias added, the true previous token) and confidence logits [B, A, K(, V)]
+    at three anchors of ids [B, N], from the target's taps."""
+    from model.dspark import TapRecorder
+
+    B, N = ids.shape
+    anchors = torch.tensor([4, 9, 15])
+    with TapRecorder(target, drafter.taps) as rec, torch.no_grad():
+        target(ids)
+        context = drafter.context(rec.take())
+        pos = torch.arange(N).expand(B, N)
+        a = anchors[None, :, None]
+        visible = (pos[:, None] < a) & (pos[:, None] >= a - CFG.window)
+        hidden = drafter.hidden(target.embed, context, visible, pos, ids[:, anchors], anchors.expand(B, -1))
+        prev = ids[:, anchors[:, None] + torch.arange(drafter.block)]
+        bias, markov = drafter.markov(prev)
+        return drafter.base_logits(target.head, hidden) + bias, drafter.confidence(hidden, markov)
+
+
+@pytest.fixture(scope="module")
+def drafted(tmp_path_factory):
+    """A tiny target with a tiny drafter exported, imported (convert import's checkpoint and drafter
+    dir), and exported again from the import with the imported drafter."""
+    from model.dspark import DSpark
+    from trainer.checkpoint import model_state
+    from trainer.dspark import load_drafter
+
+    root = tmp_path_factory.mktemp("mtp")
+    target = _model(0)
+    torch.manual_seed(10)
+    original = DSpark(CFG).eval()
+    with torch.no_grad():  # trained-looking heads and selection biases (a fresh drafter has zeros)
+        original.markov.w2.weight.normal_(0, 0.02)
+        original.confidence.proj.weight.normal_(0, 0.02)
+        for layer in original.layers:
+            layer.moe.router.bias.normal_(0, 0.1)
+    export_model(target, root / "first", drafter=original, log=QUIET)
+    ckpt = import_checkpoint(root / "first", root / "imp" / "checkpoints", CFG, log=QUIET)
+    imported = load_drafter(str(root / "imp" / "checkpoints" / "drafter"), CFG, "rl.drafter")
+    export_state(model_state(ckpt), root / "second", CFG, origin=ckpt / "public", log=QUIET,
+                 drafter=imported.state_dict())
+    return root, target, original, imported
+
+
+def _mtp(root: Path) -> dict[str, torch.Tensor]:
+    return {n: v for f in root.glob("*.safetensors") for n, v in load_file(str(f)).items()
+            if n.startswith("mtp.")}
+
+
+def test_mtp_tensors_are_the_drafters_in_the_public_layout(drafted):
+    root, _, original, imported = drafted
+    config, tensors = read(root / "first")
+    assert (config["n_mtp_layers"], config["dspark_block_size"], config["dspark_target_layer_ids"]) == (
+        3, 5, [3, 4, 5])
+    assert (config["dspark_noise_token_id"], config["dspark_markov_rank"], config["dspark_n_routed_experts"],
+            config["dspark_n_activated_experts"]) == (VOCAB - 1, 16, 8, 2)
+    assert config["compress_ratios"] == [0, 2, 2, 1, 1, 1, 0, 0, 0]  # the drafter's blocks: window only
+    mtp = {n: v for n, v in tensors.items() if n.startswith("mtp.")}
+    for name, value in mtp.items():
+        assert torch.equal(value, drafter_tensor(imported, name).detach().double()), name
+        source = drafter_tensor(original, name).detach().double()
+        err = ((value - source).norm() / source.norm().clamp(min=1e-12)).item()
+        assert err < (0.15 if ".experts." in name else 0.04), f"{name}: relative error {err:.3g}"
+    n_public = sum(1 for k in original.state_dict() if not k.endswith(".load"))
+    n_public += len(original.layers) * 3 * (CFG.dspark_routed_experts - 1)  # experts stacked per weight
+    assert len(mtp) == n_public
+    stored = _mtp(root / "first")
+    assert stored["mtp.0.main_proj.weight"].dtype == torch.float8_e4m3fn
+    assert stored["mtp.0.main_proj.weight"].shape == (CFG.dim, 3 * CFG.dim)
+    assert stored["mtp.0.main_proj.scale"].shape == (CFG.dim // 32, 3 * CFG.dim // 32)
+    assert stored["mtp.1.ffn.experts.0.w1.weight"].dtype == torch.float4_e2m1fn_x2
+    for name in ("markov_head.embed", "markov_head.head", "confidence_head.proj", "norm"):
+        assert stored[f"mtp.2.{name}.weight"].dtype == torch.bfloat16, name
+    assert stored["mtp.2.markov_head.head.weight"].shape == (VOCAB, CFG.dspark_markov_rank)
+    assert not any(k.startswith(("mtp.1.main_", "mtp.0.norm.", "mtp.0.markov")) or "hc_head" in k
+                   for k in stored)
+
+
+def test_mtp_export_import_export_is_byte_identical(drafted):
+    root, _, _, _ = drafted
+    first, second = _mtp(root / "first"), _mtp(root / "second")
+    assert sorted(first) == sorted(second)
+    for name, value in first.items():
+        assert value.dtype == second[name].dtype and torch.equal(value.view(torch.uint8),
+                                                                 second[name].view(torch.uint8)), name
+    assert json.loads((root / "second" / "config.json").read_text()) == json.loads(
+        (root / "first" / "config.json").read_text())
+
+
+def test_without_a_drafter_an_imported_checkpoint_exports_its_origins_drafter_as_stored(drafted, tmp_path):
+    """`drafter` unset: the import's public/ folder keeps the mtp.* tensors as the source stored them."""
+    from trainer.checkpoint import model_state
+
+    root, _, _, _ = drafted
+    ckpt = root / "imp" / "checkpoints" / "step_00000000"
+    export_state(model_state(ckpt), tmp_path / "auto", CFG, origin=ckpt / "public", log=QUIET)
+    auto, first = _mtp(tmp_path / "auto"), _mtp(root / "first")
+    assert sorted(auto) == sorted(first) and all(
+        torch.equal(v.view(torch.uint8), first[n].view(torch.uint8)) for n, v in auto.items())
+    assert (tmp_path / "auto" / "config.json").read_text() == (root / "first" / "config.json").read_text()
+    export_state(model_state(ckpt), tmp_path / "none", CFG, origin=ckpt / "public", log=QUIET,
+                 origin_drafter=False)
+    assert not _mtp(tmp_path / "none")
+
+
+def test_an_imported_drafters_draft_logits_equal_the_originals(drafted):
+    """The imported drafter (its weights on the stored grids, so the layout holds them exactly) against
+    the drafter imported from its export, for rl.drafter given a public directory."""
+    from trainer.dspark import load_drafter
+
+    root, target, original, imported = drafted
+    again = load_drafter(str(root / "second"), CFG, "rl.drafter")
+    ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(3))
+    want, got = _draft_logits(target, imported, ids), _draft_logits(target, again, ids)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    before = _draft_logits(target, original, ids)[0]  # before quantisation: close, not equal
+    assert 0 < ((want[0] - before).norm() / before.norm()).item() < 0.1
+
+
+def _drop_markov(t, wm, _):
+    del t["mtp.2.markov_head.head.weight"], wm["mtp.2.markov_head.head.weight"]
+
+
+def _v4_names(t, wm, shard):
+    """DeepSeek-V4-Flash's drafter: an hc_head output mix and markov_w1/w2."""
+    for old, new in (("embed", "markov_w1"), ("head", "markov_w2")):
+        t[f"mtp.2.markov_head.{new}.weight"] = t.pop(f"mtp.2.markov_head.{old}.weight")
+        wm[f"mtp.2.markov_head.{new}.weight"] = wm.pop(f"mtp.2.markov_head.{old}.weight")
+    t["mtp.2.hc_head_fn"], wm["mtp.2.hc_head_fn"] = torch.zeros(4, 4 * CFG.dim), shard
+
+
+def _narrow_proj(t, wm, _):
+    t["mtp.0.main_proj.weight"] = t["mtp.0.main_proj.weight"][:, :2 * CFG.dim].clone()
+
+
+def _extra_block(t, wm, shard):
+    t["mtp.3.attn_norm.weight"], wm["mtp.3.attn_norm.weight"] = torch.ones(CFG.dim).bfloat16(), shard
+
+
+@pytest.mark.parametrize("edit, key, needles", [
+    (_drop_markov, "mtp.2.norm.weight", ["missing tensor mtp.2.markov_head.head.weight"]),
+    (_v4_names, "mtp.2.norm.weight", ["unexpected tensor mtp.2.hc_head_fn",
+                                      "unexpected tensor mtp.2.markov_head.markov_w1.weight",
+                                      "DeepSeek-V4-Flash's drafter layout"]),
+    (_narrow_proj, "mtp.0.main_proj.weight",
+     ["mtp.0.main_proj.weight: shape [128, 256], expected [128, 384]"]),
+    (_extra_block, "mtp.2.norm.weight", ["unexpected tensor mtp.3.attn_norm.weight"]),
+])
+def test_a_malformed_drafter_names_the_tensor_in_one_line(drafted, tmp_path, edit, key, needles):
+    root, _, _, _ = drafted
+    _rewrite(root / "first", tmp_path / "bad", edit, key)
+    with pytest.raises(InteropError, match="does not fit model tiny") as err:
+        import_checkpoint(tmp_path / "bad", tmp_path / "imp", CFG, log=QUIET)
+    assert all(n in str(err.value) for n in needles) and "\n" not in str(err.value), str(err.value)
+    assert not (tmp_path / "imp").exists()
+
+
+def test_a_drafter_config_that_differs_is_named(drafted, tmp_path):
+    root, _, _, _ = drafted
+    shutil.copytree(root / "first", tmp_path / "pub")
+    config = json.loads((tmp_path / "pub" / "config.json").read_text())
+    config.update(dspark_markov_rank=8, dspark_target_layer_ids=[4, 2, 3], compress_ratios=config[
+        "compress_ratios"][:-1])
+    del config["dspark_block_size"]
+    (tmp_path / "pub" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(InteropError) as err:
+        import_checkpoint(tmp_path / "pub", tmp_path / "imp", CFG, log=QUIET)
+    msg = str(err.value)
+    assert "config.json dspark_markov_rank=8 but the drafter has 16 (model.dspark_markov_rank)" in msg
+    assert "config.json dspark_target_layer_ids=[2, 3, 4] but the drafter has [3, 4, 5]" in msg
+    assert "dspark_block_size=0 (absent: the public default) but the drafter has 5" in msg
+    assert "compress_ratios past n_layers=6 are [0, 0]" in msg and "\n" not in msg
+
+
+def test_mtp_through_the_cli(drafted, flashtrain, tmp_path):
+    """convert import writes the drafter's checkpoints dir; export with it gives the release back;
+    drafter=none leaves it out."""
+    root, _, _, _ = drafted
+    p = flashtrain("convert", "model=tiny", f"model.vocab_size={VOCAB}", f"import={root / 'first'}",
+                   f"hydra.run.dir={tmp_path / 'imp'}", cache=False)
+    assert p.returncode == 0, p.stderr[-3000:]
+    drafter = tmp_path / "imp" / "checkpoints" / "drafter"
+    assert f"rl.drafter={drafter}" in p.stdout and (drafter / "step_00000000" / "manifest.json").is_file()
+    export = ("convert", "model=tiny", f"model.vocab_size={VOCAB}", f"checkpoint={tmp_path / 'imp'}")
+    for name, extra in (("with", f"drafter={drafter}"), ("none", "drafter=none")):
+        p = flashtrain(*export, f"export={tmp_path / name}", extra, f"hydra.run.dir={tmp_path / name}_run",
+                       cache=False)
+        assert p.returncode == 0, p.stderr[-3000:]
+    assert _digests(tmp_path / "with") == _digests(root / "first")  # encoded at the origin's scales
+    config = json.loads((tmp_path / "none" / "config.json").read_text())
+    assert not _mtp(tmp_path / "none") and config["n_mtp_layers"] == 0 and len(config["compress_ratios"]) == 6
+    assert not any(k.startswith("dspark_") for k in config)
+    p = flashtrain(*export, "drafter=/nonexistent", f"export={tmp_path / 'x'}",
+                   f"hydra.run.dir={tmp_path / 'ex'}", cache=False)
+    errors = [ln for ln in p.stderr.splitlines() if ln.startswith("flashtrain: error:")]
+    assert p.returncode == 2 and len(errors) == 1 and "drafter=/nonexistent" in errors[0], p.stderr[-2000:]
 
 
 # ------------------------------------------------------------------ the CLI and training

@@ -1,7 +1,7 @@
 """The dspark stage: the pretraining Trainer (engine, optimiser, checkpoints, metrics, resume) on the
 DSpark drafter, with the target frozen beside it (conf/dspark.py).
 
-Each step runs the frozen target over the batch (its logits and the outputs of its tap layers), then
+Each step runs the frozen target over the batch (its logits and the inputs of its tap layers), then
 the drafter's loss (model/dspark.py: KL to the target per draft position, and the confidence head's
 BCE). The target is not a submodule of the trained module, so the optimiser, DeepSpeed and the
 checkpoints hold the drafter only; a checkpoint's state dict loads into a plain `DSpark`.
@@ -26,6 +26,7 @@ from model.transformer import ModelOutput, Transformer
 from trainer.checkpoint import model_state, resolve_checkpoint
 from trainer.distributed import all_reduce_sum_
 from trainer.init_weights import load_init_weights
+from trainer.interop.convert import import_drafter, is_public_dir
 from trainer.pretrain import Trainer, build_model
 
 
@@ -171,10 +172,14 @@ class DSparkTrainer(Trainer):
 
 
 def load_drafter(path: str, target_cfg, setting: str) -> DSpark:
-    """The drafter of a dspark run's checkpoint (a checkpoint, checkpoints/ dir or run dir) for a target of
+    """The drafter of a dspark run's checkpoint (a checkpoint, checkpoints/ dir or run dir, or the drafter
+    dir `convert import` writes), or of a public-layout directory (its mtp.* tensors), for a target of
     `target_cfg` (its dspark_* keys give the drafter's shape). `setting` names the key in errors."""
     drafter = DSpark(target_cfg)
-    state = model_state(resolve_checkpoint(Path(path), setting))
+    if is_public_dir(Path(path)):
+        state = import_drafter(Path(path), target_cfg, log=lambda _: None)
+    else:
+        state = model_state(resolve_checkpoint(Path(path), setting))
     try:
         drafter.load_state_dict(state)
     except RuntimeError as e:

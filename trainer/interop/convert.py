@@ -25,6 +25,7 @@ from typing import Any, Optional
 
 import torch
 
+from conf.errors import ConfigError
 from conf.model import ModelConfig
 from model.engram import build_compression_map, compressed_vocab, engram_hash_multipliers
 from trainer.checkpoint import LATEST, ORIGIN, CheckpointError, _write_atomic, tag_for, write_manifest
@@ -32,10 +33,15 @@ from trainer.distributed import barrier
 from trainer.interop.codec import HEADER_BYTES, decode, encode, stored, stored_bytes
 from trainer.interop.layout import (
     CARRIED,
+    DRAFTER_KEYS,
+    DRAFTER_PREFIX,
     TOKENIZER_KEYS,
     Part,
+    build_drafter_layout,
     build_layout,
     config_mismatches,
+    drafter_config,
+    drafter_mismatches,
     public_config,
 )
 
@@ -44,6 +50,7 @@ CONFIG = "config.json"
 PUBLIC = "public"  # an imported checkpoint's folder of what its fp32 parts do not hold
 HEADERS = "headers.json"  # in PUBLIC: dtype and shape of every tensor of the source
 PART_FILE = "model_part_{:05d}.pt"
+DRAFTER_DIR = "drafter"  # beside an import's checkpoints: the imported drafter's own checkpoints dir
 EXPERT_CHUNK = 32  # routed experts quantised together on export
 # files of a public directory that describe the tokenizer and generation, copied alongside the weights
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -81,6 +88,25 @@ def model_layout(cfg: ModelConfig):
         model = Transformer(cfg)
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     return shapes, build_layout(cfg, model.plan, shapes), model.plan
+
+
+def drafter_layout(cfg: ModelConfig):
+    """(state-dict shapes, parts, config.json fields) of the DSpark drafter of the target `cfg`
+    (its dspark_* keys size it), from a meta-device build."""
+    from model.dspark import DSpark
+
+    try:
+        with torch.device("meta"):
+            drafter = DSpark(cfg)
+    except ValueError as e:
+        raise ConfigError(f"model {cfg.name}'s drafter: {e}") from None
+    shapes = {k: tuple(v.shape) for k, v in drafter.state_dict().items()}
+    return (shapes, build_drafter_layout(drafter.cfg, drafter.plan, shapes),
+            drafter_config(cfg, drafter.taps, drafter.noise_id))
+
+
+def has_drafter(reader: PublicReader) -> bool:
+    return any(n.startswith(DRAFTER_PREFIX) for n in reader.names())
 
 
 class PublicReader:
@@ -136,10 +162,10 @@ class PublicReader:
         return self._file(self.files[name]).get_tensor(name)
 
     def carried(self, parts: list[Part]) -> list[str]:
-        """The source's tensors of modules the model does not have (layout.CARRIED, less those the
-        layout `parts` map)."""
-        mapped = _expected_tensors(parts)
-        return [n for n in self.names() if CARRIED.search(n) and n not in mapped]
+        """The source's tensors of modules the model does not have (layout.CARRIED, less the modules
+        the layout `parts` map)."""
+        mapped = _mapped_modules(parts)
+        return [n for n in self.names() if _carriable(n, mapped)]
 
     def tokenizer_files(self) -> list[Path]:
         return [self.root / f for f in TOKENIZER_FILES if (self.root / f).is_file()]
@@ -154,11 +180,36 @@ def _expected_tensors(parts: list[Part]) -> dict[str, tuple[str, tuple[int, ...]
             for suffix, spec in stored(e.encoding, e.shape).items()}
 
 
+def _module(name: str) -> str:
+    """Which optional module (layout.CARRIED) a tensor belongs to: mtp, vision, aligner, a delimiter,
+    or the image tokens' routing bias."""
+    return "bias_vl" if name.endswith(".bias_vl") else name.split(".")[0]
+
+
+def _mapped_modules(parts: list[Part]) -> set[str]:
+    return {_module(e.public) for part in parts for e in part.entries if CARRIED.search(e.public)}
+
+
+def _carriable(name: str, mapped: set[str]) -> bool:
+    """Carried through unchanged: a tensor of an optional module that the layout does not map (one
+    it maps must match it tensor for tensor)."""
+    return bool(CARRIED.search(name)) and _module(name) not in mapped
+
+
+# names of DeepSeek-V4-Flash's drafter, whose mHC ends in an hc_head mix and whose Markov head is
+# markov_w1 / markov_w2: the V4.1 release (and flashtrain's drafter) collapse the streams with the
+# last block's own pre-mix and name it embed / head
+V4_DRAFTER_NAMES = ("hc_head_", "markov_w1", "markov_w2")
+
+
 def check_public(reader: PublicReader, parts: list[Part], expected_config: dict[str, Any], model_name: str,
-                 log: Callable[[str], None] = print) -> list[str]:
+                 log: Callable[[str], None] = print, drafter: Optional[dict[str, Any]] = None) -> list[str]:
     """Raise one InteropError naming every problem; name the tensors that are carried, not
-    imported, in one warning line. Returns those names."""
+    imported, in one warning line. Returns those names. `drafter`: config.json's drafter fields the
+    model sizes, when `parts` include the drafter's."""
     problems = config_mismatches(expected_config, reader.config)
+    if drafter is not None:
+        problems += drafter_mismatches(drafter, reader.config)
     expected = _expected_tensors(parts)
     for name, (dtype, shape) in expected.items():
         got = reader.header(name)
@@ -173,8 +224,12 @@ def check_public(reader: PublicReader, parts: list[Part], expected_config: dict[
         elif got[1] != shape:
             problems.append(f"{name}: shape {list(got[1])}, expected {list(shape)}")
     carried = reader.carried(parts)
-    problems += [f"unexpected tensor {n}" for n in reader.names()
-                 if n not in expected and not CARRIED.search(n)]
+    mapped = _mapped_modules(parts)
+    unexpected = [n for n in reader.names() if n not in expected and not _carriable(n, mapped)]
+    problems += [f"unexpected tensor {n}" for n in unexpected]
+    if any(n.startswith(DRAFTER_PREFIX) and any(k in n for k in V4_DRAFTER_NAMES) for n in unexpected):
+        problems.append("these mtp.* names are DeepSeek-V4-Flash's drafter layout (an hc_head output mix, "
+                        "markov_w1/w2), which V4.1's drafter and flashtrain's do not have")
     reader.release()
     if problems:
         raise InteropError(f"{reader.root} does not fit model {model_name}: {'; '.join(problems)}")
@@ -274,35 +329,64 @@ def import_into_model(model, root: Path, log: Callable[[str], None] = print) -> 
         raise InteropError(f"the layout does not fill {sorted(set(state) - filled)} of model {cfg.name}")
 
 
+def _unfilled(parts: list[Part], shapes: dict[str, tuple[int, ...]]) -> list[str]:
+    """State-dict keys no entry or derived rule of `parts` fills (lookup_map comes from the run's
+    tokenizer)."""
+    filled = {e.source for part in parts for e in part.entries} | {k for part in parts for k in part.derived}
+    return sorted(set(shapes) - filled - {"lookup_map"})
+
+
 def import_checkpoint(root: Path, out_root: Path, cfg: ModelConfig,
-                      log: Callable[[str], None] = print) -> Path:
+                      log: Callable[[str], None] = print, drafter: bool = True) -> Path:
     """Public layout at `root` -> a weights-only flashtrain checkpoint <out_root>/step_00000000
     (one torch file per part, a manifest, `latest`) and its `public/` folder: the source's
     config.json, tokenizer files, tensor headers, scale bytes and carried tensors, so that an
-    export of it needs nothing else. Start training from it with model.init_from."""
+    export of it needs nothing else. Start training from it with model.init_from.
+
+    A source with a DSpark drafter (`mtp.*`) has it imported too (`drafter`; False carries it
+    through unchanged instead), into a weights-only checkpoint of its own,
+    <out_root>/drafter/step_00000000 (`rl.drafter=<out_root>/drafter`), sized by the model
+    config's dspark_* keys, which must agree with config.json; `public/` keeps the drafter's
+    tensors as stored, so that an export without another drafter writes them back unchanged."""
     rank, world = _rank_world()
     reader = PublicReader(root)
     if cfg.vocab_size is None:
         cfg = dataclasses.replace(cfg, vocab_size=reader.config.get("vocab_size"))
     shapes, parts, plan = model_layout(cfg)
-    carried = check_public(reader, parts, public_config(cfg, plan, cfg.vocab_size, _tokenizer_fields(reader)),
-                           cfg.name, log if rank == 0 else (lambda _: None))
+    d_shapes, d_parts, d_config = drafter_layout(cfg) if drafter and has_drafter(reader) else ({}, [], None)
+    unfilled = _unfilled(parts, shapes) + _unfilled(d_parts, d_shapes)
+    if unfilled:
+        raise InteropError(f"the layout does not fill {unfilled} of model {cfg.name}")
+    carried = check_public(reader, parts + d_parts,
+                           public_config(cfg, plan, cfg.vocab_size, _tokenizer_fields(reader)),
+                           cfg.name, log if rank == 0 else (lambda _: None), d_config)
+    kept = carried + ([n for n in reader.names() if n.startswith(DRAFTER_PREFIX)] if d_parts else [])
     tag = tag_for(0)
-    staging, final = Path(out_root) / f".tmp_{tag}", Path(out_root) / tag
+    out_root = Path(out_root)
+    staging, final = out_root / f".tmp_{tag}", out_root / tag
+    d_root = out_root / DRAFTER_DIR
+    d_staging = out_root / f".tmp_{DRAFTER_DIR}_{tag}"
     if rank == 0:
-        shutil.rmtree(staging, ignore_errors=True)
+        for d in (staging, d_staging):
+            shutil.rmtree(d, ignore_errors=True)
         (staging / PUBLIC).mkdir(parents=True)
+        if d_parts:
+            d_staging.mkdir()
     barrier()
-    for k, part in enumerate(parts):
-        if k % world == rank:
+    for k, part in enumerate(parts + d_parts):
+        if k % world != rank:
+            continue
+        if k < len(parts):
             torch.save(import_part(reader, part, shapes), staging / PART_FILE.format(k))
             scales = {e.name("scale"): reader.tensor(e.name("scale")) for e in part.entries if e.encoding
                       not in ("bf16", "fp32")}
             if scales:
                 save_shard(scales, staging / PUBLIC / f"scales-{k:05d}.safetensors")
-            reader.release()
-    if rank == len(parts) % world and carried:
-        save_shard({n: reader.tensor(n) for n in carried}, staging / PUBLIC / "carried.safetensors")
+        else:  # the drafter's scales are among the tensors public/ keeps
+            torch.save(import_part(reader, part, d_shapes), d_staging / PART_FILE.format(k - len(parts)))
+        reader.release()
+    if rank == (len(parts) + len(d_parts)) % world and kept:
+        save_shard({n: reader.tensor(n) for n in kept}, staging / PUBLIC / "carried.safetensors")
         reader.release()
     barrier()
     if rank == 0:
@@ -316,29 +400,66 @@ def import_checkpoint(root: Path, out_root: Path, cfg: ModelConfig,
         if final.exists():
             shutil.rmtree(final)
         staging.replace(final)
-        _write_atomic(Path(out_root) / LATEST, tag)
-        log(f"flashtrain convert: imported {root} ({len(parts)} parts) into {final}")
+        _write_atomic(out_root / LATEST, tag)
+        shutil.rmtree(d_root, ignore_errors=True)  # an earlier import's drafter belongs to other weights
+        note = ""
+        if d_parts:
+            write_manifest(d_staging, 0)
+            d_root.mkdir()
+            d_staging.replace(d_root / tag)
+            _write_atomic(d_root / LATEST, tag)
+            note = f"; its drafter ({len(d_parts)} blocks) into {d_root / tag} (rl.drafter={d_root})"
+        log(f"flashtrain convert: imported {root} ({len(parts)} parts) into {final}{note}")
     barrier()
     return final
 
 
+def import_drafter(root: Path, cfg: ModelConfig,
+                   log: Callable[[str], None] = print) -> dict[str, torch.Tensor]:
+    """The DSpark drafter of a public-layout directory, as a state dict for model/dspark.py's DSpark
+    of the target `cfg` (the whole directory is checked against the model, as any import)."""
+    reader = PublicReader(root)
+    if not has_drafter(reader):
+        raise InteropError(f"{reader.root} holds no drafter (no mtp.* tensors)")
+    shapes, parts, plan = model_layout(cfg)
+    d_shapes, d_parts, d_config = drafter_layout(cfg)
+    check_public(reader, parts + d_parts, public_config(cfg, plan, cfg.vocab_size, _tokenizer_fields(reader)),
+                 cfg.name, log, d_config)
+    state: dict[str, torch.Tensor] = {}
+    for part in d_parts:
+        state.update(import_part(reader, part, d_shapes))
+        reader.release()
+    return state
+
+
 # ------------------------------------------------------------------ export
 def export_state(state: Mapping[str, torch.Tensor], dst: Path, cfg: ModelConfig, tokenizer=None,
-                 origin: Optional[Path] = None, log: Callable[[str], None] = print) -> dict[str, Any]:
+                 origin: Optional[Path] = None, log: Callable[[str], None] = print,
+                 drafter: Optional[Mapping[str, torch.Tensor]] = None,
+                 origin_drafter: bool = True) -> dict[str, Any]:
     """A flashtrain state dict (tensors may be memory-mapped) -> the public layout in `dst`: the
     shards, the index, config.json and the tokenizer files. Each rank writes its parts' shards;
     rank 0 then writes the rest. `tokenizer`: the run's TextTokenizer (None: no tokenizer files
     unless the origin has them); `origin`: the public directory the weights came from (None:
-    none)."""
+    none). `drafter`: a DSpark drafter's state dict (model/dspark.py, sized by cfg's dspark_*
+    keys), written as `mtp.*` with its config.json fields, in place of any drafter of the origin's;
+    without one, the origin's drafter is carried through unchanged, or left out with
+    `origin_drafter=False`."""
     rank, world = _rank_world()
     if cfg.vocab_size is None:
         cfg = dataclasses.replace(cfg, vocab_size=state["embed.weight"].shape[0])
     shapes, parts, plan = model_layout(cfg)
     source = PublicReader(origin) if origin is not None else None
-    _check_source(state, shapes)
-    config = _export_config(state, cfg, plan, tokenizer, source)
+    _check_source(state, shapes, "the checkpoint does not fit this model")
+    d_parts, d_config = [], None
+    if drafter is not None:
+        d_shapes, d_parts, d_config = drafter_layout(cfg)
+        _check_source(drafter, d_shapes, f"the drafter does not fit model {cfg.name}'s dspark_* settings")
+    config = _export_config(state, cfg, plan, tokenizer, source, d_config, origin_drafter)
     _check_engram_state(state, shapes, config, tokenizer)
-    carried = source.carried(parts) if source is not None else []
+    carried = source.carried(parts + d_parts) if source is not None else []
+    if not origin_drafter:
+        carried = [n for n in carried if not n.startswith(DRAFTER_PREFIX)]
     missing = [n for n in carried if not source.has_data(n)]
     if missing:
         raise InteropError(f"origin {source.root} names {len(missing)} tensors it does not hold "
@@ -349,25 +470,26 @@ def export_state(state: Mapping[str, torch.Tensor], dst: Path, cfg: ModelConfig,
         for old in [*dst.glob("model-*-of-*.safetensors"), dst / INDEX, dst / CONFIG]:
             old.unlink(missing_ok=True)
     barrier()
-    n_shards = len(parts) + (1 if carried else 0)
+    all_parts = parts + d_parts
+    n_shards = len(all_parts) + (1 if carried else 0)
     shard = lambda k: f"model-{k + 1:05d}-of-{n_shards:05d}.safetensors"  # noqa: E731
     weight_map, total = {}, 0
-    for k, part in enumerate(parts):
+    for k, part in enumerate(all_parts):
         for e in part.entries:
             for suffix in stored(e.encoding, e.shape):
                 weight_map[e.name(suffix)] = shard(k)
             total += stored_bytes(e.encoding, e.shape)
         if k % world == rank:
-            save_shard(_encode_part(part, state, source), dst / shard(k))
+            save_shard(_encode_part(part, state if k < len(parts) else drafter, source), dst / shard(k))
             if source is not None:
                 source.release()
     if carried:
         for name in carried:
-            weight_map[name] = shard(len(parts))
+            weight_map[name] = shard(len(all_parts))
             dtype, shape = source.header(name)
             total += int(HEADER_BYTES[dtype] * torch.Size(shape).numel())
-        if len(parts) % world == rank:
-            save_shard({n: source.tensor(n) for n in carried}, dst / shard(len(parts)))
+        if len(all_parts) % world == rank:
+            save_shard({n: source.tensor(n) for n in carried}, dst / shard(len(all_parts)))
             source.release()
     barrier()
     if rank == 0:
@@ -375,9 +497,12 @@ def export_state(state: Mapping[str, torch.Tensor], dst: Path, cfg: ModelConfig,
         _write_atomic(dst / INDEX, json.dumps(index, indent=2) + "\n")
         _write_atomic(dst / CONFIG, json.dumps(config, indent=2) + "\n")
         note = _write_tokenizer(dst, tokenizer, source)
+        if d_parts:
+            note += f" (with the drafter: {len(d_parts)} mtp.* blocks)"
         log(f"flashtrain convert: exported {n_shards} shards, {total / 2**20:.1f} MiB, to {dst}{note}")
     barrier()
-    return {"shards": n_shards, "bytes": total, "tensors": len(weight_map), "carried": len(carried)}
+    return {"shards": n_shards, "bytes": total, "tensors": len(weight_map), "carried": len(carried),
+            "drafter_blocks": len(d_parts)}
 
 
 def _encode_part(part: Part, state: Mapping[str, torch.Tensor],
@@ -413,10 +538,12 @@ def _encode_part(part: Part, state: Mapping[str, torch.Tensor],
     return tensors
 
 
-def _export_config(state, cfg: ModelConfig, plan, tokenizer,
-                   source: Optional[PublicReader]) -> dict[str, Any]:
+def _export_config(state, cfg: ModelConfig, plan, tokenizer, source: Optional[PublicReader],
+                   drafter: Optional[dict[str, Any]] = None, origin_drafter: bool = True) -> dict[str, Any]:
     """config.json: flashtrain's fields over the origin's (which keeps the fields of the modules
-    flashtrain does not train, and the drafter's compress ratios past the backbone's)."""
+    flashtrain does not train, and its drafter's compress ratios past the backbone's). `drafter`:
+    the fields of the drafter exported with the model (its blocks attend over the window only);
+    `origin_drafter=False` drops the origin's drafter fields."""
     engram = _tokenizer_fields(source) if source is not None else {}
     if tokenizer is not None:
         engram["engram_pad_id"] = tokenizer.pad_id
@@ -425,25 +552,33 @@ def _export_config(state, cfg: ModelConfig, plan, tokenizer,
     elif tokenizer is not None:  # an imported checkpoint keeps no map: the run's tokenizer gives it
         engram["engram_compressed_vocab_size"] = build_compression_map(tokenizer.tokenizer, cfg.vocab_size)[1]
     config = public_config(cfg, plan, cfg.vocab_size, engram)
-    if source is None:
-        return config
-    merged = {**source.config, **config}
-    extra = source.config.get("compress_ratios", [])[cfg.n_layers:]
-    merged["compress_ratios"] = config["compress_ratios"] + list(extra)
-    merged["n_mtp_layers"] = source.config.get("n_mtp_layers", 1 if extra else 0)
-    for key in ("max_seq_len", "dtype", "expert_dtype"):  # the source's runtime and storage choices
-        if key in source.config:
-            merged[key] = source.config[key]
+    merged = dict(config)
+    if source is not None:
+        merged = {**source.config, **config}
+        extra = source.config.get("compress_ratios", [])[cfg.n_layers:]
+        merged["compress_ratios"] = config["compress_ratios"] + list(extra)
+        merged["n_mtp_layers"] = source.config.get("n_mtp_layers", 1 if extra else 0)
+        for key in ("max_seq_len", "dtype", "expert_dtype"):  # the source's runtime and storage choices
+            if key in source.config:
+                merged[key] = source.config[key]
+    if drafter is not None or not origin_drafter:
+        for key in DRAFTER_KEYS:
+            merged.pop(key, None)
+        merged["compress_ratios"] = list(config["compress_ratios"])
+        merged["n_mtp_layers"] = 0
+    if drafter is not None:
+        merged.update(drafter)
+        merged["compress_ratios"] += [0] * drafter["n_mtp_layers"]
     return merged
 
 
-def _check_source(state: Mapping[str, torch.Tensor], shapes: dict[str, tuple[int, ...]]) -> None:
+def _check_source(state: Mapping[str, torch.Tensor], shapes: dict[str, tuple[int, ...]], what: str) -> None:
     problems = [f"missing tensor {k}" for k in shapes if k not in state and k != "lookup_map"]
     problems += [f"unexpected tensor {k}" for k in state if k not in shapes]
     problems += [f"{k}: shape {list(state[k].shape)}, expected {list(s)}" for k, s in shapes.items()
                  if k in state and tuple(state[k].shape) != s]
     if problems:
-        raise InteropError(f"the checkpoint does not fit this model: {'; '.join(problems)}")
+        raise InteropError(f"{what}: {'; '.join(problems)}")
 
 
 def _check_engram_state(state, shapes, config: dict[str, Any], tokenizer) -> None:
@@ -497,5 +632,7 @@ def _write_tokenizer(dst: Path, tokenizer, source: Optional[PublicReader]) -> st
 
 
 def export_model(model, dst: Path, tokenizer=None, origin: Optional[Path] = None,
-                 log: Callable[[str], None] = print) -> dict[str, Any]:
-    return export_state(model.state_dict(), dst, model.cfg, tokenizer, origin, log)
+                 log: Callable[[str], None] = print, drafter=None) -> dict[str, Any]:
+    """`export_state` of a live model (and `drafter`, a DSpark of it)."""
+    return export_state(model.state_dict(), dst, model.cfg, tokenizer, origin, log,
+                        drafter.state_dict() if drafter is not None else None)

@@ -16,11 +16,13 @@ from conf.model import ModelConfig
 from model.engram import engram_table_primes
 from model.plan import LayerPlan
 
-# Public tensors of modules a model may not have: the DSpark drafter (`mtp.*`), which flashtrain does
-# not train, and the vision tower with its per-layer routing bias for image tokens, when the model
-# has none (model.vision_n_layers=0). Import keeps them as they are and export writes them back
-# unchanged; a model with a vision tower maps the vision tensors into it (`build_layout`).
+# Public tensors of modules the target model may not have: the DSpark drafter (`mtp.*`, a separate
+# flashtrain module: `build_drafter_layout` maps it where a drafter is imported or exported), and the
+# vision tower with its per-layer routing bias for image tokens, when the model has none
+# (model.vision_n_layers=0). Where no layout maps them, import keeps them as they are and export
+# writes them back unchanged; a model with a vision tower maps the vision tensors into it.
 CARRIED = re.compile(r"^mtp\.|^vision\.|^aligner\.|^image_(start|end|newline)$|\.ffn\.gate\.bias_vl$")
+DRAFTER_PREFIX = "mtp."  # the public drafter's namespace: block i is mtp.<i>, with the target layers' names
 VISION_PREFIX = "visual."  # flashtrain's module holding the public top-level vision tensors
 
 # The reference ModelArgs' defaults of the fields flashtrain compares on import: a config.json that
@@ -43,7 +45,13 @@ REFERENCE_DEFAULTS: dict[str, Any] = {
     "vision_patch_size": 14, "vision_rope_theta": 10000.0, "vision_downsample_ratio": 3,
     "vision_max_n_token": 1024, "vision_min_pixels": 544 * 544, "vision_max_wh_ratio": None,
     "image_token_id": 129264,
+    "dspark_block_size": 0, "dspark_noise_token_id": 0, "dspark_target_layer_ids": [],
+    "dspark_markov_rank": 256, "dspark_n_routed_experts": 0, "dspark_n_activated_experts": 0,
 }
+# the drafter's fields of config.json (the public code builds the mtp.* blocks when dspark_block_size
+# is not 0; dspark_n_*_experts = 0 means the backbone's counts)
+DRAFTER_KEYS = ("n_mtp_layers", "dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids",
+                "dspark_markov_rank", "dspark_n_routed_experts", "dspark_n_activated_experts")
 
 
 @dataclass(frozen=True)
@@ -68,68 +76,83 @@ class Part:
     derived: dict[str, str] = field(default_factory=dict)
 
 
+def _add(part: Part, shapes: dict[str, tuple[int, ...]], public: str, source: str, encoding: str,
+         shape=None) -> None:
+    part.entries.append(Entry(public, source, encoding, tuple(shape or shapes[source])))
+
+
+def _add_block(p: Part, cfg: ModelConfig, spec, shapes: dict[str, tuple[int, ...]], f: str, t: str) -> None:
+    """One block's entries: flashtrain prefix f (`layers.<i>.`), public prefix t (`layers.<i>.`, or
+    `mtp.<i>.` for a drafter block, which has the target layers' names)."""
+    fp8 = "fp8_block"
+    add = lambda public, source, encoding, shape=None: _add(p, shapes, public, source, encoding, shape)  # noqa: E731
+    add(t + "attn_norm.weight", f + "attn_norm.weight", "bf16")
+    add(t + "ffn_norm.weight", f + "ffn_norm.weight", "bf16")
+    for sub, hc in (("attn", "attn_hc"), ("ffn", "ffn_hc")):
+        for field_ in ("fn", "base", "scale"):
+            add(f"{t}hc_{sub}_{field_}", f"{f}{hc}.{field_}", "fp32")
+    a, fa = t + "attn.", f + "attn."
+    add(a + "attn_sink", fa + "sink", "fp32")
+    for name in ("wq_a", "wq_b", "wkv", "wo_b"):
+        add(a + name + ".weight", fa + name + ".weight", fp8)
+    add(a + "q_norm.weight", fa + "q_norm.weight", "bf16")
+    add(a + "kv_norm.weight", fa + "kv_norm.weight", "bf16")
+    groups, rank, group_in = shapes[fa + "wo_a"]  # flashtrain [G, Ro, H/G*C] -> public [G*Ro, H*C/G]
+    add(a + "wo_a.weight", fa + "wo_a", "bf16", (groups * rank, group_in))
+    if spec.owns_kv:
+        comp = "fp32" if spec.compress_ratio > 1 else "bf16"
+        add(a + "compressor.wkv.weight", fa + "compressor.wkv.weight", comp)
+        if spec.compress_ratio > 1:
+            add(a + "compressor.wgate.weight", fa + "compressor.wgate.weight", comp)
+        add(a + "compressor.norm.weight", fa + "compressor.norm.weight", "bf16")
+        add(a + "indexer.wk.weight", fa + "index_key.wk.weight", "bf16")
+        add(a + "indexer.k_norm.weight", fa + "index_key.k_norm.weight", "bf16")
+    if spec.has_indexer_query:
+        add(a + "indexer.wq_b.weight", fa + "index_query.wq_b.weight", fp8)
+        add(a + "indexer.weights_proj.weight", fa + "index_query.weights_proj.weight", "bf16")
+    m, fm = t + "ffn.", f + "moe."
+    add(m + "gate.weight", fm + "router.weight", "bf16")
+    add(m + "gate.bias", fm + "router.bias", "fp32")
+    p.derived[fm + "router.load"] = "zeros"  # a load counter, emptied at every step
+    if cfg.vision_n_layers > 0:  # image-span tokens' selection bias
+        add(m + "gate.bias_vl", fm + "router.bias_vl", "fp32")
+        p.derived[fm + "router.load_vl"] = "zeros"
+    n_experts, *_ = shapes[fm + "experts.w1"]
+    for j in range(n_experts):
+        for w in ("w1", "w2", "w3"):
+            _, rows, cols = shapes[fm + f"experts.{w}"]
+            p.entries.append(Entry(f"{m}experts.{j}.{w}.weight", f"{fm}experts.{w}", "fp4_expert",
+                                   (rows, cols), expert=j))
+    if cfg.n_shared_experts > 0:
+        for w in ("w1", "w2", "w3"):
+            add(f"{m}shared_experts.{w}.weight", f"{fm}shared.{w}.weight", fp8)
+
+
+def _check_encodable(parts: list[Part]) -> None:
+    for part in parts:
+        for entry in part.entries:
+            if entry.encoding == "fp4_expert" and entry.shape[1] % 32:
+                raise ConfigError(f"{entry.public}: input dim {entry.shape[1]} is not a multiple of 32, "
+                                  "which the FP4 expert layout needs")
+
+
 def build_layout(cfg: ModelConfig, plan: LayerPlan, shapes: dict[str, tuple[int, ...]]) -> list[Part]:
     """The parts of a model; `shapes` is its state dict's key -> shape (a meta-device build)."""
-    def add(part: Part, public: str, source: str, encoding: str, shape=None) -> None:
-        part.entries.append(Entry(public, source, encoding, tuple(shape or shapes[source])))
-
     top = Part("top")
-    add(top, "embed.weight", "embed.weight", "bf16")
-    add(top, "norm.weight", "norm.weight", "bf16")
-    add(top, "head.weight", "head.weight", "bf16")
+    for name in ("embed.weight", "norm.weight", "head.weight"):
+        _add(top, shapes, name, name, "bf16")
     parts = [top]
-    fp8 = "fp8_block"
     for spec in plan.layers:
         i, p = spec.layer_id, Part(f"layer{spec.layer_id}")
-        f = t = f"layers.{i}."  # f: flashtrain prefix, t: public prefix (the same for layers)
-        add(p, t + "attn_norm.weight", f + "attn_norm.weight", "bf16")
-        add(p, t + "ffn_norm.weight", f + "ffn_norm.weight", "bf16")
-        for sub, hc in (("attn", "attn_hc"), ("ffn", "ffn_hc")):
-            for field_ in ("fn", "base", "scale"):
-                add(p, f"{t}hc_{sub}_{field_}", f"{f}{hc}.{field_}", "fp32")
-        a, fa = t + "attn.", f + "attn."
-        add(p, a + "attn_sink", fa + "sink", "fp32")
-        for name in ("wq_a", "wq_b", "wkv", "wo_b"):
-            add(p, a + name + ".weight", fa + name + ".weight", fp8)
-        add(p, a + "q_norm.weight", fa + "q_norm.weight", "bf16")
-        add(p, a + "kv_norm.weight", fa + "kv_norm.weight", "bf16")
-        groups, rank, group_in = shapes[fa + "wo_a"]  # flashtrain [G, Ro, H/G*C] -> public [G*Ro, H*C/G]
-        add(p, a + "wo_a.weight", fa + "wo_a", "bf16", (groups * rank, group_in))
-        if spec.owns_kv:
-            comp = "fp32" if spec.compress_ratio > 1 else "bf16"
-            add(p, a + "compressor.wkv.weight", fa + "compressor.wkv.weight", comp)
-            if spec.compress_ratio > 1:
-                add(p, a + "compressor.wgate.weight", fa + "compressor.wgate.weight", comp)
-            add(p, a + "compressor.norm.weight", fa + "compressor.norm.weight", "bf16")
-            add(p, a + "indexer.wk.weight", fa + "index_key.wk.weight", "bf16")
-            add(p, a + "indexer.k_norm.weight", fa + "index_key.k_norm.weight", "bf16")
-        if spec.has_indexer_query:
-            add(p, a + "indexer.wq_b.weight", fa + "index_query.wq_b.weight", fp8)
-            add(p, a + "indexer.weights_proj.weight", fa + "index_query.weights_proj.weight", "bf16")
-        m, fm = t + "ffn.", f + "moe."
-        add(p, m + "gate.weight", fm + "router.weight", "bf16")
-        add(p, m + "gate.bias", fm + "router.bias", "fp32")
-        p.derived[fm + "router.load"] = "zeros"  # a load counter, emptied at every step
-        if cfg.vision_n_layers > 0:  # image-span tokens' selection bias
-            add(p, m + "gate.bias_vl", fm + "router.bias_vl", "fp32")
-            p.derived[fm + "router.load_vl"] = "zeros"
-        n_experts, *_ = shapes[fm + "experts.w1"]
-        for j in range(n_experts):
-            for w in ("w1", "w2", "w3"):
-                _, rows, cols = shapes[fm + f"experts.{w}"]
-                p.entries.append(Entry(f"{m}experts.{j}.{w}.weight", f"{fm}experts.{w}", "fp4_expert",
-                                       (rows, cols), expert=j))
-        if cfg.n_shared_experts > 0:
-            for w in ("w1", "w2", "w3"):
-                add(p, f"{m}shared_experts.{w}.weight", f"{fm}shared.{w}.weight", fp8)
+        _add_block(p, cfg, spec, shapes, f"layers.{i}.", f"layers.{i}.")  # the same names for layers
         parts.append(p)
         if spec.engram:
-            e, fe = t + "engram.", f"engrams.{i}."
+            e, fe = f"layers.{i}.engram.", f"engrams.{i}."
             g = Part(f"engram{i}")
-            add(g, e + "embed.weight", fe + "table.weight", "fp8_row")
-            add(g, e + "wkv.weight", fe + "proj.weight", fp8)
-            add(g, e + "q_weight", fe + "hidden_norm_weight", "bf16")
-            add(g, e + "k_weight", fe + "key_norm_weight", "bf16")
+            _add(g, shapes, e + "embed.weight", fe + "table.weight", "fp8_row")
+            _add(g, shapes, e + "wkv.weight", fe + "proj.weight", "fp8_block")
+            _add(g, shapes, e + "q_weight", fe + "hidden_norm_weight", "bf16")
+            _add(g, shapes, e + "k_weight", fe + "key_norm_weight", "bf16")
             # a function of the layer and the compressed vocabulary (config.json), as the public code
             # draws them
             g.derived[fe + "multipliers"] = "engram_multipliers"
@@ -137,16 +160,39 @@ def build_layout(cfg: ModelConfig, plan: LayerPlan, shapes: dict[str, tuple[int,
     if cfg.vision_n_layers > 0:  # the ViT, aligner and delimiters: the public names, unquantised
         v = Part("vision")
         for key in sorted(k for k in shapes if k.startswith(VISION_PREFIX)):
-            add(v, key[len(VISION_PREFIX):], key, "bf16")
+            _add(v, shapes, key[len(VISION_PREFIX):], key, "bf16")
         parts.append(v)
-    for part in parts:
-        for entry in part.entries:
-            if entry.encoding == "fp4_expert" and entry.shape[1] % 32:
-                raise ConfigError(f"{entry.public}: input dim {entry.shape[1]} is not a multiple of 32, "
-                                  "which the FP4 expert layout needs")
+    _check_encodable(parts)
     if plan.layers and any(s.engram for s in plan.layers) and cfg.engram_dim % 32:
         raise ConfigError(f"model.engram_dim={cfg.engram_dim}: the public Engram table stores one scale per "
                           "32 values of a row, so it must be a multiple of 32")
+    return parts
+
+
+def build_drafter_layout(draft_cfg: ModelConfig, plan: LayerPlan,
+                         shapes: dict[str, tuple[int, ...]]) -> list[Part]:
+    """The DSpark drafter's parts (model/dspark.py; `shapes` from a DSpark's state dict), one per
+    block: block i is `mtp.<i>.*` with a target layer's names; the first block also holds the
+    context projection and its norm, the last the drafter's norm, the Markov head (an embedding
+    [V, r] and a projection stored as [V, r], the reference's ParallelEmbedding / ParallelHead
+    weights as they are) and the confidence head (bf16 in the release, fp32 in the reference
+    module). Encodings as the reference's modules declare them: main_proj is a default Linear
+    (FP8), the rest bf16."""
+    parts, last = [], len(plan.layers) - 1
+    for spec in plan.layers:
+        i, p = spec.layer_id, Part(f"mtp{spec.layer_id}")
+        t = f"{DRAFTER_PREFIX}{i}."
+        _add_block(p, draft_cfg, spec, shapes, f"layers.{i}.", t)
+        if i == 0:
+            _add(p, shapes, t + "main_proj.weight", "main_proj.weight", "fp8_block")
+            _add(p, shapes, t + "main_norm.weight", "main_norm.weight", "bf16")
+        if i == last:
+            _add(p, shapes, t + "norm.weight", "norm.weight", "bf16")
+            _add(p, shapes, t + "markov_head.embed.weight", "markov.w1.weight", "bf16")
+            _add(p, shapes, t + "markov_head.head.weight", "markov.w2.weight", "bf16")
+            _add(p, shapes, t + "confidence_head.proj.weight", "confidence.proj.weight", "bf16")
+        parts.append(p)
+    _check_encodable(parts)
     return parts
 
 
@@ -221,6 +267,53 @@ def public_config(cfg: ModelConfig, plan: LayerPlan, vocab_size: int,
 TOKENIZER_KEYS = ("engram_pad_id", "engram_compressed_vocab_size")
 # runtime sizes, not the model: the public code sizes its caches from them
 RUNTIME_KEYS = ("max_seq_len", "max_batch_size", "temperature")
+
+
+def drafter_config(cfg: ModelConfig, taps: list[int], noise_id: int) -> dict[str, Any]:
+    """config.json's drafter fields for the DSpark drafter `cfg` sizes (taps and noise id resolved,
+    model/dspark.py); the drafter's entries of compress_ratios (window only) follow the backbone's."""
+    return {"n_mtp_layers": cfg.dspark_layers, "dspark_block_size": cfg.dspark_block,
+            "dspark_noise_token_id": noise_id, "dspark_target_layer_ids": list(taps),
+            "dspark_markov_rank": cfg.dspark_markov_rank,
+            "dspark_n_routed_experts": cfg.dspark_routed_experts,
+            "dspark_n_activated_experts": cfg.dspark_activated_experts}
+
+
+# config.json's drafter field -> the model config key that sets it
+DRAFTER_SETTINGS = {"n_mtp_layers": "dspark_layers", "dspark_block_size": "dspark_block",
+                    "dspark_noise_token_id": "dspark_noise_id", "dspark_target_layer_ids": "dspark_taps",
+                    "dspark_markov_rank": "dspark_markov_rank",
+                    "dspark_n_routed_experts": "dspark_routed_experts",
+                    "dspark_n_activated_experts": "dspark_activated_experts"}
+
+
+def drafter_mismatches(expected: dict[str, Any], found: dict[str, Any]) -> list[str]:
+    """config.json's drafter fields that disagree with the drafter the model config sizes, one line
+    each, read as the public code reads them: an absent field is the reference's default, an expert
+    count of 0 the backbone's, and the target layers are concatenated in layer order."""
+    def value(key):
+        got = found.get(key, REFERENCE_DEFAULTS[key])
+        if key == "dspark_n_routed_experts" and not got:
+            got = found.get("n_routed_experts", REFERENCE_DEFAULTS["n_routed_experts"])
+        elif key == "dspark_n_activated_experts" and not got:
+            got = found.get("n_activated_experts", REFERENCE_DEFAULTS["n_activated_experts"])
+        elif key == "dspark_target_layer_ids":
+            got = sorted(got)
+        return got
+
+    problems = []
+    for key in DRAFTER_KEYS:
+        got, want = value(key), expected[key]
+        if _normalise(got) != _normalise(want):
+            where = "" if key in found else " (absent: the public default)"
+            problems.append(f"config.json {key}={got!r}{where} but the drafter has {want!r} "
+                            f"(model.{DRAFTER_SETTINGS[key]})")
+    n_layers = found.get("n_layers", REFERENCE_DEFAULTS["n_layers"])
+    ratios = list(found.get("compress_ratios", REFERENCE_DEFAULTS["compress_ratios"]))[n_layers:]
+    if ratios != [0] * expected["n_mtp_layers"]:
+        problems.append(f"config.json compress_ratios past n_layers={n_layers} are {ratios}, but the "
+                        f"drafter's {expected['n_mtp_layers']} blocks attend over the window only (0 each)")
+    return problems
 
 
 def config_mismatches(expected: dict[str, Any], found: dict[str, Any]) -> list[str]:

@@ -6,8 +6,15 @@ from typing import Any, Optional
 
 from conf.convert import ConvertConfig
 from conf.errors import ConfigError
-from trainer.checkpoint import TOKENIZER, model_state, resolve_checkpoint
-from trainer.interop.convert import InteropError, export_state, import_checkpoint, is_public_dir, origin_of
+from trainer.checkpoint import LATEST, TOKENIZER, model_state, resolve_checkpoint
+from trainer.interop.convert import (
+    DRAFTER_DIR,
+    InteropError,
+    export_state,
+    import_checkpoint,
+    is_public_dir,
+    origin_of,
+)
 
 
 def run_convert(cfg: ConvertConfig, run_dir: Path) -> dict[str, Any]:
@@ -19,8 +26,14 @@ def run_convert(cfg: ConvertConfig, run_dir: Path) -> dict[str, Any]:
         source = Path(cfg.import_).expanduser()
         if not is_public_dir(source):
             raise ConfigError(f"import={cfg.import_}: no config.json and *.safetensors shards there")
+        if cfg.drafter not in (None, "auto", "none"):
+            raise ConfigError(f"drafter={cfg.drafter}: import takes drafter=auto (import the source's "
+                              "drafter) or drafter=none (carry it through unchanged)")
         out = Path(cfg.out).expanduser() if cfg.out else Path(run_dir) / "checkpoints"
-        return {"checkpoint": str(import_checkpoint(source, out, cfg.model))}
+        result = {"checkpoint": str(import_checkpoint(source, out, cfg.model, drafter=cfg.drafter != "none"))}
+        if (out / DRAFTER_DIR / LATEST).is_file():
+            result["drafter"] = str(out / DRAFTER_DIR)
+        return result
     if cfg.checkpoint is None:
         raise ConfigError("convert: export=DIR needs checkpoint=<a flashtrain checkpoint, checkpoints/ dir "
                           "or run dir>")
@@ -29,7 +42,18 @@ def run_convert(cfg: ConvertConfig, run_dir: Path) -> dict[str, Any]:
     ckpt = resolve_checkpoint(Path(cfg.checkpoint))
     origin = _origin(cfg.origin, ckpt)
     return export_state(model_state(ckpt), Path(cfg.export).expanduser(), cfg.model,
-                        _tokenizer(cfg.tokenizer, ckpt), origin)
+                        _tokenizer(cfg.tokenizer, ckpt), origin, drafter=_drafter(cfg.drafter),
+                        origin_drafter=cfg.drafter != "none")
+
+
+def _drafter(setting: Optional[str]):
+    """export's drafter=: the weights of a drafter checkpoint, or None (auto, none)."""
+    if setting in (None, "auto", "none"):
+        return None
+    path = Path(setting).expanduser()
+    if not path.exists():
+        raise ConfigError(f"drafter={setting}: no such checkpoint or directory")
+    return model_state(resolve_checkpoint(path, "drafter"))
 
 
 def _origin(setting: Optional[str], ckpt: Path) -> Optional[Path]:
