@@ -122,7 +122,10 @@ class DecodeStep:
         rows = self._rows(busy, bucket)
         out = None
         if self.graphs_on and self.slots.ready():
-            key = (bucket, cap, self.slots.version())
+            version = self.slots.version()
+            key = (bucket, cap, version)
+            if any(k[2] != version for k in self.graphs):  # they hold buffers that have since moved
+                self.graphs = {k: g for k, g in self.graphs.items() if k[2] == version}
             if key in self.graphs:
                 graph, out = self.graphs[key]
                 graph.replay()

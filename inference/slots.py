@@ -153,6 +153,7 @@ class SlotCache(SequenceShard):
         self.window_rows = model.cfg.window  # ring size: the W-1 rows a step reads and the one it writes
         self.quantum = page * max(self.ratio.values(), default=1)
         self.lengths = [0] * slots  # host copy of `pos`
+        self._covered = [0] * slots  # per slot: the longest sequence its reserved pages hold (host)
         self.pos: Optional[torch.Tensor] = None  # [slots] position of each slot's next token
         self.ids: Optional[torch.Tensor] = None  # [slots, HISTORY_TOKENS + 1] ring of the newest ids
         self.entries: dict[tuple[int, str], PagedStore] = {}
@@ -196,6 +197,7 @@ class SlotCache(SequenceShard):
         device = c.ids.device
         self._state(device)
         self.lengths[slot] = L
+        self._covered[slot] = 0
         self.pos[slot] = L
         ring = HISTORY_TOKENS + 1
         ids = c.ids[0, -HISTORY_TOKENS:]
@@ -226,7 +228,7 @@ class SlotCache(SequenceShard):
     def release(self, slot: int) -> None:
         for paged in self.entries.values():
             paged.release(slot)
-        self.lengths[slot] = 0
+        self.lengths[slot] = self._covered[slot] = 0
 
     def extract(self, slot: int) -> DecodeCache:
         """The slot's global entries, pending block rows and history as a 1-sequence DecodeCache
@@ -255,15 +257,22 @@ class SlotCache(SequenceShard):
         """Before a step of `busy`: reserve the pages its completed entries go to -> the step's
         read width in tokens (a bucket of the longest row's length + 1)."""
         for s in busy:
-            L = self.lengths[s] + 1  # length after the step
-            for (layer, _), store in self.entries.items():
-                m = self.ratio[layer]
-                if L % m == 0:
-                    store.reserve(s, L // m)
+            if self.lengths[s] + 1 > self._covered[s]:  # some store's pages end before the step's entry
+                self._reserve(s, self.lengths[s] + 1)
         cap = capacity(max(self.lengths[s] for s in busy) + 1, self.quantum)
         for (layer, _), store in self.entries.items():
             store.widen(-(-(cap // self.ratio[layer]) // self.page))
         return cap
+
+    def _reserve(self, slot: int, length: int) -> None:
+        """Pages for every entry of a sequence of `length` tokens in slot, and how far they reach."""
+        covered = None
+        for (layer, _), store in self.entries.items():
+            m = self.ratio[layer]
+            store.reserve(slot, length // m)
+            reach = len(store.pages[slot]) * self.page * m + m - 1  # the longest length they hold
+            covered = reach if covered is None else min(covered, reach)
+        self._covered[slot] = length if covered is None else covered
 
     def advance(self, busy: list[int]) -> None:
         for s in busy:
