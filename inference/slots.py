@@ -162,6 +162,7 @@ class SlotCache(SequenceShard):
         self._rows: Optional[torch.Tensor] = None  # [B] the slots of the running step
         self._pos: Optional[torch.Tensor] = None  # [B] their positions
         self._done: dict[int, torch.Tensor] = {}  # owner layer -> [B] rows whose block this step completes
+        self._index: dict[tuple, torch.Tensor] = {}  # the step's index tensors that layers share
         self._busy: list[int] = []
 
     def version(self) -> tuple:
@@ -290,7 +291,13 @@ class SlotCache(SequenceShard):
         self.doc_start = torch.zeros(rows.shape[0], 1, dtype=torch.long, device=rows.device)
         at = (self._pos[:, None] - HISTORY_TOKENS + torch.arange(HISTORY_TOKENS, device=rows.device)) % ring
         self.history = self.ids[rows[:, None], at]  # [B, HISTORY_TOKENS], oldest first
-        self._done = {}
+        self._done, self._index = {}, {}
+
+    def _shared(self, key: tuple, make) -> torch.Tensor:
+        """An index tensor of this step that every layer with the same ring or ratio uses: made once."""
+        if key not in self._index:
+            self._index[key] = make()
+        return self._index[key]
 
     def end_rows(self, input_ids: torch.Tensor) -> None:
         """After the forward over input_ids [B, 1]: their ids join the history and positions move on."""
@@ -321,7 +328,7 @@ class SlotCache(SequenceShard):
         # t [B, 1, .]: the entry of every busy row's block; only rows that completed it keep theirs
         m = self.ratio[layer]
         paged = self._store((layer, name), t.device, t.dtype)
-        paged.write_step(self._rows, self._pos // m, self._done[layer],
+        paged.write_step(self._rows, self._shared(("block", m), lambda: self._pos // m), self._done[layer],
                          pack(name, t) if self.packed else (t,))
         return paged.read(self._rows, self.total_len // m, t.dtype)  # [B, S_cap, .]
 
@@ -332,11 +339,13 @@ class SlotCache(SequenceShard):
             self.window[layer] = pack("window", zeros) if self.packed else (zeros,)
         parts = self.window[layer]
         ring = parts[0].shape[1]
-        at = (self._pos[:, None] - n + torch.arange(n, device=t.device)) % ring  # [B, n]
+        at = self._shared(("ring", n, ring),  # [B, n]: positions pos-n .. pos-1 in the ring
+                          lambda: (self._pos[:, None] - n + torch.arange(n, device=t.device)) % ring)
+        slot = self._shared(("slot", ring), lambda: self._pos % ring)
         old = tuple(p[self._rows[:, None], at] for p in parts)  # [B, n, ...]
         new = pack("window", t) if self.packed else (t,)
         for p, x in zip(parts, new):
-            p[self._rows, self._pos % ring] = x[:, 0].to(p.dtype)
+            p[self._rows, slot] = x[:, 0].to(p.dtype)
         return unpack("window", old, t.dtype) if self.packed else old[0].to(t.dtype)
 
     def block_input(self, x: torch.Tensor, layer: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -345,7 +354,7 @@ class SlotCache(SequenceShard):
         if layer not in self.pending:
             self.pending[layer] = x.new_zeros(self.slots, m, x.shape[2])
         buf = self.pending[layer]
-        filled = self._pos % m
+        filled = self._shared(("slot", m), lambda: self._pos % m)
         buf[self._rows, filled] = x[:, 0].to(buf.dtype)
-        self._done[layer] = filled == m - 1
-        return buf[self._rows].to(x.dtype), (self._pos // m)[:, None]
+        self._done[layer] = self._shared(("done", m), lambda: filled == m - 1)
+        return buf[self._rows].to(x.dtype), self._shared(("first", m), lambda: (self._pos // m)[:, None])
