@@ -184,7 +184,7 @@ class DecodeCache(SequenceShard):
         if store is None:  # rows before position 0 are zeros (masked by position anyway)
             store = self.window[layer] = _Store("window", self.packed)
             store.append(t.new_zeros(t.shape[0], n, t.shape[2]))
-        store.append(t)
+        store.append(t[:, max(t.shape[1] - n, 0):])  # rows pack one by one: only the kept ones need it
         store.keep_last(n)
         return old
 

@@ -13,8 +13,9 @@ from typing import Optional
 import torch
 
 from inference.cache import DecodeCache
+from inference.graphs import DecodeStep
 from inference.prefix import PrefixCache
-from inference.slots import SlotCache
+from inference.slots import SlotCache, to_device
 from model.transformer import Transformer
 from model.vision import ImageBatch
 
@@ -71,8 +72,9 @@ def sampling_logprobs(logits: torch.Tensor, temperature: float, top_p: float) ->
 
 def sample(logits: torch.Tensor, temperature: float, top_p: float, generators: list[torch.Generator]):
     """logits [B, V] -> (token ids [B], their log-probabilities under the sampled distribution [B]).
-    Row b draws from generators[b] (a sequence's draws do not depend on what it is batched with).
-    temperature 0 is greedy (log-probability of the argmax under the plain softmax)."""
+    Row b draws from generators[b] (the speculative decoder's rows keep a generator each; the
+    engine's loop draws with `sample_rows`). temperature 0 is greedy (log-probability of the
+    argmax under the plain softmax)."""
     if temperature <= 0:
         token = logits.argmax(-1)
         return token, logits.log_softmax(-1).gather(-1, token[:, None])[:, 0]
@@ -83,6 +85,43 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, generators: l
     return token, logp.gather(-1, token[:, None])[:, 0]
 
 
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xorshift-multiply, full avalanche) of x in [0, 2^32), on int64
+    tensors: the multiplier is below 2^28, so no product leaves int64's range."""
+    for _ in range(2):
+        x = ((x ^ (x >> 16)) * 0x45D9F3B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def uniform_draws(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """The counters[b]-th uniform draw of the stream seeded by seeds[b] (int64 [B] each, seeds
+    >= 0) -> float64 [B] in (0, 1), 32 bits each. A counter-based generator: a draw depends on
+    its row's seed and counter only, so every row of a batch draws in one op, and a sequence's
+    draws do not depend on what it is batched with."""
+    lo, hi = seeds & _MASK32, (seeds >> 32) & _MASK32
+    h = _mix32(lo ^ _mix32(hi ^ _mix32(counters & _MASK32)))
+    return (h.double() + 0.5) * 2.0**-32
+
+
+def sample_rows(logits: torch.Tensor, temperature: float, top_p: float, seeds: torch.Tensor,
+                counters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample` for a batch in a fixed number of ops (no per-row loop, no host sync): row b
+    inverts the CDF of its sampling distribution at its draw uniform_draws(seeds, counters)[b].
+    logits [B, V] -> (token ids [B], their log-probabilities under the sampled distribution [B])."""
+    if temperature <= 0:
+        token = logits.argmax(-1)
+        return token, logits.log_softmax(-1).gather(-1, token[:, None])[:, 0]
+    logp = sampling_logprobs(logits, temperature, top_p)
+    cdf = logp.double().exp().cumsum(-1)  # [B, V]; fp64 so the last entries still step
+    u = uniform_draws(seeds, counters) * cdf[:, -1]
+    # the first column whose CDF exceeds u: its probability is > 0, so a masked token never comes
+    token = torch.searchsorted(cdf, u[:, None], right=True)[:, 0].clamp_(max=logits.shape[-1] - 1)
+    return token, logp.gather(-1, token[:, None])[:, 0]
+
+
 def _prefill(model: Transformer, prompt: list[int], replay: Optional[int], packed: bool,
              prefix_cache: Optional[PrefixCache], device,
              vision: Optional[tuple[list[int], ImageBatch]] = None) -> tuple[DecodeCache, torch.Tensor]:
@@ -90,7 +129,7 @@ def _prefill(model: Transformer, prompt: list[int], replay: Optional[int], packe
     longest cached prefix when there is one, else CED prefill (or a plain forward: replay=None).
     `vision`: the prompt's token types and images, prefilled by one plain forward over every layer
     (image spans must lie in one forward, and CED's bounded replay reads token ids only)."""
-    ids = torch.tensor([prompt], device=device)
+    ids = to_device([prompt], device)
     if vision is not None:
         types, images = vision
         cache = DecodeCache(1, packed=packed)
@@ -119,81 +158,160 @@ def check_generate_args(prompts: list[list[int]], max_new_tokens: int, max_batch
         raise ValueError("an empty prompt: there is no position to predict from")
 
 
+class _Rows:
+    """The sampling state of every slot on the device: the stream each row draws from, how many
+    tokens it drew, the token it feeds next, and every token it drew (with its log-probability),
+    read back to the host only when the loop needs to look at them."""
+
+    def __init__(self, slots: int, max_new_tokens: int, temperature: float, top_p: float, device):
+        self.temperature, self.top_p, self.width = temperature, top_p, max(max_new_tokens, 1)
+        self.seed = torch.zeros(slots, dtype=torch.long, device=device)
+        self.drawn = torch.zeros(slots, dtype=torch.long, device=device)
+        self.last = torch.zeros(slots, dtype=torch.long, device=device)
+        self.tokens = torch.zeros(slots, self.width, dtype=torch.long, device=device)
+        self.logps = torch.zeros(slots, self.width, dtype=torch.float32, device=device)
+
+    def feed(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.last[rows][:, None]  # [B, 1]
+
+    def post(self, logits: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draw each row's next token from logits [B, V] and record it (rows are distinct)."""
+        drawn = self.drawn[rows]
+        token, logp = sample_rows(logits.float(), self.temperature, self.top_p, self.seed[rows], drawn)
+        col = drawn.clamp(max=self.width - 1)  # padding rows of a step may have drawn any number
+        self.tokens[rows, col] = token
+        self.logps[rows, col] = logp
+        self.drawn[rows] = drawn + 1
+        self.last[rows] = token
+        return token, logp
+
+    def start(self, slot: int, seed: int, logits: torch.Tensor) -> None:
+        """A prefilled sequence takes `slot`: its first token from the prefill's logits [1, V]."""
+        self.seed[slot] = seed
+        self.drawn[slot] = 0
+        rows = torch.full((1,), slot, dtype=torch.long, device=logits.device)
+        self.post(logits, rows)
+
+
+def _cut(tokens: list[int], stop: Optional[set[int]]) -> tuple[int, bool]:
+    """How many of tokens a generation keeps: up to and including the first stop token."""
+    if stop:
+        for k, t in enumerate(tokens):
+            if t in stop:
+                return k + 1, True
+    return len(tokens), False
+
+
 @torch.no_grad()
 def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
              top_p: float = 1.0, stop: Optional[set[int]] = None, seed: int = 0,
              policy_version: int = 0, packed: bool = True, replay: Optional[int] = 128,
              prefix_cache: Optional[PrefixCache] = None, max_batch: int = 64,
-             vision: Optional[list[Optional[tuple[list[int], ImageBatch]]]] = None) -> list[Generation]:
+             vision: Optional[list[Optional[tuple[list[int], ImageBatch]]]] = None,
+             graphs: Optional[bool] = None, check_every: int = 16) -> list[Generation]:
     """Continuous batching: up to `max_batch` sequences decode together, one token each per
     forward (inference/slots.py); a finished sequence frees its slot for the next waiting prompt,
-    which is prefilled on its own first. Prompt i samples from its own generator (seeded by
-    `seed` and i), so its tokens do not depend on max_batch or on the other prompts.
+    which is prefilled on its own first. Prompt i draws from its own counter-based stream (seeded
+    by `seed` and i, `sample_rows`), so its tokens do not depend on max_batch or on the other prompts.
 
     `packed`: the cache stores FP4 / MXFP4 / FP8 (inference/cache.py). `replay`: CED prefill with
     bounded replay of that many tokens (None: every layer over the whole prompt). `prefix_cache`:
     prompts that extend a finished sequence reuse its global KV (agent loops: the same
     conversation plus new tool output), and every finished sequence is offered to it. `vision[i]`:
-    prompt i's token types and images (None: text), prefilled by `_prefill`'s plain forward."""
+    prompt i's token types and images (None: text), prefilled by `_prefill`'s plain forward.
+    `graphs`: replay each decode step from a CUDA graph (inference/graphs.py; None: on CUDA).
+
+    Sampled tokens stay on the device. The host reads them when a sequence reaches
+    max_new_tokens (it knows when without looking) and, when `stop` is given, every `check_every`
+    steps: a sequence that drew a stop token may run up to check_every - 1 steps more, whose
+    tokens are dropped. With both `stop` and `prefix_cache` it looks after every token, so the
+    cache offered holds exactly the tokens kept."""
     check_generate_args(prompts, max_new_tokens, max_batch)
+    if check_every < 1:
+        raise ValueError(f"check_every={check_every}: must be >= 1")
     device = next(model.parameters()).device
     model.eval()
     n_layers = len(model.layers)
     out = [Generation(policy_version=policy_version) for _ in prompts]
-    generators = [torch.Generator(device=device).manual_seed((seed * 1_000_003 + i) % 2**63)
-                  for i in range(len(prompts))]
-    slots = SlotCache(model, min(max_batch, max(len(prompts), 1)), packed)
-    free = list(range(slots.slots))[::-1]
+    seeds = [(seed * 1_000_003 + i) % 2**63 for i in range(len(prompts))]
+    n_slots = min(max_batch, max(len(prompts), 1))
+    slots = SlotCache(model, n_slots, packed)
+    rows = _Rows(n_slots, max_new_tokens, temperature, top_p, device)
+    step = DecodeStep(model, slots, rows.feed, rows.post, graphs=graphs)
+    if stop and prefix_cache is not None:
+        check_every = 1
+    free = list(range(n_slots))[::-1]
     running: dict[int, int] = {}  # slot -> prompt index
-    last: dict[int, int] = {}  # slot -> the sampled token it feeds next
+    drawn = [0] * len(prompts)  # tokens drawn per prompt (the host knows without reading them)
+    prefill_passes = [0] * len(prompts)
     waiting = deque(range(len(prompts)))
 
-    def took(i: int, token: torch.Tensor, logp: torch.Tensor) -> bool:
-        """Record a sampled token of prompt i; True when its generation is over."""
+    def close(slot: int, i: int, tokens: list[int], logps: list[float]) -> bool:
+        """Keep what prompt i drew so far if its generation is over (a stop token, or all of
+        max_new_tokens); then it leaves its slot. True when it did."""
+        keep, stopped = _cut(tokens, stop)
+        if not stopped and len(tokens) < max_new_tokens:
+            return False
         gen = out[i]
-        gen.tokens.append(int(token))
-        gen.logprobs.append(float(logp))
-        if stop and gen.tokens[-1] in stop:
-            gen.finish = "stop"
-            return True
-        return len(gen.tokens) == max_new_tokens  # nothing left to predict: the last token is not fed
+        gen.tokens, gen.logprobs = tokens[:keep], logps[:keep]
+        gen.finish = "stop" if stopped else "length"
+        gen.token_layer_passes = prefill_passes[i] + (keep - 1) * n_layers
+        if prefix_cache is not None:  # the last token was never fed
+            cache = slots.extract(slot)
+            prefix_cache.put((list(prompts[i]) + gen.tokens)[:cache.length], cache)
+        slots.release(slot)
+        free.append(slot)
+        del running[slot]
+        return True
 
-    def offer(i: int, cache: DecodeCache) -> None:
-        if prefix_cache is not None:
-            prefix_cache.put((list(prompts[i]) + out[i].tokens)[:cache.length], cache)
+    def check(only_full: bool) -> None:
+        """Read the running sequences' tokens (one transfer) and end those that are over."""
+        busy = sorted(s for s in running if not only_full or drawn[running[s]] == max_new_tokens)
+        if not busy:
+            return
+        at = torch.tensor(busy, device=device)
+        width = max(drawn[running[s]] for s in busy)
+        tokens, logps = rows.tokens[at, :width].tolist(), rows.logps[at, :width].tolist()
+        for b, s in enumerate(busy):
+            n = drawn[running[s]]
+            close(s, running[s], tokens[b][:n], logps[b][:n])
 
+    since = 0
     while waiting or running:
         while waiting and free:
             i = waiting.popleft()
             cache, logits = _prefill(model, prompts[i], replay, packed, prefix_cache, device,
                                      vision[i] if vision is not None else None)
-            out[i].token_layer_passes = cache.token_layer_passes
+            prefill_passes[i] = out[i].token_layer_passes = cache.token_layer_passes
             if max_new_tokens == 0:
-                offer(i, cache)
-                continue
-            token, logp = sample(logits.float(), temperature, top_p, [generators[i]])
-            if took(i, token[0], logp[0]):
-                offer(i, cache)
+                if prefix_cache is not None:
+                    prefix_cache.put(list(prompts[i])[:cache.length], cache)
                 continue
             slot = free.pop()
+            rows.start(slot, seeds[i], logits.float())
+            drawn[i] = 1
+            if max_new_tokens == 1 or check_every == 1:  # look at the first token now
+                token, logp = int(rows.tokens[slot, 0]), float(rows.logps[slot, 0])
+                stopped = _cut([token], stop)[1]
+                if stopped or max_new_tokens == 1:  # over before its first step
+                    gen = out[i]
+                    gen.tokens, gen.logprobs, gen.finish = [token], [logp], "stop" if stopped else "length"
+                    if prefix_cache is not None:
+                        prefix_cache.put((list(prompts[i]) + gen.tokens)[:cache.length], cache)
+                    free.append(slot)
+                    continue
             slots.insert(slot, cache)
-            running[slot], last[slot] = i, int(token[0])
+            running[slot] = i
         if not running:
             continue
         busy = sorted(running)
-        ids = torch.tensor([[last[s]] for s in busy], device=device)  # [B, 1]
-        slots.begin(busy, ids)
-        logits = model(ids, shard=slots).logits[:, -1]
-        slots.end(ids)
-        tokens, logps = sample(logits.float(), temperature, top_p, [generators[running[s]] for s in busy])
-        for b, s in enumerate(busy):
-            i = running[s]
-            out[i].token_layer_passes += n_layers
-            last[s] = int(tokens[b])
-            if took(i, tokens[b], logps[b]):
-                if prefix_cache is not None:
-                    offer(i, slots.extract(s))
-                slots.release(s)
-                free.append(s)
-                del running[s], last[s]
+        step(busy)
+        for s in busy:
+            drawn[running[s]] += 1
+        since += 1
+        if stop and since >= check_every:
+            check(only_full=False)
+            since = 0
+        elif any(drawn[running[s]] == max_new_tokens for s in busy):
+            check(only_full=True)
     return out

@@ -3,16 +3,27 @@
 Continuous batching (inference/generate.py) prefills each prompt on its own into a DecodeCache
 (inference/cache.py), moves that state into a free slot here, and then runs one forward per step
 over the new token of every busy slot. Rows of a step sit at different positions, so everything
-that DecodeCache keeps per batch is kept per slot:
+that DecodeCache keeps per batch is kept per slot, on the device:
 
-  global   entries of every owner layer in fixed-size pages of one pool per tensor (a page table
-           per slot), packed as DecodeCache packs them; a step reads the busy slots' pages as one
-           [B, S_max, .] tensor, and entries past a row's own count are invisible to it by
-           causality ((j+1)*m > t+1), so the padding needs no mask
-  window   the last W-1 window rows of every slot [slots, W-1, .]
-  pending  an m-row block buffer per slot and owner layer, and how many of its rows are filled;
-           every step compresses every busy row's block and keeps the entry of the rows it completes
-  ids      the newest token ids (Engram's n-gram history)
+  global   entries of every owner layer in fixed-size pages of one pool per tensor, with a page
+           table per slot [slots, pages] on the device, packed as DecodeCache packs them; a step
+           reads the busy rows' pages as one [B, S_cap, .] tensor, and entries past a row's own
+           count are invisible to it by causality ((j+1)*m > t+1), so the padding needs no mask
+  window   a ring of the last W window rows of every slot [slots, W, .] (row of position p at p % W)
+  pending  an m-row block buffer per slot and owner layer (row of position p at p % m); every
+           step compresses every busy row's block and keeps the entry of the rows it completes
+  ids      a ring of the newest HISTORY_TOKENS + 1 token ids (Engram's n-gram history)
+  pos      the position of each slot's next token
+
+A step is split in two so that its device part has no host sync and fixed shapes (a CUDA graph
+of it can be replayed, inference/graphs.py):
+  host     `prepare(busy)`: reserves the pages that the step's completed entries go to (which
+           rows complete one follows from the lengths alone, which the host tracks) and picks the
+           read width S_cap from a few buckets of the longest row; `advance(busy)` counts the token
+  device   `begin_rows(rows, cap)` / `end_rows(ids)`: every hook reads the rows' positions from
+           `pos` and writes where they say. Rows that complete no entry write it to a scratch page.
+Window, block and id writes go to slots that the step does not read, so running the device part
+twice over the same state writes the same values.
 
 A finished slot's pages go back to the pool; `extract` copies a slot out as a DecodeCache (what the
 prefix cache keeps).
@@ -26,67 +37,111 @@ import torch
 from inference.cache import DecodeCache, _Store, pack, unpack
 from model.runtime import HISTORY_TOKENS, SequenceShard
 
+PAD_PAGE, SCRATCH_PAGE = 0, 1  # page 0 is read as padding and never written; page 1 takes discarded writes
+
+
+def capacity(need: int, quantum: int) -> int:
+    """The read width (in tokens) of a step whose longest row needs `need`: a multiple of `quantum`
+    with at most three significant bits (widths grow by at most 25%), so a decode run visits a few
+    widths per doubling of its length and a captured step is reused across them."""
+    n = -(-need // quantum)
+    if n > 8:
+        step = 1 << (n.bit_length() - 3)
+        n = -(-n // step) * step
+    return n * quantum
+
+
+def to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """A host list as an int64 tensor on `device`, without waiting for the device: a copy from
+    pageable memory would wait for every queued kernel first."""
+    t = torch.tensor(values, dtype=torch.long)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
 
 class PagedStore:
-    """Rows of many sequences in pages of `page` rows. Page 0 stays zero: the padding of short
-    page tables reads it (finite values, so masked attention weights of 0 stay 0)."""
+    """Rows of many sequences in pages of `page` rows: pool parts [pages, page, ...] and a page
+    table [slots, width] (PAD_PAGE where a slot has no page). Pages are reserved on the host;
+    rows are written and read on the device only."""
 
     def __init__(self, kind: str, packed: bool, slots: int, page: int):
-        self.kind, self.packed, self.page = kind, packed, page
-        self.pool: Optional[tuple[torch.Tensor, ...]] = None  # per part [pages, page, ...]
-        self.tables: list[list[int]] = [[] for _ in range(slots)]
-        self.counts = [0] * slots
+        self.kind, self.packed, self.page, self.slots = kind, packed, page, slots
+        self.pool: Optional[tuple[torch.Tensor, ...]] = None
+        self.table: Optional[torch.Tensor] = None
+        self.pages: list[list[int]] = [[] for _ in range(slots)]
         self.free: list[int] = []
+        self.version = 0  # bumped when pool or table move (a captured step holds their addresses)
 
-    def _grow(self, like: tuple[torch.Tensor, ...]) -> None:
+    def create(self, like: tuple[torch.Tensor, ...]) -> None:
+        """Pool and table from the parts of one row (any [.., 1, ...] as pack makes them)."""
         if self.pool is None:
             self.pool = tuple(p.new_zeros(2, self.page, *p.shape[2:]) for p in like)
-            self.free = [1]
-            return
-        n = self.pool[0].shape[0]
-        self.pool = tuple(torch.cat((p, torch.zeros_like(p)), dim=0) for p in self.pool)
-        self.free.extend(range(n, 2 * n))
+            self.table = torch.zeros(self.slots, 1, dtype=torch.long, device=like[0].device)
+            self.version += 1
 
-    def write(self, slot: int, parts: tuple[torch.Tensor, ...]) -> None:
-        """Append rows: parts as cache.pack makes them, each [1, S, ...]."""
+    def reserve(self, slot: int, rows: int) -> None:
+        """Make sure slot's pages hold `rows` rows (host bookkeeping, device table updated in place)."""
+        need = -(-rows // self.page)
+        while len(self.pages[slot]) < need:
+            if not self.free:
+                n = self.pool[0].shape[0]
+                self.pool = tuple(torch.cat((p, torch.zeros_like(p)), dim=0) for p in self.pool)
+                self.free.extend(range(max(n, SCRATCH_PAGE + 1), 2 * n))
+                self.version += 1
+            j = len(self.pages[slot])
+            self.widen(j + 1)
+            page = self.free.pop()
+            self.pages[slot].append(page)
+            self.table[slot, j] = page  # a fill kernel: no copy from the host
+
+    def widen(self, width: int) -> None:
+        if self.table.shape[1] < width:
+            grown = self.table.new_zeros(self.slots, max(width, 2 * self.table.shape[1]))
+            grown[:, :self.table.shape[1]] = self.table
+            self.table = grown
+            self.version += 1
+
+    def write(self, slot: int, parts: tuple[torch.Tensor, ...], start: int) -> None:
+        """Rows start .. start + S of slot from parts [1, S, ...] (pages reserved here)."""
         S = parts[0].shape[1]
-        at = 0
-        while at < S:
-            c = self.counts[slot]
-            if c % self.page == 0:  # the slot's last page is full
-                if not self.free:
-                    self._grow(parts)
-                self.tables[slot].append(self.free.pop())
-            page, row = self.tables[slot][c // self.page], c % self.page
-            n = min(self.page - row, S - at)
-            for dst, src in zip(self.pool, parts):
-                dst[page, row:row + n] = src[0, at:at + n]
-            self.counts[slot] += n
-            at += n
+        self.reserve(slot, start + S)
+        at = torch.arange(start, start + S, device=parts[0].device)
+        pages = self.table[slot, at // self.page]
+        for dst, src in zip(self.pool, parts):
+            dst[pages, at % self.page] = src[0].to(dst.dtype)
 
-    def read_parts(self, slots: list[int], rows: int) -> tuple[torch.Tensor, ...]:
-        """The first `rows` rows of each slot, packed: parts [B, rows, ...]."""
-        pages = -(-rows // self.page)
-        table = [(self.tables[s] + [0] * pages)[:pages] for s in slots]  # page 0: zero padding
-        table = torch.tensor(table, dtype=torch.long, device=self.pool[0].device)  # [B, pages]
-        return tuple(p[table].flatten(1, 2)[:, :rows] for p in self.pool)  # [B, pages * page, ...]
+    def write_step(self, rows: torch.Tensor, index: torch.Tensor, done: torch.Tensor,
+                   parts: tuple[torch.Tensor, ...]) -> None:
+        """Row `index` [B] of each of `rows` [B] from parts [B, 1, ...], where `done` [B]; the
+        others go to the scratch page (a fixed-shape write, no host sync)."""
+        col = torch.clamp(index // self.page, max=self.table.shape[1] - 1)
+        page = self.table[rows, col]
+        page = torch.where(done & (page != PAD_PAGE), page, SCRATCH_PAGE)
+        for dst, src in zip(self.pool, parts):
+            dst[page, index % self.page] = src[:, 0].to(dst.dtype)
 
-    def read(self, slots: list[int], rows: int, dtype: torch.dtype) -> torch.Tensor:
-        parts = self.read_parts(slots, rows)
+    def read_parts(self, rows: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+        """The first n rows of each of `rows` [B], packed: parts [B, n, ...]."""
+        width = -(-n // self.page)
+        self.widen(width)
+        table = self.table[rows, :width]  # [B, width]
+        return tuple(p[table].flatten(1, 2)[:, :n] for p in self.pool)
+
+    def read(self, rows: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
+        parts = self.read_parts(rows, n)
         return unpack(self.kind, parts, dtype) if self.packed else parts[0].to(dtype)
 
     def release(self, slot: int) -> None:
-        for p in self.tables[slot]:  # zeroed so the padding page stays the only page read as padding
-            for part in self.pool:
-                part[p].zero_()
-        self.free.extend(self.tables[slot])
-        self.tables[slot], self.counts[slot] = [], 0
+        """The slot's pages go back to the pool as they are: a page's rows past a sequence's count
+        are invisible to it by causality, so stale (finite) rows need no zeroing."""
+        for j in range(len(self.pages[slot])):
+            self.table[slot, j] = PAD_PAGE
+        self.free.extend(self.pages[slot])
+        self.pages[slot] = []
 
-    def nbytes_of(self, slot: int) -> int:
-        """Bytes of the slot's filled rows (what a page table maps, without the unfilled tail)."""
-        if self.pool is None:
-            return 0
-        return self.counts[slot] * sum(p[0, 0].numel() * p.element_size() for p in self.pool)
+    def row_bytes(self) -> int:
+        return 0 if self.pool is None else sum(p[0, 0].numel() * p.element_size() for p in self.pool)
 
 
 class SlotCache(SequenceShard):
@@ -94,110 +149,203 @@ class SlotCache(SequenceShard):
         super().__init__(offset=0, total_len=0, parts=1)
         self.slots, self.packed, self.page = slots, packed, page
         self.ratio = {b.spec.layer_id: b.spec.compress_ratio for b in model.layers if b.spec.owns_kv}
-        self.lengths = [0] * slots
-        self.ids: Optional[torch.Tensor] = None  # [slots, HISTORY_TOKENS]
+        self.widths = {"kv": model.cfg.kv_dim, "index_k": model.cfg.index_dim}
+        self.window_rows = model.cfg.window  # ring size: the W-1 rows a step reads and the one it writes
+        self.quantum = page * max(self.ratio.values(), default=1)
+        self.lengths = [0] * slots  # host copy of `pos`
+        self._covered = [0] * slots  # per slot: the longest sequence its reserved pages hold (host)
+        self.pos: Optional[torch.Tensor] = None  # [slots] position of each slot's next token
+        self.ids: Optional[torch.Tensor] = None  # [slots, HISTORY_TOKENS + 1] ring of the newest ids
         self.entries: dict[tuple[int, str], PagedStore] = {}
-        self.window: dict[int, tuple[torch.Tensor, ...]] = {}  # layer -> parts [slots, W-1, ...]
+        self.window: dict[int, tuple[torch.Tensor, ...]] = {}  # layer -> ring parts [slots, W, ...]
         self.pending: dict[int, torch.Tensor] = {}  # owner layer -> [slots, m, D] block buffer
-        self.filled: dict[int, list[int]] = {}  # owner layer -> rows of the block buffer in use, per slot
-        self.busy: list[int] = []  # the slots of the running step
-        self._done: dict[int, torch.Tensor] = {}  # owner layer -> [B] rows whose block this step completed
+        self._rows: Optional[torch.Tensor] = None  # [B] the slots of the running step
+        self._pos: Optional[torch.Tensor] = None  # [B] their positions
+        self._done: dict[int, torch.Tensor] = {}  # owner layer -> [B] rows whose block this step completes
+        self._index: dict[tuple, torch.Tensor] = {}  # the step's index tensors that layers share
+        self._busy: list[int] = []
+
+    def version(self) -> tuple:
+        """Changes whenever a tensor that a captured step holds is reallocated."""
+        return tuple(s.version for s in self.entries.values()) + (len(self.window), len(self.pending))
+
+    def ready(self) -> bool:
+        """Every buffer a step touches exists (a step may then be captured: it allocates no state)."""
+        return (self.pos is not None and all(s.pool is not None for s in self.entries.values())
+                and len(self.entries) == 2 * len(self.ratio))
 
     # --- moving sequences in and out ---
+
+    def _state(self, device: torch.device) -> None:
+        if self.pos is None:
+            self.pos = torch.zeros(self.slots, dtype=torch.long, device=device)
+            self.ids = torch.zeros(self.slots, HISTORY_TOKENS + 1, dtype=torch.long, device=device)
+
+    def _store(self, key: tuple[int, str], device: torch.device, dtype: torch.dtype) -> PagedStore:
+        """The paged store of (layer, name), its pool made from one probe row if it has none."""
+        store = self.entries.setdefault(key, PagedStore(key[1], self.packed, self.slots, self.page))
+        if store.pool is None:
+            probe = torch.zeros(1, 1, self.widths[key[1]], device=device,
+                                dtype=torch.float32 if self.packed else dtype)
+            store.create(pack(key[1], probe) if self.packed else (probe,))
+        return store
 
     def insert(self, slot: int, c: DecodeCache) -> None:
         """Take over the state of a prefilled 1-sequence cache."""
         if c.batch != 1:
             raise ValueError(f"a slot takes a 1-sequence cache, got {c.batch}")
-        self.lengths[slot] = c.length
+        L = c.length
+        device = c.ids.device
+        self._state(device)
+        self.lengths[slot] = L
+        self._covered[slot] = 0
+        self.pos[slot] = L
+        ring = HISTORY_TOKENS + 1
         ids = c.ids[0, -HISTORY_TOKENS:]
-        if self.ids is None:
-            self.ids = ids.new_zeros(self.slots, HISTORY_TOKENS)
         self.ids[slot] = 0  # before the start: Engram masks positions < 0 whatever the id
-        self.ids[slot, HISTORY_TOKENS - ids.shape[0]:] = ids
+        at = torch.arange(L - ids.shape[0], L, device=device) % ring
+        self.ids[slot, at] = ids
         for layer, store in c.window.items():
+            parts = store.parts  # [1, W-1, ...]: positions L-W+1 .. L-1 (zeros before 0)
+            n = parts[0].shape[1]
             if layer not in self.window:
-                self.window[layer] = tuple(p.new_zeros(self.slots, *p.shape[1:]) for p in store.parts)
-            for dst, src in zip(self.window[layer], store.parts):
-                dst[slot] = src[0]
+                self.window[layer] = tuple(p.new_zeros(self.slots, n + 1, *p.shape[2:]) for p in parts)
+            at = torch.arange(L - n, L, device=device) % (n + 1)
+            for dst, src in zip(self.window[layer], parts):
+                dst[slot, at] = src[0]
+        # unpacked pools keep the entries' dtype; packed parts are bytes whatever the input
+        dtype = next((s.parts[0].dtype for s in c.entries.values() if s.parts is not None), torch.float32)
         for key, store in c.entries.items():
-            paged = self.entries.setdefault(key, PagedStore(key[1], self.packed, self.slots, self.page))
             if store.parts is not None:
-                paged.write(slot, store.parts)
+                self._store(key, device, dtype).write(slot, store.parts, 0)
+        for layer in self.ratio:
+            for name in ("kv", "index_k"):
+                self._store((layer, name), device, dtype)
         for layer, rows in c.pending.items():
             if layer not in self.pending:
                 self.pending[layer] = rows.new_zeros(self.slots, self.ratio[layer], rows.shape[2])
-                self.filled[layer] = [0] * self.slots
             self.pending[layer][slot, :rows.shape[1]] = rows[0]
-            self.filled[layer][slot] = rows.shape[1]
 
     def release(self, slot: int) -> None:
         for paged in self.entries.values():
             paged.release(slot)
-        for layer in self.filled:
-            self.filled[layer][slot] = 0
-        self.lengths[slot] = 0
+        self.lengths[slot] = self._covered[slot] = 0
 
     def extract(self, slot: int) -> DecodeCache:
         """The slot's global entries, pending block rows and history as a 1-sequence DecodeCache
         (window rows are not copied: the prefix cache rebuilds them)."""
         c = DecodeCache(1, packed=self.packed)
-        c.length = self.lengths[slot]
+        L = c.length = self.lengths[slot]
+        device = self.pos.device
+        row = torch.tensor([slot], device=device)
         for key, paged in self.entries.items():
             store = c.entries[key] = _Store(key[1], self.packed)
-            if paged.counts[slot]:
-                store.parts = tuple(p.clone() for p in paged.read_parts([slot], paged.counts[slot]))
+            n = L // self.ratio[key[0]]
+            if n:
+                store.parts = tuple(p.clone() for p in paged.read_parts(row, n))
         for layer, buf in self.pending.items():
-            c.pending[layer] = buf[slot:slot + 1, :self.filled[layer][slot]].clone()
-        c.ids = self.ids[slot:slot + 1, HISTORY_TOKENS - min(c.length, HISTORY_TOKENS):].clone()
+            c.pending[layer] = buf[slot:slot + 1, :L % self.ratio[layer]].clone()
+        at = torch.arange(max(L - HISTORY_TOKENS, 0), L, device=device) % (HISTORY_TOKENS + 1)
+        c.ids = self.ids[slot, at][None].clone()
         return c
 
     def global_bytes(self, slot: int) -> int:
-        return sum(p.nbytes_of(slot) for p in self.entries.values())
+        return sum(p.row_bytes() * (self.lengths[slot] // self.ratio[k[0]]) for k, p in self.entries.items())
 
-    # --- one decode step over the busy slots ---
+    # --- one decode step over the busy slots: host part ---
+
+    def prepare(self, busy: list[int]) -> int:
+        """Before a step of `busy`: reserve the pages its completed entries go to -> the step's
+        read width in tokens (a bucket of the longest row's length + 1)."""
+        for s in busy:
+            if self.lengths[s] + 1 > self._covered[s]:  # some store's pages end before the step's entry
+                self._reserve(s, self.lengths[s] + 1)
+        cap = capacity(max(self.lengths[s] for s in busy) + 1, self.quantum)
+        for (layer, _), store in self.entries.items():
+            store.widen(-(-(cap // self.ratio[layer]) // self.page))
+        return cap
+
+    def _reserve(self, slot: int, length: int) -> None:
+        """Pages for every entry of a sequence of `length` tokens in slot, and how far they reach."""
+        covered = None
+        for (layer, _), store in self.entries.items():
+            m = self.ratio[layer]
+            store.reserve(slot, length // m)
+            reach = len(store.pages[slot]) * self.page * m + m - 1  # the longest length they hold
+            covered = reach if covered is None else min(covered, reach)
+        self._covered[slot] = length if covered is None else covered
+
+    def advance(self, busy: list[int]) -> None:
+        for s in busy:
+            self.lengths[s] += 1
+
+    # --- one decode step: device part (fixed shapes, no host sync) ---
+
+    def begin_rows(self, rows: torch.Tensor, cap: int) -> None:
+        """Before a forward over one token of each of `rows` [B], reading `cap` tokens' worth of
+        global entries."""
+        ring = HISTORY_TOKENS + 1
+        self._rows = rows
+        self._pos = self.pos[rows]  # [B]
+        self.total_len = cap
+        self.doc_start = torch.zeros(rows.shape[0], 1, dtype=torch.long, device=rows.device)
+        at = (self._pos[:, None] - HISTORY_TOKENS + torch.arange(HISTORY_TOKENS, device=rows.device)) % ring
+        self.history = self.ids[rows[:, None], at]  # [B, HISTORY_TOKENS], oldest first
+        self._done, self._index = {}, {}
+
+    def _shared(self, key: tuple, make) -> torch.Tensor:
+        """An index tensor of this step that every layer with the same ring or ratio uses: made once."""
+        if key not in self._index:
+            self._index[key] = make()
+        return self._index[key]
+
+    def end_rows(self, input_ids: torch.Tensor) -> None:
+        """After the forward over input_ids [B, 1]: their ids join the history and positions move on."""
+        self.ids[self._rows, self._pos % (HISTORY_TOKENS + 1)] = input_ids[:, 0]
+        self.pos[self._rows] = self._pos + 1
+
+    # --- the step as one call (tests, and the eager path of inference/graphs.py) ---
 
     def begin(self, slots: list[int], input_ids: torch.Tensor) -> None:
         """Before a forward over input_ids [B, 1]: the next token of each of `slots`."""
         if input_ids.shape != (len(slots), 1):
             raise ValueError(f"a slot step feeds one token per slot: {len(slots)} slots, ids "
                              f"{tuple(input_ids.shape)}")
-        self.busy = list(slots)
-        self._rows = torch.tensor(self.busy, device=input_ids.device)
-        self.total_len = max(self.lengths[s] for s in slots) + 1
-        self.doc_start = torch.zeros(len(slots), 1, dtype=torch.long, device=input_ids.device)
-        self.history = self.ids[self._rows]
+        self._busy = list(slots)
+        cap = self.prepare(self._busy)
+        self.begin_rows(to_device(self._busy, input_ids.device), cap)
 
     def end(self, input_ids: torch.Tensor) -> None:
-        self.ids[self._rows] = torch.cat((self.ids[self._rows, 1:], input_ids), dim=1)
-        for s in self.busy:
-            self.lengths[s] += 1
-        self._done = {}
+        self.end_rows(input_ids)
+        self.advance(self._busy)
+
+    # --- the hooks the model calls ---
 
     def positions(self, batch: int, seq_len: int, device: torch.device) -> torch.Tensor:
-        return torch.tensor([self.lengths[s] for s in self.busy], device=device)[:, None]  # [B, 1]
+        return self._pos[:, None]  # [B, 1]
 
     def gather(self, t: torch.Tensor, layer: int = -1, name: str = "") -> torch.Tensor:
         # t [B, 1, .]: the entry of every busy row's block; only rows that completed it keep theirs
-        paged = self.entries.setdefault((layer, name), PagedStore(name, self.packed, self.slots, self.page))
-        done = self._done[layer]
-        for b in done.nonzero()[:, 0].tolist():
-            row = t[b:b + 1]
-            paged.write(self.busy[b], pack(name, row) if self.packed else (row,))
-        rows = self.total_len // self.ratio[layer]
-        if rows == 0:
-            return t[:, :0]
-        return paged.read(self.busy, rows, t.dtype)  # [B, S_max, .]
+        m = self.ratio[layer]
+        paged = self._store((layer, name), t.device, t.dtype)
+        paged.write_step(self._rows, self._shared(("block", m), lambda: self._pos // m), self._done[layer],
+                         pack(name, t) if self.packed else (t,))
+        return paged.read(self._rows, self.total_len // m, t.dtype)  # [B, S_cap, .]
 
     def halo(self, t: torch.Tensor, n: int, layer: int = -1) -> Optional[torch.Tensor]:
+        # t [B, 1, C]: this step's window row; returns the n rows before it, oldest first
         if layer not in self.window:  # never prefilled (a prompt shorter than the layer's first use)
-            zeros = t.new_zeros(self.slots, n, t.shape[2])
+            zeros = t.new_zeros(self.slots, n + 1, t.shape[2])
             self.window[layer] = pack("window", zeros) if self.packed else (zeros,)
         parts = self.window[layer]
-        old = tuple(p[self._rows] for p in parts)  # [B, n, ...]
-        new = pack("window", t) if self.packed else (t.to(parts[0].dtype),)
-        for p, o, x in zip(parts, old, new):
-            p[self._rows] = torch.cat((o[:, 1:], x), dim=1)
+        ring = parts[0].shape[1]
+        at = self._shared(("ring", n, ring),  # [B, n]: positions pos-n .. pos-1 in the ring
+                          lambda: (self._pos[:, None] - n + torch.arange(n, device=t.device)) % ring)
+        slot = self._shared(("slot", ring), lambda: self._pos % ring)
+        old = tuple(p[self._rows[:, None], at] for p in parts)  # [B, n, ...]
+        new = pack("window", t) if self.packed else (t,)
+        for p, x in zip(parts, new):
+            p[self._rows, slot] = x[:, 0].to(p.dtype)
         return unpack("window", old, t.dtype) if self.packed else old[0].to(t.dtype)
 
     def block_input(self, x: torch.Tensor, layer: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -205,12 +353,8 @@ class SlotCache(SequenceShard):
         # global id of that block's entry [B, 1]
         if layer not in self.pending:
             self.pending[layer] = x.new_zeros(self.slots, m, x.shape[2])
-            self.filled[layer] = [0] * self.slots
-        filled = torch.tensor([self.filled[layer][s] for s in self.busy], device=x.device)
         buf = self.pending[layer]
+        filled = self._shared(("slot", m), lambda: self._pos % m)
         buf[self._rows, filled] = x[:, 0].to(buf.dtype)
-        self._done[layer] = filled + 1 == m
-        for s in self.busy:
-            self.filled[layer][s] = (self.filled[layer][s] + 1) % m
-        first = torch.tensor([self.lengths[s] // m for s in self.busy], device=x.device)[:, None]
-        return buf[self._rows].to(x.dtype), first
+        self._done[layer] = self._shared(("done", m), lambda: filled == m - 1)
+        return buf[self._rows].to(x.dtype), self._shared(("first", m), lambda: (self._pos // m)[:, None])

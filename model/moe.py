@@ -81,6 +81,11 @@ class RoutedExperts(nn.Module):
     # the matmuls: per expert (the loop) and grouped; trainer/fp8.py may swap in float8 ones
     linear = staticmethod(F.linear)
     grouped_mm = staticmethod(torch._grouped_mm)
+    # True: one grouped GEMM by the gate and up weights stacked, a copy of both made every call (in
+    # training the activations are the larger operand); False: a GEMM by each and their outputs
+    # stacked. The inference engine sets False from outside (inference/weights.py): a decode
+    # step's few rows would otherwise copy every expert's gate and up weights per layer
+    stack_gate_up = True
 
     def __init__(self, n_experts: int, dim: int, inter_dim: int, limit: float, grouped: bool | None = None):
         super().__init__()
@@ -118,10 +123,16 @@ class RoutedExperts(nn.Module):
         offsets = counts.cumsum(0).to(torch.int32)  # [E] end row of each expert's group
         dtype = (torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type)
                  else x.dtype)
-        w13 = torch.cat((self.w1.to(dtype), self.w3.to(dtype)), 1).transpose(-2, -1)  # [E, D, 2I] view
         w2 = self.w2.to(dtype).transpose(-2, -1)  # [E, I, D] view
         with torch.autocast(x.device.type, enabled=False):  # _grouped_mm has no autocast rule: cast here
-            h = self.swiglu(self.grouped_mm(x.to(dtype), w13, offs=offsets), self.limit)  # [N, I]
+            x = x.to(dtype)
+            if self.stack_gate_up:
+                w13 = torch.cat((self.w1.to(dtype), self.w3.to(dtype)), 1).transpose(-2, -1)  # [E, D, 2I]
+                gate_up = self.grouped_mm(x, w13, offs=offsets)  # [N, 2I]
+            else:
+                gate_up = torch.cat([self.grouped_mm(x, w.to(dtype).transpose(-2, -1), offs=offsets)
+                                     for w in (self.w1, self.w3)], dim=-1)
+            h = self.swiglu(gate_up, self.limit)  # [N, I]
             return self.grouped_mm(h, w2, offs=offsets)
 
 

@@ -278,3 +278,144 @@ def test_rollout_log_probs_are_the_training_forwards(model):
     assert gap(long, model.packed_cache, 16) > 1e-6  # CED's boundary: the rollout is not the forward
     if not model.packed_cache:
         assert gap(short, True, 128) > 1e-6  # a quantised cache under an unquantised forward
+
+
+def test_sample_rows_draws_each_rows_distribution():
+    """The engine's batched sampler: every row inverts its own CDF at a counter-based uniform draw.
+    A chi-square test per row over many counters (a row with a top-p nucleus never draws outside
+    it), a draw depends on its row's seed and counter only (not on the batch around it), and
+    greedy is the argmax."""
+    from inference.generate import sample_rows, sampling_logprobs
+    from tests.test_dspark import _chi_square_p
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 6, generator=g)
+    n = 20_000
+    seeds = torch.tensor([5, 6, 2**62 + 7])
+    rows = torch.arange(3).repeat_interleave(n)
+    counters = torch.arange(n).repeat(3)
+    for temperature, top_p in ((1.0, 1.0), (0.7, 0.8)):
+        tokens, logp = sample_rows(logits[rows], temperature, top_p, seeds[rows], counters)
+        want = sampling_logprobs(logits, temperature, top_p).exp()  # [3, V]
+        torch.testing.assert_close(logp, want[rows, tokens].log(), rtol=0, atol=1e-6)
+        for r in range(3):
+            counts = torch.bincount(tokens[rows == r], minlength=6).double()
+            keep = want[r] > 0
+            assert counts[~keep].sum() == 0 and (top_p == 1.0 or 2 <= keep.sum() < 6), keep
+            assert _chi_square_p(counts[keep], want[r][keep].double()) > 1e-3, (temperature, r, counts)
+    alone, _ = sample_rows(logits[1:2], 1.0, 1.0, seeds[1:2], torch.tensor([17]))
+    batched, _ = sample_rows(logits, 1.0, 1.0, seeds, torch.tensor([3, 17, 4]))
+    assert alone[0] == batched[1]
+    greedy, lp = sample_rows(logits, 0.0, 1.0, seeds, torch.tensor([0, 0, 0]))
+    assert greedy.tolist() == logits.argmax(-1).tolist()
+    torch.testing.assert_close(lp, logits.log_softmax(-1).max(-1).values)
+
+
+def test_read_widths_come_in_few_buckets():
+    """A step reads the global entries of `capacity(longest + 1)` tokens: never fewer than needed, a
+    multiple of the quantum (whole pages of the largest ratio), at most 25% (or one quantum) more,
+    and 4 widths per doubling of the length, so a captured step serves many lengths."""
+    from inference.slots import capacity
+    widths = [capacity(n, 128) for n in range(1, 20_000)]
+    for n, w in enumerate(widths, start=1):
+        assert w >= n and w % 128 == 0 and w <= max(1.25 * n, n + 128), (n, w)
+    assert widths == sorted(widths)
+    assert len({w for n, w in enumerate(widths, start=1) if 4096 < n <= 8192}) == 4
+
+
+def test_decode_step_with_padding_rows_equals_the_whole_sequence(model):
+    """The engine's step (inference/graphs.py, eager on a CPU): 3 busy slots of 5 are padded to a
+    batch of 4 with a free slot, whose rows write only where no busy slot reads; every busy row's
+    logits are those of one forward over its whole sequence, also for a sequence that later takes
+    the slot the padding ran on."""
+    from inference.graphs import DecodeStep, batch_bucket
+    from inference.slots import SlotCache
+
+    ids = _ids(48, seed=9)
+    seqs = {0: ids[0, :44], 2: ids[1, :40], 4: ids[0, 3:47], 1: ids[1, 5:37]}
+    with torch.no_grad():
+        want = {s: model(q[None]).logits[0] for s, q in seqs.items()}
+    slots = SlotCache(model, 5, packed=model.packed_cache, page=4)
+    at = {0: 13, 2: 21, 4: 6}
+    feed = torch.zeros(5, dtype=torch.long)
+    got = {}
+
+    def post(logits, rows):
+        got["logits"] = logits
+        return (logits,)
+
+    def prefill(s):
+        cache = DecodeCache(1, packed=model.packed_cache)
+        forward_new(model, cache, seqs[s][None, :at[s]])
+        slots.insert(s, cache)
+
+    for s in at:
+        prefill(s)
+    step = DecodeStep(model, slots, lambda rows: feed[rows][:, None], post)
+    assert batch_bucket(3, 5) == 4 and not step.graphs_on
+    for n in range(16):
+        if n == 8:  # slot 1, the padding row so far, takes a sequence
+            at[1] = 9
+            prefill(1)
+        busy = sorted(at)
+        for s in busy:
+            feed[s] = seqs[s][at[s]]
+        (logits,) = step(busy)
+        for b, s in enumerate(busy):
+            torch.testing.assert_close(logits[b], want[s][at[s]], rtol=0, atol=1e-10)
+            at[s] += 1
+    assert step.counts["eager"] == 16
+
+
+def test_stop_tokens_read_late_are_cut_as_if_read_at_once(model):
+    """A stop token is seen up to check_every - 1 steps after it is drawn; what a generation keeps
+    (tokens, log-probs, finish, work) is what looking after every token keeps."""
+    prompts = [_ids(n, seed=20 + n)[0].tolist() for n in (4, 13, 7)]
+    kw = dict(max_new_tokens=10, temperature=1.0, seed=2, max_batch=2, packed=model.packed_cache)
+    free = generate(model, prompts, **kw)
+    stop = {free[0].tokens[3], free[2].tokens[1]}
+    late = generate(model, prompts, stop=stop, check_every=16, **kw)
+    at_once = generate(model, prompts, stop=stop, check_every=1, **kw)
+    assert any(g.finish == "stop" for g in at_once)
+    for a, b in zip(late, at_once):
+        assert (a.tokens, a.logprobs, a.finish, a.token_layer_passes) == (b.tokens, b.logprobs, b.finish,
+                                                                          b.token_layer_passes)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_decode_equals_eager_on_gpu():
+    """The decode step replayed from CUDA graphs (kernels on, bf16) gives eager's greedy tokens and
+    log-probs, through batch buckets that shrink as sequences finish and read widths that grow;
+    and the step is in fact replayed, not run eagerly every time."""
+    from inference.generate import _Rows
+    from inference.graphs import DecodeStep
+    from inference.slots import SlotCache
+    from model.ops import OPS, KernelPolicy
+
+    torch.manual_seed(0)
+    cfg = dataclasses.replace(CFG, window=32, index_topk=16, pool_block=4, pool_blocks=4)
+    with torch.device("cuda"):
+        model = KernelPolicy(OPS).apply(Transformer(cfg)).to(torch.bfloat16).eval()
+    prompts = [_ids(n, seed=30 + n)[0].tolist() for n in (5, 70, 33, 140, 9, 100, 61)]
+    kw = dict(max_new_tokens=40, temperature=0.0, max_batch=4)
+    eager = generate(model, prompts, graphs=False, **kw)
+    graphed = generate(model, prompts, graphs=True, **kw)
+    assert [g.tokens for g in graphed] == [g.tokens for g in eager]
+    for a, b in zip(graphed, eager):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-5)
+
+    runs = {}
+    for graphs in (False, True):
+        slots = SlotCache(model, 4)
+        state = _Rows(4, 80, 0.0, 1.0, "cuda")
+        for s, p in enumerate(prompts[:3]):
+            cache = DecodeCache(1)
+            logits = prefill_ced(model, cache, torch.tensor([p], device="cuda"))[:, -1]
+            state.start(s, s, logits.float())
+            slots.insert(s, cache)
+        step = DecodeStep(model, slots, state.feed, state.post, graphs=graphs)
+        for _ in range(60):
+            step([0, 1, 2])
+        runs[graphs] = (state.tokens[:3].tolist(), step.counts, step.failed)
+    assert runs[True][0] == runs[False][0]
+    assert not runs[True][2] and runs[True][1]["replayed"] > 40, runs[True][1:]

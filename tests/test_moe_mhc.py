@@ -155,17 +155,18 @@ def test_grouped_experts_equal_the_per_expert_loop(dtype):
     x = torch.randn(sum(counts), 32, dtype=dtype)
     g = torch.randn(sum(counts), 32, dtype=dtype)
     got = {}
-    for grouped in (False, True):
-        experts.grouped = grouped
+    for grouped, stacked in ((False, True), (True, True), (True, False)):
+        experts.grouped, experts.stack_gate_up = grouped, stacked  # stacked: one GEMM by [w1 | w3]
         experts.zero_grad()
         xi = x.clone().requires_grad_()
         y = experts(xi, torch.tensor(counts))
         y.backward(g)
-        got[grouped] = (y.float(), xi.grad.float(), *(p.grad.float() for p in experts.parameters()))
+        got[grouped, stacked] = (y.float(), xi.grad.float(), *(p.grad.float() for p in experts.parameters()))
     tol = dict(rtol=0, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
-    for a, b in zip(got[False], got[True]):
-        torch.testing.assert_close(b, a, **tol)
-    assert got[True][2][1].abs().max() == 0  # the empty expert's gate weights get no gradient
+    for key in ((True, True), (True, False)):
+        for a, b in zip(got[False, True], got[key]):
+            torch.testing.assert_close(b, a, **tol)
+        assert got[key][2][1].abs().max() == 0  # the empty expert's gate weights get no gradient
 
 
 @pytest.mark.gpu

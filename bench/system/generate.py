@@ -33,13 +33,15 @@ import sys
 import time
 from functools import partial
 from pathlib import Path
+from typing import Optional
 
 import torch
 
 from bench import provenance
 from conf.model import SmallModelConfig, TinyModelConfig
 from inference.cache import DecodeCache
-from inference.generate import generate, prefill_ced
+from inference.generate import _Rows, generate, prefill_ced
+from inference.graphs import DecodeStep
 from inference.prefix import PrefixCache
 from inference.slots import SlotCache
 from model.chunking import apply_chunking
@@ -76,7 +78,7 @@ def plain_next_logits(model, ids: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def bench_prefill(model, lengths, vocab, device) -> dict:
+def bench_prefill(model, lengths, vocab, device, profile: Optional[Path] = None) -> dict:
     out = {}
     for n in lengths:
         ids = _ids(1, n, vocab, device)
@@ -89,44 +91,137 @@ def bench_prefill(model, lengths, vocab, device) -> dict:
         plain = statistics.median(_seconds(lambda ids=ids: plain_next_logits(model, ids), device)
                                   for _ in range(3))
         out[n] = {"ced_tokens_per_s": n / ced, "plain_tokens_per_s": n / plain, "ced_speedup": plain / ced}
+        if profile is not None:
+            _profile(lambda ids=ids: prefill_ced(model, DecodeCache(1), ids), profile / f"ced-{n}.txt",
+                     device)
+            _profile(lambda ids=ids: plain_next_logits(model, ids), profile / f"plain-{n}.txt", device)
     return out
+
+
+def _routed_choices(model):
+    """Forward hooks that collect every router's chosen experts: (hooks, {layer: [chosen tensors]})."""
+    seen, hooks = {}, []
+    for i, layer in enumerate(model.layers):
+        def hook(module, args, output, i=i):
+            seen.setdefault(i, []).append(output[1].detach())
+        hooks.append(layer.moe.router.register_forward_hook(hook))
+    return hooks, seen
+
+
+def step_bytes(model, slots: SlotCache, busy: list[int], experts_touched: dict[int, int]) -> dict:
+    """Bytes a decode step over `busy` must read at least: every weight it uses once (the routed
+    experts that some row chose, embedding and Engram rows of the step's tokens only), and each
+    row's cache as stored (its packed global entries and window rows)."""
+    from model.engram import Engram
+    from model.moe import RoutedExperts
+
+    weights = experts = 0
+    skip = set()
+    for module in model.modules():
+        if isinstance(module, RoutedExperts):
+            skip.update(id(p) for p in module.parameters())
+        elif isinstance(module, Engram):
+            skip.add(id(module.table.weight))
+    skip.add(id(model.embed.weight))
+    for p in model.parameters():
+        if id(p) not in skip:
+            weights += p.numel() * p.element_size()
+    B = len(busy)
+    weights += B * model.embed.weight.shape[1] * model.embed.weight.element_size()
+    for engram in (m for m in model.modules() if isinstance(m, Engram)):
+        w = engram.table.weight
+        weights += B * len(engram.primes) * w.shape[1] * w.element_size()
+    for i, layer in enumerate(model.layers):
+        e = layer.moe.experts
+        per_expert = sum(p[0].numel() * p.element_size() for p in (e.w1, e.w2, e.w3))
+        experts += experts_touched.get(i, e.n_experts) * per_expert
+    entries = sum(store.row_bytes() * (slots.lengths[s] // slots.ratio[layer])
+                  for (layer, _), store in slots.entries.items() for s in busy)
+    window = sum(p[0].numel() * p.element_size() * (p.shape[1] - 1) // p.shape[1] * B
+                 for parts in slots.window.values() for p in parts)
+    return {"weights": weights, "routed_experts": experts, "global_entries": entries, "window_rows": window,
+            "total": weights + experts + entries + window}
 
 
 @torch.no_grad()
-def bench_decode(model, batches, prompt_len, steps, vocab, device) -> dict:
-    """`steps` untimed decode steps first (kernel compilation: Triton specialises on sizes that
-    change as the cache grows), then `steps` timed ones."""
+def bench_decode(model, batches, prompt_len, steps, vocab, device, graphs, plain_steps: int,
+                 copy_gbs: Optional[float], profile: Optional[Path]) -> dict:
+    """Per batch size: prompts prefilled (CED) into a SlotCache, then the engine's decode step
+    (inference/graphs.py: greedy sampling in the step, no host sync between steps) run `steps`
+    times untimed (each new shape runs eagerly once, then is captured) and `steps` times timed.
+    Against the step's memory floor: `step_bytes` at the copy bandwidth."""
     out = {}
     for b in batches:
-        ids = _ids(b, prompt_len + 2 * steps, vocab, device)
-        slots = SlotCache(model, b)
-        for row in range(b):  # the engine prefills each prompt on its own, then hands it a slot
-            cache = DecodeCache(1)
-            prefill_ced(model, cache, ids[row:row + 1, :prompt_len])
-            slots.insert(row, cache)
-        busy = list(range(b))
-
-        def decode(start, ids=ids, slots=slots, busy=busy):
-            for p in range(start, start + steps):
-                slots.begin(busy, ids[:, p:p + 1])
-                model(ids[:, p:p + 1], shard=slots)
-                slots.end(ids[:, p:p + 1])
-
-        decode(prompt_len)
-        cached = _seconds(lambda: decode(prompt_len + steps), device)
-        plain_steps = min(steps, 4)  # the plain loop is O(length) per token: a few steps suffice
-        at = prompt_len + steps
-        [plain_next_logits(model, ids[:, :p + 1]) for p in range(at - 2, at)]  # warm-up
-        positions = range(at, at + plain_steps)
-        plain = _seconds(lambda ids=ids, positions=positions: [plain_next_logits(model, ids[:, :p + 1])
-                                                               for p in positions],
-                         device)
-        out[b] = {"cached_tokens_per_s": b * steps / cached, "plain_tokens_per_s": b * plain_steps / plain,
-                  "speedup": (b * steps / cached) / (b * plain_steps / plain)}
+        out[b] = _decode_row(model, b, prompt_len, steps, vocab, device, graphs, plain_steps, copy_gbs,
+                             profile)
+        print(json.dumps({"decode": {b: out[b]}}), file=sys.stderr, flush=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     return out
 
 
-def bench_prefix(model, prefix_len, new_tokens, vocab, device) -> dict:
+def _decode_row(model, b, prompt_len, steps, vocab, device, graphs, plain_steps, copy_gbs, profile) -> dict:
+    ids = _ids(b, prompt_len, vocab, device)
+    slots = SlotCache(model, b)
+    state = _Rows(b, 2 * steps + 2, 0.0, 1.0, device)  # greedy
+    for row in range(b):  # the engine prefills each prompt on its own, then hands it a slot
+        cache = DecodeCache(1)
+        logits = prefill_ced(model, cache, ids[row:row + 1])[:, -1]
+        state.start(row, row, logits.float())
+        slots.insert(row, cache)
+    step = DecodeStep(model, slots, state.feed, state.post, graphs=graphs)
+    busy = list(range(b))
+
+    def run(n: int) -> None:
+        for _ in range(n):
+            step(busy)
+
+    hooks, chosen = _routed_choices(model)
+    run(1)  # eager: the first time at these shapes
+    for h in hooks:
+        h.remove()
+    touched = {i: int(torch.cat(c).unique().numel()) for i, c in chosen.items()}
+    run(steps - 1)
+    before = dict(step.counts)
+    seconds = _seconds(lambda: run(steps), device)
+    nbytes = step_bytes(model, slots, busy, touched)
+    row = {"tokens_per_s": b * steps / seconds, "step_ms": 1e3 * seconds / steps,
+           "timed_steps": {k: step.counts[k] - before[k] for k in step.counts}, "bytes_per_step": nbytes,
+           "experts_touched_per_layer": sum(touched.values()) / max(len(touched), 1),
+           "context_tokens": slots.lengths[0]}
+    if step.failed:
+        row["graph_capture_failed"] = sorted(set(step.failed.values()))
+    if copy_gbs:
+        row["floor_ms"] = nbytes["total"] / copy_gbs / 1e6
+        row["fraction_of_floor"] = row["floor_ms"] / row["step_ms"]
+    if profile is not None:
+        _profile(lambda: run(4), profile / f"decode-b{b}.txt", device)
+    if plain_steps:
+        at = slots.lengths[0]
+        plain_ids = _ids(b, at + plain_steps, vocab, device, seed=1)
+        plain_next_logits(model, plain_ids[:, :at])  # warm-up
+        plain = _seconds(lambda: [plain_next_logits(model, plain_ids[:, :p + 1])
+                                  for p in range(at, at + plain_steps)], device)
+        row["plain_tokens_per_s"] = b * plain_steps / plain
+        row["speedup"] = row["tokens_per_s"] / row["plain_tokens_per_s"]
+    return row
+
+
+def _profile(fn, path: Path, device) -> None:
+    """fn under torch.profiler: a table of the ops by device time (CPU time without a GPU) to path."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(prof.key_averages().table(sort_by=key, row_limit=60) + "\n")
+
+
+def bench_prefix(model, prefix_len, new_tokens, vocab, device, profile: Optional[Path] = None) -> dict:
     prefix = _ids(1, prefix_len, vocab, device, seed=1)[0].tolist()
     prompt = prefix + _ids(1, new_tokens, vocab, device, seed=2)[0].tolist()
     cache = PrefixCache(max_bytes=1 << 40)
@@ -143,6 +238,9 @@ def bench_prefix(model, prefix_len, new_tokens, vocab, device) -> dict:
     hit_call(), miss_call()
     hit = statistics.median(_seconds(hit_call, device) for _ in range(3))
     miss = statistics.median(_seconds(miss_call, device) for _ in range(3))
+    if profile is not None:
+        _profile(hit_call, profile / "prefix-hit.txt", device)
+        _profile(miss_call, profile / "prefix-miss.txt", device)
     return {"prefix_tokens": prefix_len, "new_tokens": new_tokens, "hit_s": hit, "miss_s": miss,
             "miss_over_hit": miss / hit, "hits": cache.hits, "timed_calls": 3}
 
@@ -229,6 +327,14 @@ def main() -> None:
     ap.add_argument("--capacity", type=float, default=256.0,
                     help="speculative rows: tokens a forward takes before compute, not weight reads, "
                          "bounds it (the draft-length rule's roofline knee; small on a CPU)")
+    ap.add_argument("--graphs", choices=["auto", "on", "off"], default="auto",
+                    help="decode steps replayed from CUDA graphs (auto: on CUDA)")
+    ap.add_argument("--plain-steps", type=int, default=4,
+                    help="steps of the plain whole-sequence loop per batch size (0: skip it)")
+    ap.add_argument("--sections", default="prefill,decode,prefix", help="which sections to run")
+    ap.add_argument("--profile", default=None,
+                    help="a folder: torch.profiler tables of a few decode steps per batch size, one CED "
+                         "prefill and one prefix hit per length")
     ap.add_argument("--out", default=None, help="also write the JSON here")
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -253,11 +359,27 @@ def main() -> None:
               "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "date": datetime.date.today().isoformat(), "commit": commit,
               "model": args.model, "kernels": args.kernels}
-    result["prefill"] = bench_prefill(model, [int(x) for x in args.prefill.split(",")], args.vocab, device)
-    print(json.dumps(result["prefill"]), file=sys.stderr, flush=True)
-    result["decode"] = bench_decode(model, [int(x) for x in args.batches.split(",")], args.prompt_len,
-                                    args.steps, args.vocab, device)
-    result["prefix"] = bench_prefix(model, args.prefix_len, args.new_tokens, args.vocab, device)
+    sections = set(args.sections.split(","))
+    if unknown := sections - {"prefill", "decode", "prefix"}:
+        sys.exit(f"--sections: unknown {sorted(unknown)}; expected some of prefill, decode, prefix")
+    profile = Path(args.profile) if args.profile else None
+    if device.type == "cuda":
+        from bench.timing import copy_bandwidth_gbs
+        result["copy_bandwidth_gbs"] = copy_gbs = copy_bandwidth_gbs()
+    else:
+        copy_gbs = None
+    graphs = {"auto": None, "on": True, "off": False}[args.graphs]
+    result["graphs"] = args.graphs
+    if "prefill" in sections:
+        lengths = [int(x) for x in args.prefill.split(",")]
+        result["prefill"] = bench_prefill(model, lengths, args.vocab, device, profile)
+        print(json.dumps(result["prefill"]), file=sys.stderr, flush=True)
+    if "decode" in sections:
+        result["decode"] = bench_decode(model, [int(x) for x in args.batches.split(",")], args.prompt_len,
+                                        args.steps, args.vocab, device, graphs, args.plain_steps, copy_gbs,
+                                        profile)
+    if "prefix" in sections:
+        result["prefix"] = bench_prefix(model, args.prefix_len, args.new_tokens, args.vocab, device, profile)
     print(json.dumps(result, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
