@@ -208,7 +208,7 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
              policy_version: int = 0, packed: bool = True, replay: Optional[int] = 128,
              prefix_cache: Optional[PrefixCache] = None, max_batch: int = 64,
              vision: Optional[list[Optional[tuple[list[int], ImageBatch]]]] = None,
-             graphs: Optional[bool] = None, check_every: int = 16) -> list[Generation]:
+             graphs: bool = False, check_every: int = 16) -> list[Generation]:
     """Continuous batching: up to `max_batch` sequences decode together, one token each per
     forward (inference/slots.py); a finished sequence frees its slot for the next waiting prompt,
     which is prefilled on its own first. Prompt i draws from its own counter-based stream (seeded
@@ -219,7 +219,8 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
     prompts that extend a finished sequence reuse its global KV (agent loops: the same
     conversation plus new tool output), and every finished sequence is offered to it. `vision[i]`:
     prompt i's token types and images (None: text), prefilled by `_prefill`'s plain forward.
-    `graphs`: replay each decode step from a CUDA graph (inference/graphs.py; None: on CUDA).
+    `graphs`: replay each decode step from a CUDA graph on CUDA (inference/graphs.py). Opt-in until
+    its equality test with the eager step (tests/test_generate.py, marked gpu) has passed on a GPU.
 
     Sampled tokens stay on the device. The host reads them when a sequence reaches
     max_new_tokens (it knows when without looking) and, when `stop` is given, every `check_every`
