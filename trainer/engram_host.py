@@ -27,7 +27,8 @@ computes (tests/test_engram_host.py). Per Engram layer:
   order     a fetch may run while the last update's write-back is still scattering: it waits for
             the write-back before that one and reads from the shard only the rows the last update
             did not change; those it did are copied over on the device from that update's buffers
-            (`patches`), in stream order after it, before a forward or the next update reads them.
+            (`patches`), on a stream that waits for that update's event, before a forward or the
+            next update reads them.
             At W ranks the update runs on the worker thread, so every later fetch, served by the
             owners from their shards, queues behind it.
   checkpoint every rank writes its shards (weights and momentum) as safetensors files named by
@@ -204,6 +205,10 @@ class Fetch:
     def __init__(self, n: int, train: bool, prev: Optional[Fetch]):
         self.n, self.train = n, train
         self.prev = prev  # the last updated fetch: its rows replace the host's where both hold a row
+        # CUDA: recorded on the stream that ran this fetch's update, after it. Every stream that reads
+        # its rows and momentum afterwards (a later fetch's copy-over, the write-back) waits for it,
+        # so none of them relies on running on the same stream as step()
+        self.updated: Optional[Any] = None
         self.layers: dict[int, LayerRows] = {}
         self.chunks: list[Future] = [Future() for _ in range(n)]
         self.momentum: Future = Future()
@@ -509,9 +514,11 @@ class HostEngramTables:
             stream.wait_event(ready)
             for t in (rows.weight, slots, *(patch or ())):  # allocated on the copy stream, used on this one
                 t.record_stream(stream)
-        if patch is not None:  # after the last update in stream order: the host may not hold it yet
+        if patch is not None:  # after the last update: the host may not hold it yet
+            source = fetch.prev.layers[layer].weight
+            if ready is not None:
+                self._after_update(fetch.prev, source, stream)
             with torch.no_grad():
-                source = fetch.prev.layers[layer].weight
                 rows.weight.index_copy_(0, patch[0], source.index_select(0, patch[1]))
         fetch.taken[layer] += 1
         return slots, rows.weight
@@ -625,6 +632,8 @@ class HostEngramTables:
                 if rows.momentum_patch is not None:  # a later fetch may copy these rows over in turn
                     dst, src = rows.momentum_patch
                     source = fetch.prev.layers[layer].momentum
+                    if stream is not None:
+                        self._after_update(fetch.prev, source, stream)
                     rows.momentum.index_copy_(0, dst, source.index_select(0, src))
                 if rows.weight.grad is None:  # a table no loss reached: no step, like a GPU table's
                     continue
@@ -635,16 +644,28 @@ class HostEngramTables:
                 updated[layer] = (rows.plan.rows, weight, rows.momentum)
                 self._count(rows_updated=size)
         fetch.prev = None  # every row it had to hand over is copied
-        self.written_before, self.written = self.written, self._write_back(updated)
+        if stream is not None:
+            fetch.updated = torch.cuda.Event()
+            fetch.updated.record(stream)
+        self.written_before, self.written = self.written, self._write_back(updated, fetch.updated)
         self.last = fetch
 
-    def _write_back(self, updated: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> Future:
+    @staticmethod
+    def _after_update(fetch: Fetch, source: torch.Tensor, stream) -> None:
+        """Before `stream` reads `source` (a buffer of `fetch`, allocated on the copy stream): it waits
+        for fetch's update, and the allocator keeps the buffer until what `stream` queued is done."""
+        if fetch.updated is None:
+            raise RuntimeError("Engram host tables: a fetch copies rows over from a fetch whose update "
+                               "was not recorded")
+        stream.wait_event(fetch.updated)
+        source.record_stream(stream)
+
+    def _write_back(self, updated: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                    after_update) -> Future:
         """Rows and momentum of an update to the shards: copied to pinned memory on a side stream
-        after the update, then scattered by the writer thread."""
+        after the update (the CUDA event `after_update`), then scattered by the writer thread."""
         done = None
         if self.d2h_stream is not None:
-            after_update = torch.cuda.Event()
-            after_update.record(torch.cuda.current_stream(self.device))
             staged = {}
             with torch.cuda.stream(self.d2h_stream):
                 self.d2h_stream.wait_event(after_update)
