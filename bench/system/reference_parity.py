@@ -55,6 +55,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import hashlib
 import importlib
 import json
 import shutil
@@ -65,6 +66,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from bench import provenance
 
 # ------------------------------------------------------------------ torch kernels for the reference
 E2M1_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
@@ -191,6 +194,14 @@ def reference_package(reference: Path, work: Path, vision: bool = False):
             "ViT = Aligner = _TextOnly\n")
     sys.path.insert(0, str(work))
     return importlib.import_module("public_reference.model")
+
+
+def reference_hashes(work: Path) -> dict[str, str]:
+    """sha256 of each public file the package was built from (reference_package): which copy of the
+    public code a result measured."""
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted((work / "public_reference").glob("*.py"))
+            if p.name not in ("__init__.py", "kernel_cpu.py")}
 
 
 def build_reference(ref, export: Path, tokenizer, aligned: bool):
@@ -432,11 +443,13 @@ def main(argv=None) -> dict:
     device = torch.device(args.device)
     ids = token_ids(export / "tokenizer.json", args.batch, args.tokens).to(device)
     vision = json.loads((export / "config.json").read_text()).get("vision_n_layers", 0) > 0
-    out = {"export": str(export), "tokens": list(ids.shape), "torch": torch.__version__,
+    out = {**provenance.header("bench/system/reference_parity.py"),
+           "export": str(export), "tokens": list(ids.shape), "torch": torch.__version__,
            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "tokenizer": type(hf_tok).__name__}
     with tempfile.TemporaryDirectory() as work, torch.no_grad(), device:
         ref = reference_package(args.reference.resolve(), Path(work), vision)
+        out["reference_sha256"] = reference_hashes(Path(work))
         logits = {}
         for qat in (True, False):
             ours = build_flashtrain(export, args.model, export / "tokenizer.json", qat)(ids).logits
