@@ -5,6 +5,7 @@ import dataclasses
 import json
 import random
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -162,6 +163,18 @@ def test_a_batch_whose_images_do_not_fill_its_spans_is_refused():
         Transformer(TINY)(ids, labels=labels, token_types=types, images=images)
     with pytest.raises(ValueError, match="no vision tower"):
         Transformer(dataclasses.replace(TINY, vision_n_layers=0))(ids, token_types=types)
+
+
+def test_rendered_digits_fill_most_of_the_image_height():
+    """Each digit gets a 28 x 28 cell and a glyph at least two thirds as tall (the ink's extent), so
+    that one aligner token of the tiny tower sees about one digit."""
+    for digits in ("7", "47"):
+        for seed in range(50):
+            image = render_digits(digits, random.Random(seed))
+            assert image.size == (28 * len(digits), 28)
+            rows, cols = (torch.from_numpy(np.asarray(image)[..., 0].copy()) < 140).nonzero(as_tuple=True)
+            assert rows.max() - rows.min() + 1 >= 28 * 2 / 3, (digits, seed)
+            assert cols.max() - cols.min() + 1 >= 14 * len(digits), (digits, seed)
 
 
 def test_rendered_digit_documents_pack_into_rows_the_model_reads():
