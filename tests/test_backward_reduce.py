@@ -154,9 +154,8 @@ def _worker(rank: int, world: int, ep: int, port: int, out_dir: str) -> None:
     opt = build_optimizer(model, MuonConfig(), zero_stage=2, rank=rank, world_size=world, replicas=replicas,
                           row_offsets=offsets)
     _sparse_tables(model)
-    per = MICRO * 1
     norm, held = _zero2_step(model, layout, expert_params, opt.owner_ranks(),
-                             _batch(world * per)[rank * per:(rank + 1) * per])
+                             _batch(world * MICRO)[rank * MICRO:(rank + 1) * MICRO])  # a sequence each
     grads = {name: (None if p.grad is None else p.grad.to_dense() if p.grad.is_sparse else p.grad,
                     offsets.get(id(p), 0)) for name, p in model.named_parameters()}
     owned = sum(p.numel() * 8 for p in model.parameters() if opt.owner_ranks()[id(p)] == rank
