@@ -416,7 +416,7 @@ def _hangs_once_worker(armed: str, hung: str):
 
 
 @pytest.mark.chaos
-@pytest.mark.slow
+@pytest.mark.extended  # ~50 s of Ray start-up and deadlines: `pytest -m chaos` runs it
 def test_a_hung_teacher_is_restarted_and_its_samples_retried(setup, tmp_path, local_ray):
     """A teacher call that outlives rl.timeout_s: the worker is killed and restarted by Ray, the
     call's prompts go back to waiting, and every prompt is still trained exactly once."""

@@ -68,7 +68,10 @@ def _assert_same_losses_and_grads(a, ga, b, gb):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("chunk", [16, 0], ids=["query-chunks", "one-chunk-rope-folded"])
+# the one-chunk variant (the RoPE folded into one pass) is the same model comparison on another
+# code path: it runs in the extended tier and on the GPU, to keep the default suite in its budget
+@pytest.mark.parametrize("chunk", [16, pytest.param(0, marks=pytest.mark.extended)],
+                         ids=["query-chunks", "one-chunk-rope-folded"])
 def test_kernels_match_the_reference_model(monkeypatch, chunk):
     """Query chunks of 16 (two per sequence) so the window crosses a chunk boundary too, or one
     chunk, where the attention call applies q's RoPE and undoes out's (q_angles); loss
@@ -140,6 +143,7 @@ def _image_text_models_agree(device: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # ~30 s in the interpreter; its GPU twin below runs in the gpu tier
 def test_kernels_match_the_reference_model_on_an_image_text_batch(monkeypatch):
     """model.kernels on and off give the same losses and gradients with image spans in the batch:
     the vision tower's norms take the RMSNorm kernel, span tokens route with bias_vl through the

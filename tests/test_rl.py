@@ -77,7 +77,7 @@ def rl_setup(tmp_path_factory, data_cache):
 
 
 @pytest.mark.chaos
-@pytest.mark.slow
+@pytest.mark.extended  # ~50 s of Ray start-up and deadlines: `pytest -m chaos` runs it
 def test_killed_actors_restart_and_no_prompt_is_lost_or_trained_twice(rl_setup, local_ray):
     import ray
 
