@@ -14,6 +14,7 @@ full expert stack, so a checkpoint written at one world size or EP degree loads 
 """
 from __future__ import annotations
 
+import heapq
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,13 +40,15 @@ class Replicas:
 
 
 def assign_owners(routes: list[Route], ranks: tuple[int, ...]) -> dict[str, int]:
-    """Largest parameters first, each to the least-loaded rank: balanced and deterministic."""
-    load = dict.fromkeys(ranks, 0)
+    """Largest parameters first, each to the least-loaded rank (the lowest rank among equals):
+    balanced and deterministic. A heap keeps it O(n log ranks): the planner assigns the flash
+    model's thousands of parameters over hundreds of ranks for every layout it ranks."""
+    heap = [(0, k) for k in sorted(ranks)]  # (load, rank): sorted, so already a heap
     owners = {}
     for r in sorted(routes, key=lambda r: (-r.param.numel(), r.name)):
-        rank = min(ranks, key=lambda k: (load[k], k))
+        load, rank = heapq.heappop(heap)
         owners[r.name] = rank
-        load[rank] += r.param.numel()
+        heapq.heappush(heap, (load + r.param.numel(), rank))
     return owners
 
 
