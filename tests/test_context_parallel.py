@@ -36,6 +36,7 @@ def _compare(one: Path, many: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # CP=2 alone; the default suite checks CP=2 inside DP x CP x EP below
 def test_cp2_equals_one_process(flashtrain, tmp_path):
     args = [*EXACT, "trainer.max_steps=4", "trainer.eval_every=2", "trainer.micro_batch_size=2"]
     p = flashtrain("pretrain", *args, f"hydra.run.dir={tmp_path / 'one'}")

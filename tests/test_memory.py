@@ -58,6 +58,7 @@ def test_activation_checkpointing_keeps_loss_and_gradients():
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # ~25 s of CPU compilation; the gpu tier compiles the kernel model
 def test_compiled_blocks_keep_loss_and_gradients():
     """trainer.compile. aot_eager traces with dynamo and AOT autograd as inductor does, minus the
     code generation (minutes on 2 cores): what this checks is that capture changes nothing."""
