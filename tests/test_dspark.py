@@ -297,6 +297,74 @@ def test_a_statistical_test_of_the_speculative_sampler():
         assert _chi_square_p(counts(wrong), joint) < 1e-6, wrong.__name__
 
 
+@pytest.mark.extended
+def test_speculative_sampling_through_the_engine_follows_the_target(monkeypatch):
+    """The whole engine, sampled, with per-row acceptance: 1000 rows of one prompt decode 3 tokens
+    each in batches of 64 (rows accept different numbers of drafts in one step, and enter and leave
+    slots at different times); the joint law of the 3 tokens is the target's (temperature 0.1,
+    top-p 0.9: a few tokens per position, so a chi-square over the enumerated joint has power).
+    Drafts at the first step are drawn from q = (p + uniform on p's support) / 2, so they are often
+    but not always accepted; later drafts from uniform q. The same run with a rule that takes every
+    draft is rejected."""
+    from inference import speculative
+    from inference.generate import sampling_logprobs
+    from inference.speculative import SpeculativeStats, generate_speculative
+
+    torch.manual_seed(0)
+    model = Transformer(CFG).double().eval()
+    T, top_p, prompt, n, V = 0.1, 0.9, [5, 6, 7], 1000, CFG.vocab_size
+
+    def law(ids):
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, -1]
+        return sampling_logprobs(logits, T, top_p).exp()
+
+    p1 = law(prompt)
+    p2 = {a: law(prompt + [a]) for a in p1.nonzero()[:, 0].tolist()}
+    joint = {}
+    for a, pa in p2.items():
+        for b in pa.nonzero()[:, 0].tolist():
+            pc = law(prompt + [a, b])
+            for c in pc.nonzero()[:, 0].tolist():
+                joint[(a, b, c)] = float(p1[a] * pa[b] * pc[c])
+    drafter = DSpark(CFG).double()
+
+    def propose(drafter, target, context, context_pos, anchor, position, temperature, top_p, gens):
+        B, K = anchor.shape[0], drafter.block
+        q = torch.full((B, K, V), 1.0 / V, dtype=torch.float64)
+        for b in range(B):
+            if int(position[b]) == len(prompt):  # the anchor is the first token
+                p = p2[int(anchor[b])]
+                q[b, 0] = 0.5 * p + 0.5 * (p > 0).double() / int((p > 0).sum())
+        drafts = torch.stack([torch.multinomial(q[b], 1, generator=g)[:, 0] for b, g in enumerate(gens)])
+        return drafts, q, torch.full((B, K), 0.9)
+
+    monkeypatch.setattr(speculative, "propose", propose)
+
+    def p_value():
+        stats = SpeculativeStats()
+        gens = generate_speculative(model, drafter, [prompt] * n, 3, temperature=T, top_p=top_p, seed=4,
+                                    draft_length=1, packed=False, stats=stats)
+        seen = [tuple(g.tokens) for g in gens]
+        big = sorted(c for c, pr in joint.items() if pr * n >= 5)  # the rest pooled into one cell
+        counts = torch.tensor([float(sum(x == c for x in seen)) for c in big] + [0.0])
+        counts[-1] = n - counts[:-1].sum()
+        probs = torch.tensor([joint[c] for c in big] + [0.0], dtype=torch.float64)
+        probs[-1] = 1 - probs[:-1].sum()
+        return _chi_square_p(counts.double(), probs), stats
+
+    p, stats = p_value()
+    assert p > 1e-3, (p, stats.as_dict())
+    assert 0.2 < stats.accepted / stats.drafted < 0.95, stats.as_dict()  # drafts both kept and rejected
+
+    def take_every_draft(p, q, drafts, gens):
+        k = drafts.shape[1]
+        return torch.full((drafts.shape[0],), k), torch.multinomial(p[:, k], 1)[:, 0]
+
+    monkeypatch.setattr(speculative, "accept_drafts", take_every_draft)
+    assert p_value()[0] < 1e-6
+
+
 @pytest.mark.slow
 def test_speculative_rollouts_record_the_policys_log_probs(engine_target):
     """What RL trains against with rl.drafter set: each sampled token's recorded log-prob is the
