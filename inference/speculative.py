@@ -50,6 +50,7 @@ class SpeculativeStats:
     def as_dict(self) -> dict[str, float]:
         return {"verifications": self.verifications, "plain_steps": self.plain_steps, "drafted": self.drafted,
                 "accepted": self.accepted, "acceptance_rate": self.accepted / max(self.drafted, 1),
+                "acceptance_length": self.accepted / max(self.rows, 1),
                 "tokens_per_forward": self.tokens_per_forward()}
 
 
@@ -223,9 +224,12 @@ def generate_speculative(model: Transformer, drafter: DSpark, prompts: list[list
             gens = [generators[running[s]] for s in busy]
             position = slots.pos[rows]  # [B]
             ctx, ctx_pos = context.read(rows)
-            drafts, q, conf = propose(drafter, model, ctx, ctx_pos, last[rows], position, temperature, top_p,
-                                      gens)
-            k = choose_draft_length(conf, capacity, draft_cost) if draft_length is None else draft_length
+            if draft_length == 0:  # plain decoding through this path: nothing to propose
+                drafts, q, k = last[rows][:, None], None, 0
+            else:
+                drafts, q, conf = propose(drafter, model, ctx, ctx_pos, last[rows], position, temperature,
+                                          top_p, gens)
+                k = choose_draft_length(conf, capacity, draft_cost) if draft_length is None else draft_length
             k = min(k, max(max_new_tokens - len(out[running[s]].tokens) for s in busy) - 1)
             fed = torch.cat((last[rows][:, None], drafts[:, :k]), dim=1)  # [B, k + 1]
             slots.begin(busy, fed)
@@ -237,7 +241,8 @@ def generate_speculative(model: Transformer, drafter: DSpark, prompts: list[list
                 logps = logits.log_softmax(-1)
             else:
                 logps = sampling_logprobs(logits, temperature, top_p)
-                n, nxt = accept_drafts(logps.exp(), q[:, :k], drafts[:, :k], gens)
+                probs = logps.exp()
+                n, nxt = accept_drafts(probs, probs[:, :0] if q is None else q[:, :k], drafts[:, :k], gens)
             keep = n + 1
             slots.end(fed, keep.tolist())
             context.add(rows, drafter.context(taps.to(dtype)), position, keep)
