@@ -244,18 +244,21 @@ def generate_speculative(model: Transformer, drafter: DSpark, prompts: list[list
                 probs = logps.exp()
                 n, nxt = accept_drafts(probs, probs[:, :0] if q is None else q[:, :k], drafts[:, :k], gens)
             keep = n + 1
-            slots.end(fed, keep.tolist())
-            context.add(rows, drafter.context(taps.to(dtype)), position, keep)
             emitted = torch.cat((drafts[:, :k], nxt[:, None]), dim=1)  # row r emits its first n_r, then nxt
             emitted.scatter_(1, n[:, None], nxt[:, None])
             lps = logps.gather(-1, emitted[..., None])[..., 0]  # [B, k + 1]
+            # one read back per step: the host needs each row's length (pages, read widths)
+            host = torch.cat((keep[:, None], emitted), dim=1).tolist()
+            kept_host = [h[0] for h in host]
+            slots.end(fed, kept_host)
+            context.add(rows, drafter.context(taps.to(dtype)), position, keep)
             last[rows] = nxt
             stats.verifications += k > 0
             stats.plain_steps += k == 0
             stats.drafted += k * len(busy)
-            stats.accepted += int(n.sum())
+            stats.accepted += sum(kept_host) - len(busy)
             stats.rows += len(busy)
-            for s, kept, tokens, logp in zip(busy, keep.tolist(), emitted.tolist(), lps.tolist()):
+            for s, kept, tokens, logp in zip(busy, kept_host, (h[1:] for h in host), lps.tolist()):
                 gen = out[running[s]]
                 gen.token_layer_passes += (k + 1) * n_layers
                 if any(_took(gen, t, lp, stop, max_new_tokens) for t, lp in zip(tokens[:kept], logp[:kept])):
