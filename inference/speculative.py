@@ -1,42 +1,36 @@
 """Speculative decoding with the DSpark drafter (model/dspark.py, docs/DESIGN.md "Speculative decoding").
 
-One step, for a batch of sequences of equal length L whose newest sampled token (the anchor) is not
-in the cache yet:
+Sequences decode together from a SlotCache (inference/slots.py), each at its own length, as in
+`generate`: a prompt is prefilled on its own, takes a free slot, and leaves it when it is done. One
+step, over the busy slots, each of whose newest sampled token (the anchor) is not in the cache yet:
   1. the drafter proposes K_max tokens per row from its context rows (projected taps of the target
-     over the sequence so far), with the distribution q_i each was drawn from and a confidence c_i
-  2. `choose_draft_length` picks k <= K_max from the confidences and the batch size
-  3. one target forward over [anchor, d_1 .. d_k] (the cache marked), giving the target's sampling
+     over the row's sequence so far), with the distribution q_i each was drawn from and a
+     confidence c_i
+  2. `choose_draft_length` picks one k <= K_max for the step from the confidences and the batch size
+  3. one target forward over [anchor, d_1 .. d_k] of every row, giving the target's sampling
      distributions p_0 .. p_k
   4. `accept_drafts`: per row, d_i is accepted with probability min(1, p_i(d_i) / q_i(d_i)) until the
      first rejection, which is replaced by a draw from the residual max(p_i - q_i, 0) (normalised);
      a row that accepts all k draws its next token from p_k. Greedy: d_i is accepted when it is p_i's
      argmax, and the next token is that argmax
-  5. the batch keeps a = min over rows of the accepted count: each row emits d_1 .. d_a and then its
-     own token at position a (the residual or p_k draw of the row that stopped there, the accepted
-     d_{a+1} of a row that went further); the cache rolls back to L + a + 1 and the emitted tokens'
-     taps join the drafter's context
+  5. row r emits its n_r accepted drafts and that next token: its slot keeps n_r + 1 of the k + 1
+     tokens fed (`SlotCache.end(.., keep)`), and their taps join its drafter context
 Every emitted token is, given the tokens before it, distributed as the target's sampling
-distribution (the rule in 4; cutting a row at a point decided by the rows before that point, or by
-other rows, keeps this), so the output is distributed as plain sampling; greedy output is the same
-tokens. The log-probability recorded for each token is the target's, as `generate` records it.
+distribution (the rule in 4, row by row), so the output is distributed as plain sampling; greedy
+output is the same tokens. The log-probability recorded for each token is the target's, as
+`generate` records it.
 """
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import deque
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from inference.cache import DecodeCache
-from inference.generate import (
-    Generation,
-    check_generate_args,
-    forward_new,
-    prefill_ced,
-    sample,
-    sampling_logprobs,
-)
+from inference.generate import Generation, _prefill, check_generate_args, sample, sampling_logprobs
+from inference.graphs import decode_experts
+from inference.slots import SlotCache, to_device
 from model.dspark import DSpark, TapRecorder
 from model.transformer import Transformer
 
@@ -46,7 +40,7 @@ class SpeculativeStats:
     verifications: int = 0  # target forwards that verified drafts (k >= 1)
     plain_steps: int = 0  # target forwards of the anchor alone (k = 0)
     drafted: int = 0  # draft tokens verified, summed over rows
-    accepted: int = 0  # of them emitted, summed over rows
+    accepted: int = 0  # of them accepted, summed over rows (each row its own count)
     rows: int = 0  # row-steps (a row in one target forward)
 
     def tokens_per_forward(self) -> float:
@@ -56,20 +50,22 @@ class SpeculativeStats:
     def as_dict(self) -> dict[str, float]:
         return {"verifications": self.verifications, "plain_steps": self.plain_steps, "drafted": self.drafted,
                 "accepted": self.accepted, "acceptance_rate": self.accepted / max(self.drafted, 1),
+                "acceptance_length": self.accepted / max(self.rows, 1),
                 "tokens_per_forward": self.tokens_per_forward()}
 
 
 def choose_draft_length(confidence: torch.Tensor, capacity: float, draft_cost: float) -> int:
-    """The k in 0..K that maximises expected tokens per unit of step cost for a batch.
+    """The k in 0..K (one for the whole step: a forward feeds every row k + 1 tokens) that maximises
+    expected tokens per unit of step cost.
 
-    confidence [B, K]: row b's chance that draft i is accepted given the drafts before it were. The
-    batch keeps the smallest accepted count, so (rows independent) P(all rows accept >= i) =
-    prod_b prod_{j<=i} c_bj, and a forward of k drafts gains 1 + sum_{i<=k} of that. Its cost is 1 (the
-    weights read once) + B (k + 1) / capacity (tokens past the roofline knee, `capacity` tokens a
-    forward) + draft_cost when drafting."""
+    confidence [B, K]: row b's chance that draft i is accepted given the drafts before it were. Each
+    row keeps its own accepted count, so row b gains 1 + sum_{i<=k} prod_{j<=i} c_bj tokens, and the
+    step the mean of that over rows (per row, as the cost). Its cost is 1 (the weights read once) +
+    B (k + 1) / capacity (tokens past the roofline knee, `capacity` tokens a forward) + draft_cost
+    when drafting."""
     B, K = confidence.shape
-    log_all = torch.log(confidence.double().clamp(min=1e-12)).cumsum(1).sum(0)  # [K]
-    gain = torch.cat((torch.ones(1, dtype=torch.float64), 1 + log_all.exp().cumsum(0)))  # [K + 1]
+    reach = torch.log(confidence.double().clamp(min=1e-12)).cumsum(1).exp().mean(0)  # [K] E[rows past i]
+    gain = torch.cat((torch.ones(1, dtype=torch.float64), 1 + reach.cumsum(0)))  # [K + 1]
     k = torch.arange(K + 1, dtype=torch.float64)
     cost = 1 + B * (k + 1) / capacity + draft_cost * (k > 0)
     return int((gain / cost).argmax())
@@ -107,17 +103,16 @@ def accept_drafts(p: torch.Tensor, q: Optional[torch.Tensor], drafts: torch.Tens
 
 @torch.no_grad()
 def propose(drafter: DSpark, target: Transformer, context: torch.Tensor, context_pos: torch.Tensor,
-            anchor: torch.Tensor, position: int, temperature: float, top_p: float,
+            anchor: torch.Tensor, position: torch.Tensor, temperature: float, top_p: float,
             generators: list[torch.Generator]):
-    """Drafts for anchors [B] at `position`: (drafts [B, K], their distributions q [B, K, V] or None
-    when greedy, conditional confidences [B, K])."""
-    B, K = anchor.shape[0], drafter.block
-    pos = torch.full((B, 1), position, device=anchor.device)
-    visible = ((context_pos < position) & (context_pos >= position - drafter.cfg.window))[:, None]  # [B,1,S]
+    """Drafts for anchors [B] at positions [B] (context [B, S, D] at context_pos [B, S]): (drafts
+    [B, K], their distributions q [B, K, V] or None when greedy, conditional confidences [B, K])."""
+    pos = position[:, None]  # [B, 1]
+    visible = ((context_pos < pos) & (context_pos >= pos - drafter.cfg.window))[:, None]  # [B, 1, S]
     hidden = drafter.hidden(target.embed, context, visible, context_pos, anchor[:, None], pos)[:, 0]  # B,K,D
     base = drafter.base_logits(target.head, hidden)  # [B, K, V]
     prev, drafts, qs, conf = anchor, [], [], []
-    for i in range(K):
+    for i in range(drafter.block):
         bias, markov = drafter.markov(prev)
         logits = base[:, i] + bias
         conf.append(torch.sigmoid(drafter.confidence(hidden[:, i], markov)))
@@ -132,6 +127,45 @@ def propose(drafter: DSpark, target: Transformer, context: torch.Tensor, context
     return torch.stack(drafts, 1), (torch.stack(qs, 1) if qs else None), torch.stack(conf, 1)
 
 
+class DraftContext:
+    """The drafter's context rows of every slot: a ring [slots, R, D] (the row of position p at p % R)
+    and each entry's position [slots, R] (NOWHERE where there is none), R = the drafter's window plus
+    the most tokens a step feeds, so a step's rows never overwrite each other or a row the next
+    step reads. Only kept positions are written: a rejected draft's row never enters the ring."""
+
+    NOWHERE = -(1 << 40)  # a position no anchor's window reaches
+
+    def __init__(self, slots: int, window: int, lookahead: int):
+        self.slots, self.ring = slots, window + lookahead
+        self.rows: Optional[torch.Tensor] = None
+        self.pos: Optional[torch.Tensor] = None
+
+    def start(self, slot: int, rows: torch.Tensor, length: int) -> None:
+        """A prefilled sequence of `length` tokens takes `slot`: rows [n, D] are its last n positions."""
+        if self.rows is None:
+            self.rows = rows.new_zeros(self.slots, self.ring, rows.shape[-1])
+            self.pos = torch.full((self.slots, self.ring), self.NOWHERE, dtype=torch.long, device=rows.device)
+        rows = rows[-self.ring:]
+        at = torch.arange(length - rows.shape[0], length, device=rows.device)
+        self.pos[slot] = self.NOWHERE
+        self.pos[slot, at % self.ring] = at
+        self.rows[slot, at % self.ring] = rows.to(self.rows.dtype)
+
+    def add(self, slots: torch.Tensor, rows: torch.Tensor, first: torch.Tensor, keep: torch.Tensor) -> None:
+        """rows [B, T, D] of positions first [B] + 0 .. T-1 of `slots` [B]; only the first keep [B]
+        of each row are kept."""
+        T = rows.shape[1]
+        at = first[:, None] + torch.arange(T, device=rows.device)  # [B, T]
+        kept = torch.arange(T, device=rows.device) < keep[:, None]  # [B, T]
+        ring = at % self.ring
+        self.rows[slots[:, None], ring] = torch.where(kept[..., None], rows.to(self.rows.dtype),
+                                                      self.rows[slots[:, None], ring])
+        self.pos[slots[:, None], ring] = torch.where(kept, at, self.pos[slots[:, None], ring])
+
+    def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rows[slots], self.pos[slots]
+
+
 @torch.no_grad()
 def generate_speculative(model: Transformer, drafter: DSpark, prompts: list[list[int]], max_new_tokens: int,
                          temperature: float = 1.0, top_p: float = 1.0, stop: Optional[set[int]] = None,
@@ -139,103 +173,99 @@ def generate_speculative(model: Transformer, drafter: DSpark, prompts: list[list
                          replay: Optional[int] = 128, max_batch: int = 64, draft_length: Optional[int] = None,
                          capacity: float = 256.0, draft_cost: float = 0.1,
                          stats: Optional[SpeculativeStats] = None) -> list[Generation]:
-    """`generate`'s contract (inference/generate.py) with speculative decoding: prompts of equal length
-    decode together, up to max_batch at a time. draft_length: verify this many drafts every step
-    (None: `choose_draft_length` with `capacity` and `draft_cost`). Greedy output equals `generate`'s;
-    sampled output has its distribution but not its per-prompt draws (a row's randomness is spent on
-    drafts and acceptance tests)."""
+    """`generate`'s contract (inference/generate.py) with speculative decoding: up to max_batch
+    sequences decode together from slots, each keeping its own accepted drafts, and a finished
+    sequence hands its slot to the next prompt. draft_length: verify this many drafts every step
+    (None: `choose_draft_length` with `capacity` and `draft_cost`, one k per step for all rows).
+    Greedy output equals `generate`'s; sampled output has its distribution but not its per-prompt
+    draws (a row's randomness, its own generator, is spent on drafts and acceptance tests; with
+    draft_length given, a prompt's draws do not depend on its batch neighbours)."""
     check_generate_args(prompts, max_new_tokens, max_batch)
-    if draft_length is not None and not 0 <= draft_length <= drafter.block:
-        raise ValueError(f"draft_length={draft_length}: expected 0..{drafter.block}")
+    K = drafter.block
+    if draft_length is not None and not 0 <= draft_length <= K:
+        raise ValueError(f"draft_length={draft_length}: expected 0..{K}")
     device = next(model.parameters()).device
     model.eval()
     drafter.eval()
     stats = stats if stats is not None else SpeculativeStats()
+    n_layers = len(model.layers)
     out = [Generation(policy_version=policy_version) for _ in prompts]
     generators = [torch.Generator(device=device).manual_seed((seed * 1_000_003 + i) % 2**63)
                   for i in range(len(prompts))]
-    by_length: dict[int, list[int]] = defaultdict(list)
-    for i, p in enumerate(prompts):
-        by_length[len(p)].append(i)
-    for group in by_length.values():
-        for at in range(0, len(group), max_batch):
-            rows = group[at:at + max_batch]
-            _decode_group(model, drafter, [prompts[i] for i in rows], [out[i] for i in rows],
-                          [generators[i] for i in rows], max_new_tokens, temperature, top_p, stop, packed,
-                          replay, draft_length, capacity, draft_cost, stats)
-    return out
-
-
-def _decode_group(model, drafter, prompts, gens, generators, max_new_tokens, temperature, top_p, stop, packed,
-                  replay, draft_length, capacity, draft_cost, stats: SpeculativeStats) -> None:
-    device = generators[0].device
-    ids = torch.tensor(prompts, device=device)  # [B, N]
-    B, N = ids.shape
-    n_layers, W = len(model.layers), drafter.cfg.window
-    cache = DecodeCache(B, packed=packed)
+    n_slots = min(max_batch, max(len(prompts), 1))
+    slots = SlotCache(model, n_slots, packed, lookahead=K + 1)
+    context = DraftContext(n_slots, drafter.cfg.window, K + 1)
+    last = torch.zeros(n_slots, dtype=torch.long, device=device)  # each slot's anchor
+    free = list(range(n_slots))[::-1]
+    running: dict[int, int] = {}  # slot -> prompt index
+    waiting = deque(range(len(prompts)))
+    dtype = drafter.main_proj.weight.dtype
     with TapRecorder(model, drafter.taps) as rec:
-        logits = forward_new(model, cache, ids) if replay is None else prefill_ced(model, cache, ids, replay)
-        taps = rec.take()  # the positions whose decoder layers ran: the last R
-        context = drafter.context(taps.to(drafter.main_proj.weight.dtype))[:, -W:]
-        context_pos = torch.arange(N - context.shape[1], N, device=device).expand(B, -1)
-        for g in gens:
-            g.token_layer_passes = cache.token_layer_passes  # a batched forward counts one sequence
-        if max_new_tokens == 0:
-            return
-        token, logp = sample(logits[:, -1].float(), temperature, top_p, generators)
-        live = []  # indices into the group of rows still decoding
-        for b in range(B):
-            if not _took(gens[b], int(token[b]), float(logp[b]), stop, max_new_tokens):
-                live.append(b)
-        last = token
-        if len(live) < B:
-            keep = torch.tensor(live, device=device, dtype=torch.long)
-            cache.select_rows(keep)
-            context, context_pos, last = context[keep], context_pos[keep], last[keep]
-        while live:
-            rows = len(live)
-            left = min(max_new_tokens - len(gens[b].tokens) for b in live)
-            drafts, q, conf = propose(drafter, model, context, context_pos, last, cache.length, temperature,
-                                      top_p, [generators[b] for b in live])
-            k = choose_draft_length(conf, capacity, draft_cost) if draft_length is None else draft_length
-            k = min(k, left - 1)
-            fed = torch.cat((last[:, None], drafts[:, :k]), dim=1)  # [rows, k + 1]
-            cache.mark()
-            logits = forward_new(model, cache, fed).float()  # [rows, k + 1, V]
+        while waiting or running:
+            while waiting and free:
+                i = waiting.popleft()
+                cache, logits = _prefill(model, prompts[i], replay, packed, None, device)
+                taps = rec.take()  # the positions whose decoder layers ran: the last min(replay, N)
+                out[i].token_layer_passes = cache.token_layer_passes
+                if max_new_tokens == 0:
+                    continue
+                token, logp = sample(logits.float(), temperature, top_p, [generators[i]])
+                if _took(out[i], int(token[0]), float(logp[0]), stop, max_new_tokens):
+                    continue
+                slot = free.pop()
+                slots.insert(slot, cache)
+                context.start(slot, drafter.context(taps.to(dtype))[0], cache.length)
+                last[slot] = token[0]
+                running[slot] = i
+            if not running:
+                continue
+            busy = sorted(running)
+            rows = to_device(busy, device)
+            gens = [generators[running[s]] for s in busy]
+            position = slots.pos[rows]  # [B]
+            ctx, ctx_pos = context.read(rows)
+            if draft_length == 0:  # plain decoding through this path: nothing to propose
+                drafts, q, k = last[rows][:, None], None, 0
+            else:
+                drafts, q, conf = propose(drafter, model, ctx, ctx_pos, last[rows], position, temperature,
+                                          top_p, gens)
+                k = choose_draft_length(conf, capacity, draft_cost) if draft_length is None else draft_length
+            k = min(k, max(max_new_tokens - len(out[running[s]].tokens) for s in busy) - 1)
+            fed = torch.cat((last[rows][:, None], drafts[:, :k]), dim=1)  # [B, k + 1]
+            slots.begin(busy, fed)
+            with decode_experts(model):
+                logits = model(fed, shard=slots).logits.float()  # [B, k + 1, V]
             taps = rec.take()
             if temperature <= 0:
                 n, nxt = accept_drafts(logits, None, drafts[:, :k], [])
                 logps = logits.log_softmax(-1)
             else:
                 logps = sampling_logprobs(logits, temperature, top_p)
-                n, nxt = accept_drafts(logps.exp(), q[:, :k] if k else q[:, :0], drafts[:, :k],
-                                       [generators[b] for b in live])
-            a = int(n.min())
-            own = torch.where(n > a, drafts[:, a], nxt) if a < k else nxt  # the token at position a
-            emitted = torch.cat((drafts[:, :a], own[:, None]), dim=1)  # [rows, a + 1]
-            cache.rollback(a + 1, fed)
+                probs = logps.exp()
+                n, nxt = accept_drafts(probs, probs[:, :0] if q is None else q[:, :k], drafts[:, :k], gens)
+            keep = n + 1
+            emitted = torch.cat((drafts[:, :k], nxt[:, None]), dim=1)  # row r emits its first n_r, then nxt
+            emitted.scatter_(1, n[:, None], nxt[:, None])
+            lps = logps.gather(-1, emitted[..., None])[..., 0]  # [B, k + 1]
+            # one read back per step: the host needs each row's length (pages, read widths)
+            host = torch.cat((keep[:, None], emitted), dim=1).tolist()
+            kept_host = [h[0] for h in host]
+            slots.end(fed, kept_host)
+            context.add(rows, drafter.context(taps.to(dtype)), position, keep)
+            last[rows] = nxt
             stats.verifications += k > 0
             stats.plain_steps += k == 0
-            stats.drafted += k * rows
-            stats.accepted += a * rows
-            stats.rows += rows
-            new_rows = drafter.context(taps[:, :a + 1].to(drafter.main_proj.weight.dtype))
-            context = torch.cat((context, new_rows), dim=1)[:, -W:]
-            new_pos = torch.arange(cache.length - a - 1, cache.length, device=device).expand(rows, -1)
-            context_pos = torch.cat((context_pos, new_pos), dim=1)[:, -W:]
-            still = []
-            for r, b in enumerate(live):
-                gens[b].token_layer_passes += (k + 1) * n_layers
-                tokens = emitted[r].tolist()
-                lps = logps[r, torch.arange(a + 1), emitted[r]].tolist()
-                if not any(_took(gens[b], t, lp, stop, max_new_tokens) for t, lp in zip(tokens, lps)):
-                    still.append(r)
-            last = emitted[:, -1]
-            if len(still) < rows:
-                keep = torch.tensor(still, device=device, dtype=torch.long)
-                cache.select_rows(keep)
-                context, context_pos, last = context[keep], context_pos[keep], last[keep]
-                live = [live[r] for r in still]
+            stats.drafted += k * len(busy)
+            stats.accepted += sum(kept_host) - len(busy)
+            stats.rows += len(busy)
+            for s, kept, tokens, logp in zip(busy, kept_host, (h[1:] for h in host), lps.tolist()):
+                gen = out[running[s]]
+                gen.token_layer_passes += (k + 1) * n_layers
+                if any(_took(gen, t, lp, stop, max_new_tokens) for t, lp in zip(tokens[:kept], logp[:kept])):
+                    slots.release(s)
+                    free.append(s)
+                    del running[s]
+    return out
 
 
 def _took(gen: Generation, token: int, logp: float, stop: Optional[set[int]], max_new_tokens: int) -> bool:

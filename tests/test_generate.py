@@ -1,6 +1,7 @@
 """The decode cache reproduces the training forward: prefill in chunks of any size, then one
 token at a time, gives the logits of one forward over the whole sequence."""
 import dataclasses
+import random
 
 import pytest
 import torch
@@ -226,6 +227,57 @@ def test_slot_decoding_at_different_lengths_equals_the_whole_sequence(model):
     for key, store in ref.entries.items():
         torch.testing.assert_close(got.entries[key].read(torch.float64), store.read(torch.float64), rtol=0,
                                    atol=1e-12)
+
+
+def test_slot_steps_of_several_tokens_with_rollback_equal_the_whole_sequence(model):
+    """Speculative verification on the slot cache: each step feeds 1..4 tokens per row, of which
+    only the first keep[b] are the sequence's (the rest are wrong drafts), and keeps those. Every
+    logit computed from a right prefix is the whole-sequence forward's, so nothing a rejected
+    token wrote (window rows, block rows, a compressed entry it completed, its id) is seen later;
+    rows sit at different lengths and m-block phases, and a slot copied out holds what a
+    1-sequence cache of its kept tokens holds."""
+    from inference.slots import SlotCache
+    ids = _ids(64, seed=11)
+    seqs = [ids[0, :60], ids[1, :57], ids[0, 7:62]]
+    with torch.no_grad():
+        want = [model(s[None]).logits[0] for s in seqs]
+    slots = SlotCache(model, 3, packed=model.packed_cache, page=4, lookahead=4)
+    at = {0: 9, 1: 16, 2: 4}
+    for s, n in at.items():
+        cache = DecodeCache(1, packed=model.packed_cache)
+        forward_new(model, cache, seqs[s][None, :n])
+        slots.insert(s, cache)
+    rng = random.Random(3)
+    kept_short = 0
+    for _ in range(14):
+        busy = sorted(at)
+        T = rng.randint(1, 4)
+        keep = [rng.randint(1, T) for _ in busy]
+        feed = torch.stack([seqs[s][at[s]:at[s] + T] for s in busy])  # [B, T]
+        for b, n in enumerate(keep):  # a wrong token after the kept ones
+            if n < T:
+                feed[b, n] = (feed[b, n] + 1 + rng.randrange(96)) % 97
+        slots.begin(busy, feed)
+        with torch.no_grad():
+            logits = model(feed, shard=slots).logits
+        slots.end(feed, keep)
+        for b, s in enumerate(busy):
+            right = want[s][at[s]:at[s] + keep[b]]
+            torch.testing.assert_close(logits[b, :keep[b]], right, rtol=0, atol=1e-10)
+            at[s] += keep[b]
+            kept_short += keep[b] < T
+    assert kept_short >= 10 and slots.lengths == [at[0], at[1], at[2]]
+    ref = DecodeCache(1, packed=model.packed_cache)
+    forward_new(model, ref, seqs[1][None, :at[1]])
+    got = slots.extract(1)
+    assert got.length == ref.length
+    for key, store in ref.entries.items():
+        torch.testing.assert_close(got.entries[key].read(torch.float64), store.read(torch.float64), rtol=0,
+                                   atol=1e-12)
+    for layer, rows in ref.pending.items():
+        torch.testing.assert_close(got.pending[layer], rows, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="lookahead 4"):
+        slots.begin([0], torch.zeros(1, 5, dtype=torch.long))
 
 
 def test_continuous_batching_gives_each_prompt_what_it_gets_alone(model):

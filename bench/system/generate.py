@@ -14,11 +14,12 @@
 With --drafter RUN (a finished `flashtrain dspark` run), it measures speculative decoding instead:
   speculative  at each batch size, the same prompts (the first --prompt-len tokens of validation
                rows of the run's corpus) decoded --spec-tokens tokens by the engine (`generate`)
-               and by speculative decoding (`generate_speculative`) with the run's target and
-               drafter: tokens/s of each, the speed-up, tokens per target forward (the acceptance
-               length plus one), the acceptance rate, and whether greedy output is identical; also
-               the speculative path with no drafts (draft_length=0), whose ratio isolates what the
-               drafts gain from how the two paths batch
+               and by speculative decoding (`generate_speculative`: slots, each row keeping its own
+               accepted drafts) with the run's target and drafter: tokens/s of each, the speed-up,
+               the acceptance length (drafts a row keeps per target forward), tokens per target
+               forward (that plus one), the acceptance rate, and whether greedy output is
+               identical; also the speculative path with no drafts (draft_length=0: the same slots
+               and prefill, one token a step, no drafter), whose ratio isolates what the drafts gain
 
     python -m bench.system.generate --drafter RUN [--batches 1,64] [--out FILE]
 """
@@ -254,21 +255,22 @@ def _timed(fn, device):
 
 @torch.no_grad()
 def bench_speculative(target, drafter, prompts, batches, new_tokens, temperature, device,
-                      capacity: float = 256.0) -> dict:
+                      capacity: float = 256.0, draft_length: Optional[int] = None) -> dict:
     from inference.speculative import SpeculativeStats, generate_speculative
 
     out = {}
     for b in batches:
         batch = [prompts[i % len(prompts)] for i in range(b)]
         kw = dict(temperature=temperature, max_batch=b, seed=1)
-        generate(target, batch[:1], 4, **kw)  # warm-up (kernels compile per shape)
-        generate_speculative(target, drafter, batch[:1], 4, **kw)
+        generate(target, batch, 4, **kw)  # warm-up at the batch (kernels compile per shape)
+        generate_speculative(target, drafter, batch, 8, **kw)
         stats = SpeculativeStats()
         plain_gens, plain = _timed(partial(generate, target, batch, new_tokens, **kw), device)
         spec_gens, spec = _timed(partial(generate_speculative, target, drafter, batch, new_tokens,
-                                         stats=stats, capacity=capacity, **kw), device)
-        # the same path with no drafts: it batches equal-length prompts in one cache where `generate`
-        # prefills one by one into slots, so speculation's own gain is the ratio to this
+                                         stats=stats, capacity=capacity, draft_length=draft_length, **kw),
+                                 device)
+        # the same path with no drafts: what it costs besides the drafts (a host read of the accepted
+        # counts every step, eager steps where `generate` may replay graphs)
         no_draft_gens, no_draft = _timed(partial(generate_speculative, target, drafter, batch, new_tokens,
                                                  draft_length=0, **kw), device)
         plain_tps = sum(len(g.tokens) for g in plain_gens) / plain
@@ -298,14 +300,11 @@ def speculative_main(args, device) -> dict:
         target.to(torch.bfloat16)
         drafter.to(torch.bfloat16)
     batches = [int(x) for x in args.batches.split(",")]
-    return {"bench": "generate-speculative",
-            "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
-            "torch": torch.__version__, "date": datetime.date.today().isoformat(),
-            "commit": provenance.commit(), "model": target.cfg.name, "drafter_run": str(args.drafter),
-            "prompt_len": n, "new_tokens": args.spec_tokens, "temperature": args.temperature,
-            "capacity": args.capacity,
+    return {**provenance.header("generate-speculative"), "model": target.cfg.name,
+            "drafter_run": str(args.drafter), "prompt_len": n, "new_tokens": args.spec_tokens,
+            "temperature": args.temperature, "capacity": args.capacity, "draft_length": args.draft_length,
             "speculative": bench_speculative(target, drafter, prompts, batches, args.spec_tokens,
-                                             args.temperature, device, args.capacity)}
+                                             args.temperature, device, args.capacity, args.draft_length)}
 
 
 def main() -> None:
@@ -327,6 +326,8 @@ def main() -> None:
     ap.add_argument("--capacity", type=float, default=256.0,
                     help="speculative rows: tokens a forward takes before compute, not weight reads, "
                          "bounds it (the draft-length rule's roofline knee; small on a CPU)")
+    ap.add_argument("--draft-length", type=int, default=None,
+                    help="speculative rows: verify this many drafts every step (default: the rule's choice)")
     ap.add_argument("--graphs", choices=["auto", "on", "off"], default="auto",
                     help="decode steps replayed from CUDA graphs (auto: on CUDA)")
     ap.add_argument("--plain-steps", type=int, default=4,
