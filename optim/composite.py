@@ -219,6 +219,18 @@ class CompositeOptimizer(torch.optim.Optimizer):
                     merged[name][piece["offset"]] = piece
         return {"format": STATE_FORMAT, "state": {n: list(p.values()) for n, p in merged.items()}}
 
+    @staticmethod
+    def saved_masters(state_dict: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """name -> the whole fp32 master of each parameter a (merged) state dict holds one of: the
+        weights of a run with master weights, where its model states hold bf16 roundings."""
+        out = {}
+        for name, pieces in state_dict["state"].items():
+            masters = sorted((piece["offset"] or 0, piece["state"]["master"]) for piece in pieces
+                             if "master" in piece["state"])
+            if masters:
+                out[name] = torch.cat([m for _, m in masters]) if len(masters) > 1 else masters[0][1]
+        return out
+
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Keeps the entries of the parameters this rank owns now; an expert shard's state is cut
