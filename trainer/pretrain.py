@@ -235,7 +235,8 @@ class Trainer:
             meta = Transformer(model_config_for(cfg.model, self.tokenizer))
         layout = Layout(self.dist.world_size, ep=tc.expert_parallel, cp=tc.context_parallel,
                         zero_stage=tc.zero_stage, micro_batch=tc.micro_batch_size, seq_len=cfg.data.seq_len,
-                        engram_host=tc.engram_tables == "host", grad_accum_dtype=tc.grad_accum_dtype)
+                        engram_host=tc.engram_tables == "host", grad_accum_dtype=tc.grad_accum_dtype,
+                        param_dtype=tc.param_dtype)
         gpu = torch.cuda.get_device_properties(self.dist.device)
         check_layout_fits(meta, cfg.optim, layout, tc.activation_checkpointing, gpu.total_memory, gpu.name,
                           tc.grad_accum_steps)
