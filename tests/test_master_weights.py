@@ -280,11 +280,13 @@ def _losses(run: Path) -> dict[int, float]:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_bf16_weights_resume_bitwise_and_convert_through_the_trainer(flashtrain, tmp_path):
     """2 ranks, bf16 compute and weights, ZeRO-2: resuming the step-2 checkpoint gives steps 3 and 4
     bitwise (losses, bf16 model states, masters); the same checkpoint resumed with fp32 weights
     computes step 3's forward from the masters, which autocast rounds to the same bf16 weights: the
-    same loss, bitwise."""
+    same loss, bitwise. Three 2-process runs, about a minute on 2 cores: in the extended tier, as the
+    default suite is at its time budget (the optimiser-level tests above cover the same state)."""
     common = [*FAST, "trainer.max_steps=4", "trainer.save_every=2", "trainer.precision=bf16",
               "trainer.micro_batch_size=2", "launcher.nproc=2", "trainer.zero_stage=2",
               "trainer.torch_threads=1"]
