@@ -36,9 +36,11 @@ def _backward(model: Transformer, batch: torch.Tensor) -> None:
     (out.lm_loss + out.balance_loss + out.indexer_loss).backward()
 
 
-def _bf16_run(rank: int, world: int, zero_stage: int) -> tuple[Transformer, CompositeOptimizer]:
+def _bf16_run(rank: int, world: int, zero_stage: int,
+              bf16: bool = True) -> tuple[Transformer, CompositeOptimizer]:
     """STEPS steps of the trainer's path with bf16 weights: the composite optimiser with masters, the
-    gradients reduced to the owners (ZeRO-2 during the backward, ZeRO-1 after it from fp32 buffers)."""
+    gradients reduced to the owners (ZeRO-2 during the backward, ZeRO-1 after it from fp32 buffers).
+    bf16=False: the same with fp32 weights."""
     from trainer.backward_reduce import BackwardReducer
     from trainer.master_weights import Fp32Grads, fp32_parameters
     from trainer.parallelize import build_layout, reduce_gradients
@@ -47,12 +49,12 @@ def _bf16_run(rank: int, world: int, zero_stage: int) -> tuple[Transformer, Comp
     model = Transformer(TINY)
     layout = build_layout(rank, world, 1, TINY.n_routed_experts)
     opt = CompositeOptimizer(route_parameters(model, MuonConfig()), MuonConfig(), rank, world, shard=True,
-                             master_weights=True, keep_fp32=fp32_parameters(model), master_min_replicas=1)
+                             master_weights=bf16, keep_fp32=fp32_parameters(model), master_min_replicas=1)
     opt.store_params_low_precision()
     masters, owners = opt.master_of(), opt.owner_ranks()
     reducer = (BackwardReducer(model, layout, set(), owners, torch.float32, masters=masters)
                if zero_stage == 2 else None)
-    fp32 = Fp32Grads(opt.low_precision_params()) if zero_stage == 1 else None
+    fp32 = Fp32Grads(opt.low_precision_params()) if zero_stage == 1 and bf16 else None
     for step in range(STEPS):
         _backward(model, _batch(step, rank, world))
         if reducer is not None:
@@ -117,9 +119,10 @@ def test_one_rank_steps_the_masters_exactly_like_fp32_weights_rounded_to_bf16():
 
 
 def test_the_model_keeps_fp32_what_it_computes_in_fp32():
-    """Of the matrices, fp32 stay: the Engram tables and norm weights, the pooling compressors'
-    projections (the public model's fp32 pooled path), mHC's fn (an fp32 linear) and the router's gate
-    (fp32 logits); every vector too. The rest, the embedding and LM head included, go bf16."""
+    """Of the matrices, fp32 stay: the token embedding (its backward sums repeated tokens in the
+    weight's dtype), the Engram tables and norm weights, the pooling compressors' projections (the
+    public model's fp32 pooled path), mHC's fn (an fp32 linear) and the router's gate (fp32 logits);
+    every vector too. The rest, the LM head included, go bf16."""
     import re
 
     from trainer.master_weights import fp32_parameters
@@ -128,7 +131,8 @@ def test_the_model_keeps_fp32_what_it_computes_in_fp32():
     keep = fp32_parameters(model)
     generic = {re.sub(r"\.\d+\.", ".N.", n) for n, p in model.named_parameters()
                if id(p) in keep and p.dim() > 1}
-    assert generic == {"engrams.N.hidden_norm_weight", "engrams.N.key_norm_weight", "engrams.N.table.weight",
+    assert generic == {"embed.weight", "engrams.N.hidden_norm_weight", "engrams.N.key_norm_weight",
+                       "engrams.N.table.weight",
                        "layers.N.attn.compressor.wgate.weight", "layers.N.attn.compressor.wkv.weight",
                        "layers.N.attn_hc.fn", "layers.N.ffn_hc.fn", "layers.N.moe.router.weight"}
     assert all(id(p) in keep for p in model.parameters() if p.dim() < 2)
@@ -136,7 +140,7 @@ def test_the_model_keeps_fp32_what_it_computes_in_fp32():
         wkv = layer.attn.compressor.wkv.weight if getattr(layer.attn, "compressor", None) else None
         if wkv is not None:
             assert (id(wkv) in keep) == (layer.attn.compressor.ratio > 1)
-    assert id(model.embed.weight) not in keep and id(model.head.weight) not in keep
+    assert id(model.head.weight) not in keep  # the largest matrix, an autocast matmul
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
@@ -145,9 +149,11 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     for zero_stage in (1, 2):
         model, opt = _bf16_run(rank, world, zero_stage)
+        fp32_model, _ = _bf16_run(rank, world, zero_stage, bf16=False)
         torch.save({"params": {n: p.detach() for n, p in model.named_parameters()},
                     "masters": dict(opt.masters), "owners": dict(opt.owners),
-                    "low": sorted(opt.low_precision), "state": opt.state_dict()},
+                    "low": sorted(opt.low_precision), "state": opt.state_dict(),
+                    "fp32_params": {n: p.detach() for n, p in fp32_model.named_parameters()}},
                    os.path.join(out_dir, f"z{zero_stage}_rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
@@ -162,7 +168,9 @@ def test_two_ranks_hold_bf16_replicas_and_each_master_once(tmp_path, port_base):
     by the same sub-optimisers on the same gradients, weights = masters rounded. Muon stacks an
     owner's blocks into one batched Newton-Schulz, so which blocks share a rank moves the last fp32
     bits (tests/test_optim.py MUON_ATOL): masters within 1e-6 (an update is ~1e-3), weights within
-    one bf16 ulp of the reference's."""
+    one bf16 ulp of the reference's. Against the same layout's fp32-weight run (same owners, same
+    groups) it is bitwise: the masters are its weights, since every gradient is the same (the
+    parameters whose gradient bf16 storage would change stay fp32, trainer/master_weights.py)."""
     torch.set_num_threads(1)
     mp.start_processes(_worker, args=(WORLD, port_base(), str(tmp_path)), nprocs=WORLD, join=True,
                        start_method="spawn")
@@ -173,6 +181,8 @@ def test_two_ranks_hold_bf16_replicas_and_each_master_once(tmp_path, port_base):
         assert low and ranks[1]["low"] == ranks[0]["low"]
         for name, p in ranks[0]["params"].items():
             assert p.dtype == (torch.bfloat16 if name in low else torch.float32), name
+            fp32_run = ranks[0]["fp32_params"][name]
+            assert torch.equal(p, fp32_run.to(p.dtype)), (zero_stage, name)
             assert torch.equal(p, ranks[1]["params"][name]), (zero_stage, name)  # replicas identical
             want = want_weights[name].detach()
             assert p.dtype == want.dtype
@@ -188,6 +198,7 @@ def test_two_ranks_hold_bf16_replicas_and_each_master_once(tmp_path, port_base):
                 # the weights are the rounded masters
                 assert torch.equal(master.bfloat16(), ranks[r]["params"][name])
                 assert (master - want_masters[name].detach()).abs().max() < 1e-6, (zero_stage, name)
+                assert torch.equal(master, ranks[r]["fp32_params"][name]), (zero_stage, name)
         master_bytes = sum(m.numel() * m.element_size() for r in range(WORLD)
                            for m in ranks[r]["masters"].values())
         assert master_bytes == 4 * sum(ranks[0]["params"][n].numel() for n in low)

@@ -58,13 +58,17 @@ def fp32_parameters(model: nn.Module) -> frozenset[int]:
     - the MoE router's gate: fp32 logits rank the experts (as DeepSeek's gate computes them);
     - a pooling Compressor's projections: computed in fp32 for the softmax over the pooled tokens;
     - Engram tables: Sinkhorn updates their rows sparsely (or host memory holds them), and the lookup
-      is not an autocast op, so a bf16 table would hand the model rounded rows.
-    The embedding and the LM head stay bf16: the embedding's output is cast to bf16 under autocast
-    before its first use (model/transformer.py embed_streams) and the head is an autocast matmul."""
+      is not an autocast op, so a bf16 table would hand the model rounded rows;
+    - the token embedding: its forward would be the same in bf16 (its output is cast to bf16 before
+      first use, model/transformer.py embed_streams), but its backward sums the gradients of a batch's
+      repeated tokens in the weight's dtype, and a frequent token's row would be summed in bf16.
+    With these kept, every gradient is the one the fp32-weight run computes (autocast's matmuls give
+    bf16 weight gradients either way), so a bf16-weight run takes the fp32-weight run's steps
+    (tests/test_master_weights.py). The LM head, the largest matrix, is an autocast matmul: bf16."""
     keep: set[int] = set()
     for module in model.modules():
         kind = type(module).__name__
-        if kind in ("HyperConnection", "Router", "EngramTable") or (
+        if kind in ("HyperConnection", "Router", "EngramTable", "Embedding") or (
                 kind == "Compressor" and getattr(module, "ratio", 1) > 1):
             keep.update(id(p) for p in module.parameters())
     for name, p in model.named_parameters():
