@@ -114,14 +114,16 @@ def test_plan_lists_the_layouts_of_a_gpu_and_what_a_rank_holds(cli_zygote, port_
     assert by[1, 2, 1, False]["optimizer_gib"] == by[1, 1, 1, False]["optimizer_gib"]
     assert 0.4 < by[1, 2, 1, False]["gradients_gib"] / by[1, 1, 1, False]["gradients_gib"] < 0.6
     assert 0.45 < bf16[1]["gradients_gib"] / by[1, 2, 1, False]["gradients_gib"] < 0.55
-    # bf16 weights: every parameter is on both ranks, so all but the fp32 ones halve from 4 to 2 bytes: the
-    # Engram tables (a share e of the weights) and small ones (norms, mHC, router: under 2%), a ratio of
-    # (2 (1 - e) + 4 e) / 4 = 0.5 + e / 2 plus at most 0.01; each master (4 bytes) lives on one of the 2
-    # owners, so the fullest rank's optimizer state grows by about 4 / 2 = 2 bytes a weight, what the
-    # weights lost (the owners' shares are balanced by size, not exactly equal: within 15%)
+    # bf16 weights: every parameter is on both ranks, so all but the fp32 ones halve from 4 to 2 bytes:
+    # the Engram tables and the token embedding (a share e of the weights) and small ones (norms, mHC,
+    # router: under 2%), a ratio of (2 (1 - e) + 4 e) / 4 = 0.5 + e / 2 plus at most 0.01; each master
+    # (4 bytes) lives on one of the 2 owners, so the fullest rank's optimizer state grows by about
+    # 4 / 2 = 2 bytes a weight, what the weights lost (the owners' shares are balanced by size, not
+    # exactly equal: within 15%)
     with torch.device("meta"):
         small = Transformer(dataclasses.replace(SmallModelConfig(), vocab_size=129_280))
-    tables = sum(m.weight.numel() for m in small.modules() if type(m).__name__ == "EngramTable")
+    tables = small.embed.weight.numel() + sum(m.weight.numel() for m in small.modules()
+                                              if type(m).__name__ == "EngramTable")
     e = tables / sum(p.numel() for p in small.parameters())
     fp32_w, bf16_w = by[1, 1, 1, False], weights16[1]
     assert 0.5 + e / 2 < bf16_w["parameters_gib"] / fp32_w["parameters_gib"] < 0.5 + e / 2 + 0.01
@@ -165,15 +167,16 @@ def test_flash_fits_8_nodes_only_with_zero2_and_bf16_gradients(cli_zygote, port_
     # with fp32 weights it fits with almost no room; bf16 weights (trainer.param_dtype=bf16) halve the
     # replicated dense weights: at EP=64 an expert shard has world / EP = 1 replica and stays fp32, so
     # the weights shrink by half the dense fp32 bytes, and the masters (dense / 64 ranks, but whole
-    # parameters: the fullest owner holds an embedding-sized one) cost a few GiB of optimizer state
+    # parameters: the fullest owner holds a vocabulary-sized one) cost a few GiB of optimizer state
     by = {r["param_dtype"]: r for r in fits}
     assert set(by) == {"fp32", "bf16"}
     assert by["fp32"]["total_gib"] > out["capacity_gib"] - 1
     assert by["bf16"]["total_gib"] < out["capacity_gib"] - 10
     with torch.device("meta"):
         model = Transformer(dataclasses.replace(FlashModelConfig(), vocab_size=129_280))
+    # the dense matrices but the token embedding (kept fp32, as are small ones: mHC, router, compressors)
     routed = {id(p) for m in model.modules() if type(m).__name__ in ("RoutedExperts", "EngramTable")
-              for p in m.parameters()}
+              for p in m.parameters()} | {id(model.embed.weight)}
     dense_gib = sum(p.numel() for p in model.parameters() if id(p) not in routed and p.dim() >= 2) * 4 / 2**30
     shrink = by["fp32"]["parameters_gib"] - by["bf16"]["parameters_gib"]
     assert 0.95 * dense_gib / 2 < shrink <= dense_gib / 2, (shrink, dense_gib)
