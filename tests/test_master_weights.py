@@ -325,3 +325,28 @@ def test_bf16_weights_resume_bitwise_and_convert_through_the_trainer(flashtrain,
                    f"trainer.resume={step2}", f"hydra.run.dir={fp32}")
     assert p.returncode == 0, p.stderr[-3000:]
     assert _losses(fp32)[3] == a[3]
+
+
+def test_model_state_of_a_bf16_weight_checkpoint_is_its_masters(tmp_path):
+    """`checkpoint.model_state` (what convert export, eval, generate and model.init_from read): the
+    fp32 masters from the owners' optimiser states in place of the bf16 model states, an expert
+    stack's rows put together from its shards' masters; other weights as stored."""
+    from optim.composite import STATE_FORMAT
+    from trainer.checkpoint import model_state
+
+    master_w = torch.randn(4, 3)
+    stack = torch.randn(6, 2)
+    kept = torch.randn(5)
+    module = {"w": master_w.bfloat16(), "experts": stack.bfloat16(), "norm": kept}
+    torch.save({"module": module}, tmp_path / "mp_rank_00_model_states.pt")
+    shards = [{"w": [{"offset": None, "state": {"master": master_w, "momentum_buffer": torch.ones(4, 3)}}],
+               "experts": [{"offset": 0, "state": {"master": stack[:3]}}]},
+              {"experts": [{"offset": 3, "state": {"master": stack[3:]}}],
+               "norm": [{"offset": None, "state": {"exp_avg": torch.zeros(5)}}]}]
+    for rank, state in enumerate(shards):
+        torch.save({"rng": {}, "optimizer": {"format": STATE_FORMAT, "state": state}},
+                   tmp_path / f"rank_{rank:05d}_state.pt")
+    got = model_state(tmp_path)
+    assert got["w"].dtype == got["experts"].dtype == torch.float32
+    assert torch.equal(got["w"], master_w) and torch.equal(got["experts"], stack)
+    assert torch.equal(got["norm"], kept)
