@@ -225,8 +225,8 @@ class CompositeOptimizer(torch.optim.Optimizer):
         weights of a run with master weights, where its model states hold bf16 roundings."""
         out = {}
         for name, pieces in state_dict["state"].items():
-            masters = sorted((piece["offset"] or 0, piece["state"]["master"]) for piece in pieces
-                             if "master" in piece["state"])
+            masters = sorted(((piece["offset"] or 0, piece["state"]["master"]) for piece in pieces
+                              if "master" in piece["state"]), key=lambda offset_master: offset_master[0])
             if masters:
                 out[name] = torch.cat([m for _, m in masters]) if len(masters) > 1 else masters[0][1]
         return out
