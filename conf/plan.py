@@ -73,6 +73,8 @@ class PlanOptions:
     zero_stages: list[int] = field(default_factory=lambda: [0, 1, 2])
     # trainer.grad_accum_dtype at the composite optimizer's zero_stage=2
     grad_accum_dtypes: list[str] = field(default_factory=lambda: ["fp32", "bf16"])
+    # trainer.param_dtype at the composite optimizer's zero_stage 1 and 2 (bf16: fp32 masters on owners)
+    param_dtypes: list[str] = field(default_factory=lambda: ["fp32", "bf16"])
     # sequences per optimizer step over the whole cluster; 0: one micro-step per rank and step
     global_batch: int = 0
     checkpointing: list[bool] = field(default_factory=lambda: [False, True])

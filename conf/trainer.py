@@ -27,6 +27,9 @@ class TrainerConfig:
     zero_stage: int = 1
     # the composite optimiser's gradients at zero_stage=2, held and reduced: fp32 | bf16 (half the bytes)
     grad_accum_dtype: str = "fp32"
+    # the composite optimiser's weights: fp32 | bf16 (replicated weights stored in bf16 on every rank, the
+    # fp32 master on the owner only, as Megatron's distributed optimizer; trainer/master_weights.py)
+    param_dtype: str = "fp32"
     activation_checkpointing: bool = False  # recompute each block's activations in the backward
     compile: bool = False  # torch.compile each block's forward (trainer/parallelize.py compile_blocks)
     context_parallel: int = 1  # CP degree: each sequence cut into this many slices, one per rank

@@ -1,12 +1,13 @@
 """The planner's per-rank state memory (trainer/plan.py) against the tensors a real optimizer step
 leaves behind: weights, gradients (Engram tables' sparse rows included) and optimizer state."""
+import dataclasses
 import json
 
 import pytest
 import torch
 
 from conf.errors import ConfigError
-from conf.model import TinyModelConfig
+from conf.model import FlashModelConfig, SmallModelConfig, TinyModelConfig
 from conf.optim import MuonConfig
 from model.transformer import Transformer
 from optim import CompositeOptimizer, build_optimizer, route_parameters
@@ -85,11 +86,13 @@ def test_plan_lists_the_layouts_of_a_gpu_and_what_a_rank_holds(cli_zygote, port_
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
     rows = out["rows"]
-    # EP 1 and 2 (both divide 32 experts and 2 ranks) x ZeRO 0/1/2 (2 with fp32 or bf16 gradients) x
-    # micro-batch 1/8 x checkpointing
-    assert out["world"] == 2 and len(rows) == out["layouts"] == 2 * 4 * 2 * 2
-    assert {(r["ep"], r["zero_stage"], r["grad_accum_dtype"]) for r in rows} == {
-        (ep, z, g) for ep in (1, 2) for z, g in ((0, "fp32"), (1, "fp32"), (2, "fp32"), (2, "bf16"))}
+    # EP 1 and 2 (both divide 32 experts and 2 ranks) x ZeRO 0/1/2 (2 with fp32 or bf16 gradients; 1 and 2
+    # with fp32 or bf16 weights: 1 + 2 + 2 * 2 = 7) x micro-batch 1/8 x checkpointing
+    assert out["world"] == 2 and len(rows) == out["layouts"] == 2 * 7 * 2 * 2
+    dtypes = ("fp32", "bf16")
+    assert {(r["ep"], r["zero_stage"], r["grad_accum_dtype"], r["param_dtype"]) for r in rows} == {
+        (ep, z, g, w) for ep in (1, 2) for z, g, w in ((0, "fp32", "fp32"), *((1, "fp32", w) for w in dtypes),
+                                                        *((2, g, w) for g in dtypes for w in dtypes))}
     fits = [r["fits"] for r in rows]
     assert fits == sorted(fits, reverse=True) and 0 < sum(fits) < len(rows)  # the fitting ones first
     for r in rows:
@@ -99,9 +102,11 @@ def test_plan_lists_the_layouts_of_a_gpu_and_what_a_rank_holds(cli_zygote, port_
         need = f"needs {r['total_gib']:,.1f} GiB of {out['capacity_gib']:,.1f}"
         assert r["fits"] or r["why"].startswith(need)
     by = {(r["ep"], r["zero_stage"], r["micro_batch"], r["activation_checkpointing"]): r for r in rows
-          if r["grad_accum_dtype"] == "fp32"}
+          if r["grad_accum_dtype"] == r["param_dtype"] == "fp32"}
     bf16 = {r["ep"]: r for r in rows if r["grad_accum_dtype"] == "bf16" and r["micro_batch"] == 1
-            and not r["activation_checkpointing"]}
+            and not r["activation_checkpointing"] and r["param_dtype"] == "fp32"}
+    weights16 = {r["ep"]: r for r in rows if r["zero_stage"] == 1 and r["param_dtype"] == "bf16"
+                 and r["micro_batch"] == 1 and not r["activation_checkpointing"]}
     # expert parallelism halves the routed experts a rank holds; ZeRO-1 spreads the optimizer state,
     # ZeRO-2 the gradients too (about half of them at 2 ranks), bf16 gradients are half of those
     assert by[2, 0, 1, False]["parameters_gib"] < by[1, 0, 1, False]["parameters_gib"]
@@ -109,6 +114,21 @@ def test_plan_lists_the_layouts_of_a_gpu_and_what_a_rank_holds(cli_zygote, port_
     assert by[1, 2, 1, False]["optimizer_gib"] == by[1, 1, 1, False]["optimizer_gib"]
     assert 0.4 < by[1, 2, 1, False]["gradients_gib"] / by[1, 1, 1, False]["gradients_gib"] < 0.6
     assert 0.45 < bf16[1]["gradients_gib"] / by[1, 2, 1, False]["gradients_gib"] < 0.55
+    # bf16 weights: every parameter is on both ranks, so all but the fp32 ones halve from 4 to 2 bytes:
+    # the Engram tables and the token embedding (a share e of the weights) and small ones (norms, mHC,
+    # router: under 2%), a ratio of (2 (1 - e) + 4 e) / 4 = 0.5 + e / 2 plus at most 0.01; each master
+    # (4 bytes) lives on one of the 2 owners, so the fullest rank's optimizer state grows by about
+    # 4 / 2 = 2 bytes a weight, what the weights lost (the owners' shares are balanced by size, not
+    # exactly equal: within 15%)
+    with torch.device("meta"):
+        small = Transformer(dataclasses.replace(SmallModelConfig(), vocab_size=129_280))
+    tables = small.embed.weight.numel() + sum(m.weight.numel() for m in small.modules()
+                                              if type(m).__name__ == "EngramTable")
+    e = tables / sum(p.numel() for p in small.parameters())
+    fp32_w, bf16_w = by[1, 1, 1, False], weights16[1]
+    assert 0.5 + e / 2 < bf16_w["parameters_gib"] / fp32_w["parameters_gib"] < 0.5 + e / 2 + 0.01
+    saved = fp32_w["parameters_gib"] - bf16_w["parameters_gib"]
+    assert 0.85 < (bf16_w["optimizer_gib"] - fp32_w["optimizer_gib"]) / saved < 1.15
     # micro-batch 8 without checkpointing does not fit an 80 GB card; checkpointing makes it fit
     assert not by[1, 0, 8, False]["fits"] and by[1, 0, 8, True]["fits"]
 
@@ -144,6 +164,22 @@ def test_flash_fits_8_nodes_only_with_zero2_and_bf16_gradients(cli_zygote, port_
     fits = [r for r in out["rows"] if r["fits"]]
     assert fits and all((r["zero_stage"], r["grad_accum_dtype"], r["engram_tables"]) == (2, "bf16", "host")
                         for r in fits)
+    # with fp32 weights it fits with almost no room; bf16 weights (trainer.param_dtype=bf16) halve the
+    # replicated dense weights: at EP=64 an expert shard has world / EP = 1 replica and stays fp32, so
+    # the weights shrink by half the dense fp32 bytes, and the masters (dense / 64 ranks, but whole
+    # parameters: the fullest owner holds a vocabulary-sized one) cost a few GiB of optimizer state
+    by = {r["param_dtype"]: r for r in fits}
+    assert set(by) == {"fp32", "bf16"}
+    assert by["fp32"]["total_gib"] > out["capacity_gib"] - 1
+    assert by["bf16"]["total_gib"] < out["capacity_gib"] - 10
+    with torch.device("meta"):
+        model = Transformer(dataclasses.replace(FlashModelConfig(), vocab_size=129_280))
+    # the dense matrices but the token embedding (kept fp32, as are small ones: mHC, router, compressors)
+    routed = {id(p) for m in model.modules() if type(m).__name__ in ("RoutedExperts", "EngramTable")
+              for p in m.parameters()} | {id(model.embed.weight)}
+    dense_gib = sum(p.numel() for p in model.parameters() if id(p) not in routed and p.dim() >= 2) * 4 / 2**30
+    shrink = by["fp32"]["parameters_gib"] - by["bf16"]["parameters_gib"]
+    assert 0.95 * dense_gib / 2 < shrink <= dense_gib / 2, (shrink, dense_gib)
 
 
 def test_plan_refuses_an_unknown_gpu_in_one_line(cli_zygote, port_base):
@@ -258,7 +294,7 @@ def test_step_time_parts_follow_the_layout():
 # moments and the model's small buffers).
 ENGINE_BYTES = r"""
 import gc, sys, torch, deepspeed
-from conf.model import TinyModelConfig
+from conf.model import FlashModelConfig, SmallModelConfig, TinyModelConfig
 from model.transformer import Transformer
 torch.manual_seed(0)
 model = Transformer(TinyModelConfig(vocab_size=97))

@@ -38,10 +38,12 @@ BUCKET_BYTES = 64 * 2**20  # of fp32 gradients: large enough to amortise a colle
 class BackwardReducer:
     def __init__(self, model: nn.Module, layout: ParallelLayout, expert_params: set[int],
                  owners: dict[int, int], grad_dtype: torch.dtype = torch.float32,
-                 bucket_bytes: int = BUCKET_BYTES):
+                 bucket_bytes: int = BUCKET_BYTES, masters: dict[int, torch.Tensor] | None = None):
         """owners: id(param) -> the rank that steps it (`CompositeOptimizer.owner_ranks`; empty at
-        one rank, where this rank owns everything)."""
+        one rank, where this rank owns everything); masters: id(param) -> the fp32 master this rank
+        keeps of a bf16 parameter (`CompositeOptimizer.master_of`), which receives its gradient."""
         self.layout, self.expert_params, self.grad_dtype = layout, expert_params, grad_dtype
+        self.masters = masters or {}
         sparse = {id(m.weight) for m in model.modules()
                   if type(m).__name__ == "EngramTable" and getattr(m, "sparse_grad", False)}
         params = [p for p in model.parameters() if p.requires_grad and id(p) not in sparse]
@@ -85,8 +87,10 @@ class BackwardReducer:
         for p in self.buckets[i]:
             by_key[(id(p) in self.expert_params, self.owner[id(p)])].append(p)
         for (expert, owner), params in sorted(by_key.items()):
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            flat = _flatten_dense_tensors(grads).to(self.grad_dtype)
+            # each in grad_dtype first: bf16 parameters' gradients sit beside fp32 ones
+            grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).to(self.grad_dtype)
+                     for p in params]
+            flat = _flatten_dense_tensors(grads)
             for p in params:
                 p.grad = None
             del grads
@@ -112,11 +116,16 @@ class BackwardReducer:
 
     def finish_step(self) -> None:
         """At the accumulation boundary: each owned parameter's gradient is its reduced sum over the
-        step, averaged over the world (as trainer/parallelize.py reduce_gradients does), in fp32."""
+        step, averaged over the world (as trainer/parallelize.py reduce_gradients does), in fp32: on
+        the parameter, or on its master where it is stored in bf16."""
         for bucket in self.buckets:
             for p in bucket:
                 acc = self.accumulated.pop(id(p), None)
-                if acc is not None:
+                if acc is None:
+                    continue
+                if id(p) in self.masters:
+                    self.masters[id(p)].grad = acc.float().div_(self.layout.world_size)
+                else:
                     p.grad = acc.to(p.dtype).div_(self.layout.world_size)
 
     def held_bytes(self) -> int:

@@ -284,12 +284,13 @@ def model_state(ckpt: Path) -> dict[str, torch.Tensor]:
     """The model weights of a checkpoint, memory-mapped (read when touched): DeepSpeed's model
     states file, or the per-part files of a weights-only checkpoint (flashtrain convert import).
     Under ZeRO-3 the model states file holds empty partitions; the fp32 weights are then rebuilt
-    from the optimiser shards with DeepSpeed's own zero_to_fp32."""
+    from the optimiser shards with DeepSpeed's own zero_to_fp32. A run with trainer.param_dtype=bf16
+    gives its fp32 masters in place of the bf16 weights its model states hold."""
     ckpt = Path(ckpt)
     files = sorted(ckpt.glob("mp_rank_*_model_states.pt"))
     if files:
         state = torch.load(files[0], map_location="cpu", weights_only=False, mmap=True)["module"]
-        return {**state, **_host_tables(ckpt)}
+        return {**state, **_host_tables(ckpt), **_masters(ckpt)}
     if any(ckpt.glob("zero_pp_rank_*_mp_rank_*_model_states.pt")):  # ZeRO-3: partitions only
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -301,6 +302,18 @@ def model_state(ckpt: Path) -> dict[str, torch.Tensor]:
     for part in parts:
         state.update(torch.load(part, map_location="cpu", weights_only=True, mmap=True))
     return state
+
+
+def _masters(ckpt: Path) -> dict[str, torch.Tensor]:
+    """The fp32 master weights of a run with trainer.param_dtype=bf16, whole, under their model names:
+    its model states hold those parameters rounded to bf16, the masters are in the owners' optimiser
+    state (optim/composite.py). Empty for any other run."""
+    from optim.composite import STATE_FORMAT, CompositeOptimizer
+
+    shards = [torch.load(f, map_location="cpu", weights_only=False, mmap=True).get("optimizer")
+              for f in sorted(ckpt.glob("rank_*_state.pt"))]
+    shards = [s for s in shards if isinstance(s, dict) and s.get("format") == STATE_FORMAT]
+    return CompositeOptimizer.saved_masters(CompositeOptimizer.merge_state_dicts(shards)) if shards else {}
 
 
 def _host_tables(ckpt: Path) -> dict[str, torch.Tensor]:

@@ -320,7 +320,9 @@ def _all_reduce_sparse(grad: torch.Tensor, group, group_size: int) -> torch.Tens
 
 @torch.no_grad()
 def reduce_gradients(model: nn.Module, layout: ParallelLayout, expert_params: set[int],
-                     owners: Optional[dict[int, int]] = None) -> None:
+                     owners: Optional[dict[int, int]] = None,
+                     fp32_grads: Optional[dict[int, torch.Tensor]] = None,
+                     masters: Optional[dict[int, torch.Tensor]] = None) -> None:
     """Average gradients as one process with the global batch would see them: dense over all
     ranks; expert gradients (already summed over the EP group by the all-to-all backward)
     over their expert-data-parallel group; both divided by the world size.
@@ -328,12 +330,22 @@ def reduce_gradients(model: nn.Module, layout: ParallelLayout, expert_params: se
     owners (id(param) -> rank, the sharded optimiser's `owner_ranks`): each dense or expert
     gradient is reduced to its owner only (one reduce per owner's bucket, the bytes of a
     reduce-scatter where an all-reduce moves twice as many) and dropped (None) on the other
-    ranks, which do not step it. Without owners every rank gets every gradient."""
+    ranks, which do not step it. Without owners every rank gets every gradient.
+
+    fp32_grads (id(param) -> fp32 gradient, trainer/master_weights.py Fp32Grads) stand in for the
+    bf16 `.grad` of parameters stored in bf16; masters (id(param) -> fp32 master, the optimiser's
+    `master_of`) receive such a reduced gradient on their `.grad`, on the owner."""
+    fp32_grads, masters = fp32_grads or {}, masters or {}
     if layout.world_size == 1:
+        for key, grad in fp32_grads.items():
+            masters[key].grad = grad
         return
     owners = owners or {}
     buckets: dict[tuple[bool, Optional[int]], list[nn.Parameter]] = defaultdict(list)
     for p in model.parameters():
+        if id(p) in fp32_grads:
+            buckets[(id(p) in expert_params, owners.get(id(p)))].append(p)
+            continue
         if p.grad is None:
             continue
         owner = owners.get(id(p))
@@ -349,7 +361,8 @@ def reduce_gradients(model: nn.Module, layout: ParallelLayout, expert_params: se
     for expert, owner in order:
         params = buckets[(expert, owner)]
         group = layout.expert_dp_group if expert else None
-        grads = [p.grad for p in params]
+        from_buffers = {id(p) for p in params if id(p) in fp32_grads}
+        grads = [fp32_grads.pop(id(p)) if id(p) in from_buffers else p.grad for p in params]
         flat = _flatten_dense_tensors(grads)
         if owner is None:
             dist.all_reduce(flat, group=group)
@@ -360,25 +373,36 @@ def reduce_gradients(model: nn.Module, layout: ParallelLayout, expert_params: se
                     p.grad = None
                 continue
         flat /= layout.world_size
-        for g, new in zip(grads, _unflatten_dense_tensors(flat, grads)):
-            g.copy_(new)
+        for p, g, new in zip(params, grads, _unflatten_dense_tensors(flat, grads)):
+            if id(p) in from_buffers:
+                masters[id(p)].grad = g.copy_(new)
+            else:
+                g.copy_(new)
 
 
 @torch.no_grad()
 def clip_grad_norm(model: nn.Module, layout: ParallelLayout, expert_params: set[int],
-                   max_norm: float, sharded: bool = False, external=None) -> float:
+                   max_norm: float, sharded: bool = False, external=None,
+                   masters: Optional[dict[int, torch.Tensor]] = None) -> float:
     """Global L2 norm of the (reduced) gradient, every expert counted once; clip to max_norm.
     sharded: each rank holds only the gradients it owns (`reduce_gradients` with owners), every
     parameter on exactly one rank, so the squares are summed over the world.
     external: gradients held outside the model (trainer/engram_host.py HostEngramTables), with
-    `grad_square_sum()` (over all ranks) and `scale_grads(scale)`."""
+    `grad_square_sum()` (over all ranks) and `scale_grads(scale)`.
+    masters: id(param) -> fp32 master (trainer.param_dtype=bf16), whose `.grad` is that parameter's."""
+    masters = masters or {}
     dense_sq = torch.zeros((), dtype=torch.float64)
     expert_sq = torch.zeros((), dtype=torch.float64)
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
+
+    def grad_of(p: torch.Tensor) -> Optional[torch.Tensor]:
+        return p.grad if p.grad is not None or id(p) not in masters else masters[id(p)].grad
+
+    grads = [grad_of(p) for p in model.parameters() if grad_of(p) is not None]
     for p in model.parameters():
-        if p.grad is None:
+        grad = grad_of(p)
+        if grad is None:
             continue
-        sq = (p.grad.coalesce().values() if p.grad.is_sparse else p.grad).double().square().sum().cpu()
+        sq = (grad.coalesce().values() if grad.is_sparse else grad).double().square().sum().cpu()
         if id(p) in expert_params:
             expert_sq += sq
         else:

@@ -8,7 +8,10 @@ The trainer has two ways of holding a model (trainer/engine.py, optim/__init__.p
                    Sinkhorn one buffer a parameter, AdamW two) and, at trainer.zero_stage=1, each
                    parameter's state lives only on its owner (optim/composite.py assign_owners).
                    Routed experts are sharded over the EP group and replicated over the ranks that
-                   hold the same experts; Engram tables take sparse row gradients. With
+                   hold the same experts. trainer.param_dtype=bf16 (Layout.param_dtype) stores each
+                   parameter that more than one rank holds in bf16 (but those the model needs in
+                   fp32: trainer/master_weights.py) and its fp32 master on its owner alone.
+                   Engram tables take sparse row gradients. With
                    trainer.engram_tables=host (Layout.engram_host) the tables and their momentum
                    are fp32 row shards in host memory (8 bytes a parameter over the world, off
                    the GPU); the GPU holds a step's fetched rows, their gradients and momentum.
@@ -32,9 +35,11 @@ from model.moe import RoutedExperts
 from optim.composite import assign_owners
 from optim.routing import route_parameters
 from trainer.backward_reduce import BUCKET_BYTES
+from trainer.master_weights import fp32_parameters
 
 GIB = 2**30
 FP32 = 4
+BF16 = 2
 STATE_BYTES = {"muon": FP32, "sinkhorn": FP32, "adamw": 2 * FP32}  # fp32 buffers per parameter
 
 
@@ -50,6 +55,7 @@ class Layout:
     seq_len: int = 4096
     engram_host: bool = False  # trainer.engram_tables=host: the tables are row shards in host memory
     grad_accum_dtype: str = "fp32"  # trainer.grad_accum_dtype: bf16 halves the gradients at zero_stage=2
+    param_dtype: str = "fp32"  # trainer.param_dtype: bf16 weights and owner-sharded fp32 masters
 
     @property
     def grad_bytes(self) -> int:
@@ -90,6 +96,7 @@ class ModelFacts:
     active_params: float  # weights one token multiplies through (experts at top-k / experts)
     cfg: object  # the model config
     layer_plan: object  # the model's per-layer attention plan
+    fp32_names: frozenset = frozenset()  # routes kept fp32 under trainer.param_dtype=bf16
 
     @classmethod
     def of(cls, model: nn.Module, optim: OptimConfig) -> ModelFacts:
@@ -98,8 +105,10 @@ class ModelFacts:
         tables = [m.weight.shape[1] for m in model.modules() if isinstance(m, EngramTable)]
         cfg = model.cfg
         names = {r.name: kinds.get(id(r.param), "dense") for r in routes}
+        keep = fp32_parameters(model)
         return cls(routes, names, engram_rows_per_token(model), max(tables, default=0), cfg.dim, cfg.n_layers,
-                   cfg.n_activated_experts, active_matmul_params(model), cfg, model.plan)
+                   cfg.n_activated_experts, active_matmul_params(model), cfg, model.plan,
+                   frozenset(r.name for r in routes if id(r.param) in keep))
 
     def flops_per_token(self, seq_len: int) -> float:
         """Model FLOPs of a trained token (model/accounting.py train_flops_per_token)."""
@@ -112,6 +121,15 @@ class ModelFacts:
 
     def local(self, name: str, numel: int, ep: int) -> int:
         return numel // (ep if self.kinds[name] == "routed" else 1)
+
+    def low_precision(self, name: str, layout: Layout) -> bool:
+        """Stored in bf16 with an fp32 master on its owner (optim/composite.py): under
+        trainer.param_dtype=bf16, a parameter the model does not need in fp32 that more than one rank
+        holds (dense: every rank; an expert shard: world / EP ranks)."""
+        if layout.param_dtype != "bf16" or name in self.fp32_names or self.kinds[name] == "engram":
+            return False
+        replicas = layout.world // layout.ep if self.kinds[name] == "routed" else layout.world
+        return replicas > 1
 
     def of_kind(self, kind: str) -> int:
         return sum(r.param.numel() for r in self.routes if self.kinds[r.name] == kind)
@@ -138,17 +156,19 @@ def state_bytes(facts: ModelFacts, layout: Layout, accumulation: int = 1) -> dic
     else:
         dense_grad_bytes = FP32 * sum(held.values())
     lookups = facts.engram_rows_per_token * layout.tokens_per_rank
+    # bf16 weights where param_dtype=bf16 applies, fp32 elsewhere
+    weights = sum((BF16 if facts.low_precision(name, layout) else FP32) * n for name, n in local.items())
     if layout.engram_host:
         # a step's rows (all `accumulation` micro-batches; at most one a lookup) sit in one device
         # buffer with their gradient and momentum, beside the last update's rows and momentum (the
         # next fetch copies those over on the device), and each lookup's int64 slot
         step_lookups = lookups * accumulation
-        return {"parameters": FP32 * sum(local.values()), "gradients": dense_grad_bytes,
+        return {"parameters": weights, "gradients": dense_grad_bytes,
                 "optimizer": _composite_state_bytes(facts, local, layout),
                 "engram rows in flight": step_lookups * (5 * facts.table_dim * FP32 + 8)}
     # sparse row gradients of the Engram tables: each read row's values (fp32) and its int64 index
     sparse = lookups * (facts.table_dim * FP32 + 8)
-    return {"parameters": FP32 * sum(local.values()), "gradients": dense_grad_bytes + sparse,
+    return {"parameters": weights, "gradients": dense_grad_bytes + sparse,
             "optimizer": _composite_state_bytes(facts, local, layout)}
 
 
@@ -159,11 +179,13 @@ def host_table_bytes(facts: ModelFacts, layout: Layout) -> int:
 
 
 def _composite_state_bytes(facts: ModelFacts, local: dict[str, int], layout: Layout) -> int:
-    """The largest rank's optimizer state. ZeRO-0: every rank keeps state for all it holds.
+    """The largest rank's optimizer state, fp32 masters included (trainer.param_dtype=bf16: a master
+    lives with its parameter's momentum, on the owner). ZeRO-0: every rank keeps state for all it holds.
     ZeRO-1 and 2: dense parameters are owned across all ranks, an expert shard (EP > 1) across the ranks
     that hold the same experts (world / EP of them; rank r is member r // EP of its group)."""
     routes = [r for r in facts.routes if r.name in local]  # host tables keep their state off the GPU
-    state = {r.name: STATE_BYTES[r.optimizer] * local[r.name] for r in routes}
+    state = {r.name: (STATE_BYTES[r.optimizer] + (FP32 if facts.low_precision(r.name, layout) else 0))
+             * local[r.name] for r in routes}
     if layout.zero_stage == 0:
         return sum(state.values())
     return _largest_owned(facts, state, layout)
@@ -280,7 +302,13 @@ def step_time(facts: ModelFacts, layout: Layout, checkpointing: bool, accumulati
     # broadcasts its new weights to the other replicas
     updated = dense / world + routed / replicas if zero1 else dense + routed
     parts["optimizer"] = updated * rates.optimizer_s_per_element
-    broadcast = FP32 * (dense * (world - 1) / world + routed * (replicas - 1) / replicas)
+    # bf16 parameters (trainer.param_dtype=bf16) travel in bf16
+    dense_b = sum((BF16 if facts.low_precision(r.name, layout) else FP32) * r.param.numel()
+                  for r in facts.routes if facts.kinds[r.name] == "dense")
+    routed_b = sum((BF16 if facts.low_precision(r.name, layout) else FP32)
+                   * facts.local(r.name, r.param.numel(), ep)
+                   for r in facts.routes if facts.kinds[r.name] == "routed")
+    broadcast = dense_b * (world - 1) / world + routed_b * (replicas - 1) / replicas
     parts["weight broadcast"] = broadcast / link if zero1 else 0.0
     parts["host traffic"] = 0.0
     if layout.engram_host:
@@ -333,12 +361,13 @@ def plan_rank(facts: ModelFacts, layout: Layout, checkpointing: bool, rates: Act
 
 def candidate_layouts(facts: ModelFacts, world: int, model_cfg, seq_len: int, micro_batches, expert_parallel,
                       zero_stages, context_parallel=(1,), engram_tables=("gpu",),
-                      grad_accum_dtypes=("fp32",)) -> list[Layout]:
+                      grad_accum_dtypes=("fp32",), param_dtypes=("fp32",)) -> list[Layout]:
     """Every layout the trainer can run on `world` ranks among the given options: EP degrees that
     divide both the routed experts and the world (all of them when none are given), each CP degree
     (checked as a run checks it: it divides the world and cuts the sequence into valid slices),
     the ZeRO stages the optimizer path accepts (0-2 for the composite optimizer, 0-3 for
-    DeepSpeed's) and, at the composite optimizer's ZeRO-2, each gradient dtype."""
+    DeepSpeed's) and, at the composite optimizer's ZeRO-2, each gradient dtype; at its ZeRO-1 and 2,
+    each parameter dtype (trainer.param_dtype)."""
     from trainer.parallelize import check_training_layout
 
     experts = model_cfg.n_routed_experts
@@ -353,9 +382,10 @@ def candidate_layouts(facts: ModelFacts, world: int, model_cfg, seq_len: int, mi
             # host tables need a whole-sequence slice to hash (trainer/engram_host.py)
             places = [t for t in engram_tables if t == "gpu" or (cp == 1 and facts.of_kind("engram"))]
             out += [Layout(world, ep=ep, cp=cp, zero_stage=z, micro_batch=mb, seq_len=seq_len,
-                           engram_host=t == "host", grad_accum_dtype=g)
+                           engram_host=t == "host", grad_accum_dtype=g, param_dtype=pd)
                     for z in zero_stages if z in allowed for mb in micro_batches for t in places
-                    for g in (grad_accum_dtypes if z == 2 and whole else ("fp32",))]
+                    for g in (grad_accum_dtypes if z == 2 and whole else ("fp32",))
+                    for pd in (param_dtypes if z in (1, 2) and whole else ("fp32",))]
     return out
 
 

@@ -35,6 +35,12 @@ from trainer.engine import build_engine, check_trainer_counts, resolve_precision
 from trainer.engram_host import HostEngramTables, check_engram_tables
 from trainer.fp8 import apply_fp8, check_fp8
 from trainer.init_weights import checkpoint_attachments, existing_init_source, load_init_weights
+from trainer.master_weights import (
+    Fp32Grads,
+    check_param_dtype,
+    check_param_dtype_optimizer,
+    fp32_parameters,
+)
 from trainer.metrics import MetricsLog, device_peak_flops, moe_balance
 from trainer.nonfinite import NonFiniteSteps, boundary_step
 from trainer.parallelize import (
@@ -146,6 +152,7 @@ class Trainer:
         self.dist: DistInfo = init_distributed(tc.collective_timeout_s)
         check_fp8(tc.fp8, tc.fp8_emulate, resolve_precision(tc, self.dist.device), tc.zero_stage,
                   self.dist.device)
+        check_param_dtype(tc.param_dtype, resolve_precision(tc, self.dist.device), tc.zero_stage)
         if tc.torch_threads:
             torch.set_num_threads(tc.torch_threads)
         if self.dist.is_main:
@@ -202,6 +209,8 @@ class Trainer:
         self.initialised_from = None
         if self.resumed_from is None and start_from is not None:
             self._load_weights(start_from, init_setting)
+        if self.own_optimizer_state:  # trainer.param_dtype=bf16: after every load into the fp32 weights
+            self.optimizer.store_params_low_precision()
         # each checkpoint carries the tokenizer and where the weights came from, for `convert export`
         self.ckpts.attachments = checkpoint_attachments(self.tokenizer,
                                                         self.resumed_from or self.initialised_from)
@@ -226,7 +235,8 @@ class Trainer:
             meta = Transformer(model_config_for(cfg.model, self.tokenizer))
         layout = Layout(self.dist.world_size, ep=tc.expert_parallel, cp=tc.context_parallel,
                         zero_stage=tc.zero_stage, micro_batch=tc.micro_batch_size, seq_len=cfg.data.seq_len,
-                        engram_host=tc.engram_tables == "host", grad_accum_dtype=tc.grad_accum_dtype)
+                        engram_host=tc.engram_tables == "host", grad_accum_dtype=tc.grad_accum_dtype,
+                        param_dtype=tc.param_dtype)
         gpu = torch.cuda.get_device_properties(self.dist.device)
         check_layout_fits(meta, cfg.optim, layout, tc.activation_checkpointing, gpu.total_memory, gpu.name,
                           tc.grad_accum_steps)
@@ -262,8 +272,13 @@ class Trainer:
     def _build_optimizer(self) -> None:
         cfg, tc, d, layout = self.cfg, self.cfg.trainer, self.dist, self.layout
         replicas, offsets = optimizer_placement(self.model, layout, self.expert_params)
+        masters = tc.param_dtype == "bf16"
+        if masters:  # the masters are made on the parameters' device
+            self.model.to(d.device)
         self.optimizer = build_optimizer(self.model, cfg.optim, tc.zero_stage, d.rank, d.world_size,
-                                         verbose=d.is_main, replicas=replicas, row_offsets=offsets)
+                                         verbose=d.is_main, replicas=replicas, row_offsets=offsets,
+                                         master_weights=masters, keep_fp32=fp32_parameters(self.model))
+        check_param_dtype_optimizer(tc.param_dtype, isinstance(self.optimizer, CompositeOptimizer))
         self.lr_multiplier = lr_multiplier(cfg.optim, tc.max_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.lr_multiplier)
         # Composite (Muon/Sinkhorn or expert-parallel): whole parameters, gradients reduced and
@@ -280,14 +295,18 @@ class Trainer:
             for p, data in local_experts:
                 p.copy_(data)
         self.backward_reducer = None
+        self.masters = self.optimizer.master_of() if self.own_optimizer_state else {}
         if tc.zero_stage == 2 and self.own_optimizer_state:
             self.backward_reducer = BackwardReducer(self.engine.module, layout, self.expert_params,
                                                     self.optimizer.owner_ranks(),
-                                                    grad_dtype_of(tc.grad_accum_dtype))
+                                                    grad_dtype_of(tc.grad_accum_dtype), masters=self.masters)
         elif tc.grad_accum_dtype != "fp32":
             raise ConfigError(f"trainer.grad_accum_dtype={tc.grad_accum_dtype} applies to the composite "
                               "optimiser (optim=muon or expert parallelism); DeepSpeed's ZeRO already "
                               "keeps bf16 gradients")
+        # zero_stage=1 with bf16 parameters: their micro-batch gradients accumulate in fp32
+        self.fp32_grads = (Fp32Grads(self.optimizer.low_precision_params())
+                           if masters and self.backward_reducer is None else None)
 
     def _load_weights(self, source, what: str = "model.init_from") -> None:
         """Model weights only (optimiser, schedule and data start fresh): a stage boundary, or
@@ -372,11 +391,13 @@ class Trainer:
                     host.reduce_gradients()
                 owners = self.optimizer.owner_ranks()
                 # at zero_stage=2 only the sparse table gradients are left to reduce here
-                reduce_gradients(engine.module, self.layout, self.expert_params, owners)
+                reduce_gradients(engine.module, self.layout, self.expert_params, owners,
+                                 fp32_grads=self.fp32_grads.take() if self.fp32_grads is not None else None,
+                                 masters=self.masters)
                 if self.backward_reducer is not None:
                     self.backward_reducer.finish_step()
                 grad_norm = clip_grad_norm(engine.module, self.layout, self.expert_params, tc.grad_clip,
-                                           sharded=bool(owners), external=host)
+                                           sharded=bool(owners), external=host, masters=self.masters)
             elif engine.zero_optimization_stage() == 0:
                 grad_norm = self._grad_norm()  # DeepSpeed's ZeRO-0 clips without reporting the norm
             not_finite = not (torch.isfinite(sums).all() and (grad_norm is None or math.isfinite(grad_norm)))

@@ -18,8 +18,14 @@ Models: `small`, and `flash` at its own widths (hidden size, 64 heads on the 512
 indexer, o-groups, expert width, 4 mHC streams) with fewer layers and 12 routed experts (one
 rank's share at EP=32), top-6 routing, and small Engram tables: `flash-L<layers>`.
 
+`--param-dtypes fp32,bf16` runs every row once per trainer.param_dtype: bf16 stores the weights in bf16
+with fp32 masters (optim/composite.py, trainer/master_weights.py). One GPU owns every parameter, so
+its masters are all of them (`master_gib`, beside `optimizer_state_gib`); at N ranks an owner keeps
+about 1/N of them, which the planner counts. `lm_loss_first` is the first step's loss: the same for
+both dtypes, as autocast computes with the same bf16 weights.
+
     python -m bench.system.step_memory [--rows small:4096:2:0,flash-L4:4096:1:1:4,flash-L4:4096:1:1:4:rowwise]
-        [--steps 3] [--compile] [--out FILE]
+        [--steps 3] [--compile] [--param-dtypes fp32,bf16] [--out FILE]
 """
 from __future__ import annotations
 
@@ -38,10 +44,11 @@ from conf.errors import ConfigError
 from conf.model import FlashModelConfig, SmallModelConfig
 from conf.optim import MuonConfig
 from model.accounting import model_summary, train_flops_per_token
-from optim import build_optimizer
+from optim import CompositeOptimizer, build_optimizer, route_parameters
 from trainer.fp8 import apply_fp8, check_fp8
+from trainer.master_weights import Fp32Grads, fp32_parameters
 from trainer.metrics import device_peak_flops
-from trainer.parallelize import checkpoint_blocks, compile_blocks
+from trainer.parallelize import build_layout, checkpoint_blocks, compile_blocks, reduce_gradients
 from trainer.pretrain import assemble_model
 
 GIB = 2**30
@@ -69,7 +76,8 @@ def _bytes(tensors) -> int:
 
 
 def measure(name: str, seq_len: int, micro_batch: int, checkpointing: bool, steps: int, vocab: int,
-            accumulation: int = 1, fp8: str = "none", compiled: bool = False) -> dict:
+            accumulation: int = 1, fp8: str = "none", compiled: bool = False,
+            param_dtype: str = "fp32") -> dict:
     check_fp8(fp8, False, "bf16", 0, torch.device("cuda"))
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -79,9 +87,18 @@ def measure(name: str, seq_len: int, micro_batch: int, checkpointing: bool, step
         compile_blocks(model)
     if checkpointing:
         checkpoint_blocks(model)
-    opt = build_optimizer(model, MuonConfig(), zero_stage=0)
+    if param_dtype == "bf16":  # the trainer's bf16 weights, every master on this one rank
+        opt = CompositeOptimizer(route_parameters(model, MuonConfig()), MuonConfig(), master_weights=True,
+                                 keep_fp32=fp32_parameters(model), master_min_replicas=1)
+        opt.store_params_low_precision()
+        fp32_grads = Fp32Grads(opt.low_precision_params())
+    else:
+        opt, fp32_grads = build_optimizer(model, MuonConfig(), zero_stage=0), None
     opt.enable_sparse_table_grads(model)
+    masters = opt.master_of() if isinstance(opt, CompositeOptimizer) else {}
+    layout = build_layout(0, 1, 1, model.cfg.n_routed_experts)
     params = _bytes(model.parameters())
+    first_loss = None
     g = torch.Generator(device="cuda").manual_seed(0)
     times, optimizer_times, grads, warmup_peak = [], [], 0, 0
     torch.cuda.synchronize()
@@ -98,9 +115,13 @@ def measure(name: str, seq_len: int, micro_batch: int, checkpointing: bool, step
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 out = model(ids[:, :-1], labels=ids[:, 1:])
             (out.loss / accumulation).backward()
-        grads = _bytes(p.grad for p in model.parameters() if p.grad is not None)
+            first_loss = out.lm_loss.item() if first_loss is None else first_loss
+        grads = (_bytes(p.grad for p in model.parameters() if p.grad is not None)
+                 + (fp32_grads.held_bytes() if fp32_grads is not None else 0))
         torch.cuda.synchronize()
         optimizer_start = time.perf_counter()
+        if fp32_grads is not None:  # the fp32 gradients onto the masters (one rank: no reduction)
+            reduce_gradients(model, layout, set(), {}, fp32_grads=fp32_grads.take(), masters=masters)
         opt.step()
         opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
@@ -109,6 +130,7 @@ def measure(name: str, seq_len: int, micro_batch: int, checkpointing: bool, step
             optimizer_times.append(time.perf_counter() - optimizer_start)
     state = _bytes(t for inner in _inner_optimizers(opt) for st in inner.state.values() for t in st.values()
                    if torch.is_tensor(t))
+    master_bytes = _bytes(masters.values())
     step_s = statistics.median(times)
     flops = train_flops_per_token(model, seq_len)
     peak, source = device_peak_flops(torch.device("cuda"), None)
@@ -117,6 +139,7 @@ def measure(name: str, seq_len: int, micro_batch: int, checkpointing: bool, step
     row = {"model": name, "seq_len": seq_len, "micro_batch": micro_batch,
            "activation_checkpointing": checkpointing, "accumulation": accumulation,
            "fp8": fp8, "fp8_matmul_sites": len(conversion.converted), "compiled": compiled,
+           "param_dtype": param_dtype, "master_gib": master_bytes / GIB,
            "layers": model.cfg.n_layers,
            "params": summary["all_params"],
            "routed_expert_params": summary["routed_expert_params"],
@@ -126,11 +149,13 @@ def measure(name: str, seq_len: int, micro_batch: int, checkpointing: bool, step
            "reserved_peak_gib": torch.cuda.max_memory_reserved() / GIB,
            "step_s": step_s, "optimizer_s": statistics.median(optimizer_times), "tokens_per_s": tokens_per_s,
            "flops_per_token": flops, "mfu": tokens_per_s * flops / peak, "peak_source": source,
-           "lm_loss_last": out.lm_loss.item()}
+           "lm_loss_first": first_loss, "lm_loss_last": out.lm_loss.item()}
     # what the step adds on top of the states it keeps: activations, workspaces, the transient gradients
     row["activation_peak_gib"] = (row["peak_gib"] - row["param_gib"] - row["grad_gib"]
-                                  - row["optimizer_state_gib"])
-    del model, opt, out
+                                  - row["optimizer_state_gib"] - row["master_gib"])
+    if fp32_grads is not None:
+        fp32_grads.remove()
+    del model, opt, out, masters
     torch.cuda.empty_cache()
     return row
 
@@ -148,16 +173,21 @@ def main() -> None:
                          "[:fp8 recipe]]")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--compile", action="store_true", help="torch.compile each block in every row")
+    ap.add_argument("--param-dtypes", default="fp32",
+                    help="comma-separated trainer.param_dtype values (fp32, bf16): each row once per value")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--vocab", type=int, default=129_280)
     args = ap.parse_args()
     result = {**provenance.header("step_memory"), "rows": []}
-    for spec in args.rows.split(","):
+    dtypes = args.param_dtypes.split(",")
+    if not dtypes or any(d not in ("fp32", "bf16") for d in dtypes):
+        raise SystemExit(f"--param-dtypes {args.param_dtypes}: expected fp32 and/or bf16")
+    for spec, param_dtype in ((spec, d) for spec in args.rows.split(",") for d in dtypes):
         name, seq_len, micro_batch, ac, *rest = spec.split(":")
         accumulation, fp8 = (int(rest[0]) if rest else 1), (rest[1] if len(rest) > 1 else "none")
         try:
             row = measure(name, int(seq_len), int(micro_batch), ac == "1", args.steps, args.vocab,
-                          accumulation, fp8, args.compile)
+                          accumulation, fp8, args.compile, param_dtype)
         except torch.OutOfMemoryError as e:
             row = {"model": name, "seq_len": int(seq_len), "micro_batch": int(micro_batch),
                    "activation_checkpointing": ac == "1", "fp8": fp8, "oom": " ".join(str(e).split())[:400]}

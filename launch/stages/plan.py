@@ -43,8 +43,12 @@ def plan(cfg: PlanConfig, run_dir: Path, config_yaml: str):
     bad = [g for g in o.grad_accum_dtypes if g not in ("fp32", "bf16")]
     if bad or not o.grad_accum_dtypes:
         raise ConfigError(f"plan.grad_accum_dtypes={list(o.grad_accum_dtypes)}: expected fp32 and/or bf16")
+    bad = [g for g in o.param_dtypes if g not in ("fp32", "bf16")]
+    if bad or not o.param_dtypes:
+        raise ConfigError(f"plan.param_dtypes={list(o.param_dtypes)}: expected fp32 and/or bf16")
     for layout in candidate_layouts(facts, world, model_cfg, o.seq_len, o.micro_batches, o.expert_parallel,
-                                    o.zero_stages, o.context_parallel, o.engram_tables, o.grad_accum_dtypes):
+                                    o.zero_stages, o.context_parallel, o.engram_tables, o.grad_accum_dtypes,
+                                    o.param_dtypes):
         for ac in o.checkpointing:
             accumulation = accumulation_steps(layout, o.global_batch)
             row = plan_rank(facts, layout, ac, ActivationRates(), capacity, accumulation)
@@ -62,7 +66,7 @@ def plan(cfg: PlanConfig, run_dir: Path, config_yaml: str):
     summary = {"model": model_cfg.name, "world": world, "gpu": c.gpu, "capacity_gib": capacity / GIB,
                "feasible": sum(r.fits for r in rows), "layouts": len(rows),
                "rows": [{"ep": r.layout.ep, "cp": r.layout.cp, "zero_stage": r.layout.zero_stage,
-                         "grad_accum_dtype": r.layout.grad_accum_dtype,
+                         "grad_accum_dtype": r.layout.grad_accum_dtype, "param_dtype": r.layout.param_dtype,
                          "micro_batch": r.layout.micro_batch, "seq_len": r.layout.seq_len,
                          "activation_checkpointing": r.checkpointing,
                          "engram_tables": "host" if r.layout.engram_host else "gpu",
@@ -77,7 +81,8 @@ def plan(cfg: PlanConfig, run_dir: Path, config_yaml: str):
     print(f"flashtrain plan: model {model_cfg.name} on {c.nodes} x {c.gpus_per_node} {c.gpu.upper()} "
           f"({world} ranks, {capacity / GIB:,.1f} GiB usable each), {o.seq_len}-token sequences: "
           f"{summary['feasible']} of {len(rows)} layouts fit")
-    print(f"  {'EP':>4} {'CP':>3} {'ZeRO':>4} {'grads':>5} {'mb':>3} {'AC':>3} {'tables':>6} {'GiB':>8} "
+    print(f"  {'EP':>4} {'CP':>3} {'ZeRO':>4} {'grads':>5} {'param':>5} {'mb':>3} {'AC':>3} {'tables':>6} "
+          f"{'GiB':>8} "
           f"{'step s':>7} {'tok/s/GPU':>9} {'MFU':>5}  parameters / gradients / optimizer / "
           "[host-table rows in flight /] activations or optimizer workspace (GiB)")
     for r in rows[:o.top]:
@@ -87,6 +92,7 @@ def plan(cfg: PlanConfig, run_dir: Path, config_yaml: str):
             verdict += f" (+{r.host_bytes / GIB:,.1f} GiB of Engram shards in host memory)"
         t = times[id(r)]
         print(f"  {r.layout.ep:>4} {r.layout.cp:>3} {r.layout.zero_stage:>4} {r.layout.grad_accum_dtype:>5} "
+              f"{r.layout.param_dtype:>5} "
               f"{r.layout.micro_batch:>3} "
               f"{'on' if r.checkpointing else 'off':>3} {'host' if r.layout.engram_host else 'gpu':>6} "
               f"{r.total / GIB:>8,.1f} {t['step_s']:>7.2f} "
