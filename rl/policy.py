@@ -51,6 +51,20 @@ def behaviour_logprobs(samples: list[dict], like: torch.Tensor) -> torch.Tensor:
     return behaviour.to(like.device)
 
 
+
+def check_policy_gradients(tc, composite: bool) -> None:
+    """ConfigError for trainer keys the RL/distillation policy does not implement: it holds fp32
+    weights and all-reduces whole fp32 gradients, so the pretraining trainer's ZeRO-2, bf16 gradient
+    buffers and owner-held masters are not wired here."""
+    if (composite and tc.zero_stage == 2) or tc.grad_accum_dtype != "fp32" or tc.param_dtype != "fp32":
+        raise ConfigError(f"trainer.zero_stage={tc.zero_stage}, "
+                          f"trainer.grad_accum_dtype={tc.grad_accum_dtype}, "
+                          f"trainer.param_dtype={tc.param_dtype} "
+                          "in the RL/distillation policy: it holds fp32 weights and all-reduces whole fp32 "
+                          "gradients; use zero_stage=1, "
+                          "grad_accum_dtype=fp32, param_dtype=fp32")
+
+
 class PolicyTrainer:
     def __init__(self, cfg, tokenizer_path: str, policy: Optional[str], run_dir: str, env: dict[str, str]):
         os.environ.update(env)  # this rank's RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT
@@ -81,11 +95,7 @@ class PolicyTrainer:
         self.optimizer = build_optimizer(self.model, cfg.optim, cfg.trainer.zero_stage, self.dist.rank,
                                          self.dist.world_size, verbose=False)
         self.own_optimizer_state = isinstance(self.optimizer, CompositeOptimizer)
-        if (self.own_optimizer_state and tc.zero_stage == 2) or tc.grad_accum_dtype != "fp32":
-            raise ConfigError(f"trainer.zero_stage={tc.zero_stage}, "
-                              f"trainer.grad_accum_dtype={tc.grad_accum_dtype} "
-                              "in the RL/distillation policy: it all-reduces whole fp32 gradients (the "
-                              "pretraining trainer's ZeRO-2 is not wired here); use zero_stage=1 and fp32")
+        check_policy_gradients(tc, self.own_optimizer_state)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_multiplier(
             cfg.optim, self.rl.steps * self.rl.ppo_epochs * self.rl.minibatches))
         self.engine, _ = build_engine(self.model, self.optimizer, self.scheduler, cfg.trainer, self.dist,

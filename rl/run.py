@@ -80,11 +80,13 @@ def run_rl(cfg, run_dir: Path, config_yaml: str, builtin_sft=None, make_coordina
     from data.chat import EFFORT_MAX
     from rl.algorithm import length_penalty_coef
     from rl.coordinator import Coordinator
+    from rl.policy import check_policy_gradients
     from trainer.engine import check_trainer_counts
     from trainer.metrics import MetricsLog
     from trainer.tracking import build_tracker
 
     check_trainer_counts(cfg.trainer)  # before the built-in SFT, not when the trainer actors start after it
+    check_policy_gradients(cfg.trainer, composite=False)  # dtype keys now; ZeRO-2 once the optimiser exists
     rl = cfg.rl
     try:  # the reward's settings, before any work rather than at the first scored sample
         length_penalty_coef(EFFORT_MAX, rl.length_penalty_base, rl.length_penalty_scale)

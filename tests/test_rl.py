@@ -213,3 +213,18 @@ def test_rollout_models_take_the_trainers_precision_on_their_device(precision):
     for b in model.buffers():
         if b.is_floating_point():
             assert b.dtype == (torch.float32 if id(b) in counters else want)
+
+
+@pytest.mark.parametrize("keys", [{"zero_stage": 2}, {"grad_accum_dtype": "bf16"}, {"param_dtype": "bf16"}],
+                         ids=["zero2", "bf16-gradients", "bf16-weights"])
+def test_the_policy_refuses_the_pretraining_trainers_gradient_and_weight_layouts(keys):
+    from conf.errors import ConfigError
+    from conf.trainer import TrainerConfig
+    from rl.policy import check_policy_gradients
+
+    tc = TrainerConfig(**{"zero_stage": 1, **keys})
+    key, value = next(iter(keys.items()))
+    with pytest.raises(ConfigError, match=f"trainer.{key}={value}.*RL/distillation policy"):
+        check_policy_gradients(tc, composite=True)
+    check_policy_gradients(TrainerConfig(zero_stage=1), composite=True)  # the default layout is fine
+    check_policy_gradients(TrainerConfig(zero_stage=2), composite=False)  # DeepSpeed's own ZeRO-2
