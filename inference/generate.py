@@ -58,7 +58,7 @@ def prefill_ced(model: Transformer, cache: DecodeCache, input_ids: torch.Tensor,
 
 
 def sampling_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """logits [..., V] -> log-probabilities [..., V] of the distribution `sample` draws from at
+    """logits [..., V] -> log-probabilities [..., V] of the distribution sampling draws from at
     temperature > 0 (temperature, then the top_p nucleus)."""
     logp = (logits / temperature).log_softmax(-1)
     if top_p < 1.0:  # keep the smallest prefix of the sorted distribution that reaches top_p
@@ -68,21 +68,6 @@ def sampling_logprobs(logits: torch.Tensor, temperature: float, top_p: float) ->
                                                               sorted_logp.masked_fill(~keep, float("-inf")))
         logp = masked.log_softmax(-1)
     return logp
-
-
-def sample(logits: torch.Tensor, temperature: float, top_p: float, generators: list[torch.Generator]):
-    """logits [B, V] -> (token ids [B], their log-probabilities under the sampled distribution [B]).
-    Row b draws from generators[b] (the speculative decoder's rows keep a generator each; the
-    engine's loop draws with `sample_rows`). temperature 0 is greedy (log-probability of the
-    argmax under the plain softmax)."""
-    if temperature <= 0:
-        token = logits.argmax(-1)
-        return token, logits.log_softmax(-1).gather(-1, token[:, None])[:, 0]
-    logp = sampling_logprobs(logits, temperature, top_p)
-    probs = logp.exp()
-    token = torch.cat([torch.multinomial(probs[b:b + 1], 1, generator=g)[0]
-                       for b, g in enumerate(generators)])
-    return token, logp.gather(-1, token[:, None])[:, 0]
 
 
 _MASK32 = 0xFFFFFFFF
@@ -108,18 +93,25 @@ def uniform_draws(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
 
 def sample_rows(logits: torch.Tensor, temperature: float, top_p: float, seeds: torch.Tensor,
                 counters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`sample` for a batch in a fixed number of ops (no per-row loop, no host sync): row b
+    """Sampling for a batch in a fixed number of ops (no per-row loop, no host sync): row b
     inverts the CDF of its sampling distribution at its draw uniform_draws(seeds, counters)[b].
-    logits [B, V] -> (token ids [B], their log-probabilities under the sampled distribution [B])."""
+    logits [B, V] -> (token ids [B], their log-probabilities under the sampled distribution [B]).
+    temperature 0 is greedy (the log-probability of the argmax under the plain softmax)."""
     if temperature <= 0:
         token = logits.argmax(-1)
         return token, logits.log_softmax(-1).gather(-1, token[:, None])[:, 0]
     logp = sampling_logprobs(logits, temperature, top_p)
-    cdf = logp.double().exp().cumsum(-1)  # [B, V]; fp64 so the last entries still step
-    u = uniform_draws(seeds, counters) * cdf[:, -1]
-    # the first column whose CDF exceeds u: its probability is > 0, so a masked token never comes
-    token = torch.searchsorted(cdf, u[:, None], right=True)[:, 0].clamp_(max=logits.shape[-1] - 1)
+    token = invert_cdf(logp.double().exp(), uniform_draws(seeds, counters))
     return token, logp.gather(-1, token[:, None])[:, 0]
+
+
+def invert_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Row b's draw at the uniform u[b] in (0, 1) from the distribution proportional to weights[b]
+    (>= 0, [B, V]) -> token ids [B]: the first column whose cumulative weight exceeds u[b] times the
+    row's total, so a column of weight 0 never comes. fp64, so the last columns still step."""
+    cdf = weights.double().cumsum(-1)  # [B, V]
+    token = torch.searchsorted(cdf, (u.double() * cdf[:, -1])[:, None], right=True)[:, 0]
+    return token.clamp_(max=weights.shape[-1] - 1)
 
 
 def _prefill(model: Transformer, prompt: list[int], replay: Optional[int], packed: bool,

@@ -28,7 +28,15 @@ from typing import Optional
 
 import torch
 
-from inference.generate import Generation, _prefill, check_generate_args, sample, sampling_logprobs
+from inference.generate import (
+    Generation,
+    _prefill,
+    check_generate_args,
+    invert_cdf,
+    sample_rows,
+    sampling_logprobs,
+    uniform_draws,
+)
 from inference.graphs import decode_experts
 from inference.slots import SlotCache, to_device
 from model.dspark import DSpark, TapRecorder
@@ -72,10 +80,11 @@ def choose_draft_length(confidence: torch.Tensor, capacity: float, draft_cost: f
 
 
 def accept_drafts(p: torch.Tensor, q: Optional[torch.Tensor], drafts: torch.Tensor,
-                  generators: list[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The speculative-sampling rule. p [B, k+1, V]: the target's sampling distributions at the anchor
-    and each draft; q [B, k, V]: the distributions the drafts were drawn from (None: greedy, p and q
-    are then logits or probabilities whose argmax decides); drafts [B, k].
+                  uniforms: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The speculative-sampling rule, for every row at once. p [B, k+1, V]: the target's sampling
+    distributions at the anchor and each draft; q [B, k, V]: the distributions the drafts were drawn
+    from (None: greedy, p and q are then logits or probabilities whose argmax decides); drafts [B, k];
+    uniforms [B, k+1] in (0, 1): row b's acceptance tests, then its draw of the following token.
     -> (accepted count n [B], the token that follows the n accepted drafts [B])."""
     B, k = drafts.shape
     if q is None:
@@ -83,30 +92,28 @@ def accept_drafts(p: torch.Tensor, q: Optional[torch.Tensor], drafts: torch.Tens
         match = (best[:, :k] == drafts).long()
         n = match.cumprod(1).sum(1)  # [B]
         return n, best.gather(1, n[:, None])[:, 0]
-    n = torch.empty(B, dtype=torch.long)
-    token = torch.empty(B, dtype=torch.long, device=drafts.device)
-    for b, g in enumerate(generators):
-        u = torch.rand(k, generator=g, device=g.device, dtype=torch.float64)
-        pd = p[b, torch.arange(k), drafts[b]].double()
-        qd = q[b, torch.arange(k), drafts[b]].double()
-        ok = (u * qd < pd).long().cumprod(0)
-        n[b] = a = int(ok.sum())
-        if a == k:
-            dist = p[b, k]
-        else:
-            dist = (p[b, a] - q[b, a]).clamp(min=0)
-            if not dist.sum() > 0:  # q = p there: nothing to correct (rejection has probability 0)
-                dist = p[b, a]
-        token[b] = torch.multinomial(dist.float(), 1, generator=g)[0]
-    return n.to(drafts.device), token
+    pd = p[:, :k].gather(-1, drafts[..., None])[..., 0].double()  # [B, k] p_i(d_i)
+    qd = q.gather(-1, drafts[..., None])[..., 0].double()  # [B, k] q_i(d_i)
+    n = (uniforms[:, :k] * qd < pd).long().cumprod(1).sum(1)  # accepted while u_i q_i(d_i) < p_i(d_i)
+    rows = torch.arange(B, device=drafts.device)
+    pn = p[rows, n]  # [B, V]
+    if k == 0:
+        dist = pn
+    else:  # after a rejection the residual max(p - q, 0); a row that accepted all k draws from p_k
+        qn = torch.where((n < k)[:, None], q[rows, n.clamp(max=k - 1)], torch.zeros_like(pn))
+        dist = (pn - qn).clamp(min=0)
+        # q = p there: a rejection had probability 0, nothing to correct
+        dist = torch.where((dist.sum(-1) > 0)[:, None], dist, pn)
+    return n, invert_cdf(dist, uniforms[:, k])
 
 
 @torch.no_grad()
 def propose(drafter: DSpark, target: Transformer, context: torch.Tensor, context_pos: torch.Tensor,
             anchor: torch.Tensor, position: torch.Tensor, temperature: float, top_p: float,
-            generators: list[torch.Generator]):
-    """Drafts for anchors [B] at positions [B] (context [B, S, D] at context_pos [B, S]): (drafts
-    [B, K], their distributions q [B, K, V] or None when greedy, conditional confidences [B, K])."""
+            uniforms: Optional[torch.Tensor]):
+    """Drafts for anchors [B] at positions [B] (context [B, S, D] at context_pos [B, S]), draft i of
+    row b drawn at uniforms[b, i] ([B, K]; None when greedy): (drafts [B, K], their distributions
+    q [B, K, V] or None when greedy, conditional confidences [B, K])."""
     pos = position[:, None]  # [B, 1]
     visible = ((context_pos < pos) & (context_pos >= pos - drafter.cfg.window))[:, None]  # [B, 1, S]
     hidden = drafter.hidden(target.embed, context, visible, context_pos, anchor[:, None], pos)[:, 0]  # B,K,D
@@ -120,8 +127,7 @@ def propose(drafter: DSpark, target: Transformer, context: torch.Tensor, context
             prev = logits.argmax(-1)
         else:
             q = sampling_logprobs(logits, temperature, top_p).exp()
-            prev = torch.cat([torch.multinomial(q[b:b + 1], 1, generator=g)[0]
-                              for b, g in enumerate(generators)])
+            prev = invert_cdf(q, uniforms[:, i])
             qs.append(q)
         drafts.append(prev)
     return torch.stack(drafts, 1), (torch.stack(qs, 1) if qs else None), torch.stack(conf, 1)
@@ -178,8 +184,9 @@ def generate_speculative(model: Transformer, drafter: DSpark, prompts: list[list
     sequence hands its slot to the next prompt. draft_length: verify this many drafts every step
     (None: `choose_draft_length` with `capacity` and `draft_cost`, one k per step for all rows).
     Greedy output equals `generate`'s; sampled output has its distribution but not its per-prompt
-    draws (a row's randomness, its own generator, is spent on drafts and acceptance tests; with
-    draft_length given, a prompt's draws do not depend on its batch neighbours)."""
+    draws (a row's randomness, its own counter-based stream as in `generate`, is spent on drafts and
+    acceptance tests: 2K + 1 draws a step, drawn for every row in one op; with draft_length given, a
+    prompt's draws do not depend on its batch neighbours)."""
     check_generate_args(prompts, max_new_tokens, max_batch)
     K = drafter.block
     if draft_length is not None and not 0 <= draft_length <= K:
@@ -190,9 +197,12 @@ def generate_speculative(model: Transformer, drafter: DSpark, prompts: list[list
     stats = stats if stats is not None else SpeculativeStats()
     n_layers = len(model.layers)
     out = [Generation(policy_version=policy_version) for _ in prompts]
-    generators = [torch.Generator(device=device).manual_seed((seed * 1_000_003 + i) % 2**63)
-                  for i in range(len(prompts))]
+    seeds = torch.tensor([(seed * 1_000_003 + i) % 2**63 for i in range(len(prompts))], dtype=torch.long,
+                         device=device)
     n_slots = min(max_batch, max(len(prompts), 1))
+    draws = 2 * K + 1  # a step's uniforms per row: K drafts, up to K acceptance tests, the next token
+    slot_seed = torch.zeros(n_slots, dtype=torch.long, device=device)  # the seed of each slot's prompt
+    slot_draws = torch.zeros(n_slots, dtype=torch.long, device=device)  # draws its prompt has used
     slots = SlotCache(model, n_slots, packed, lookahead=K + 1)
     context = DraftContext(n_slots, drafter.cfg.window, K + 1)
     last = torch.zeros(n_slots, dtype=torch.long, device=device)  # each slot's anchor
@@ -209,26 +219,32 @@ def generate_speculative(model: Transformer, drafter: DSpark, prompts: list[list
                 out[i].token_layer_passes = cache.token_layer_passes
                 if max_new_tokens == 0:
                     continue
-                token, logp = sample(logits.float(), temperature, top_p, [generators[i]])
+                token, logp = sample_rows(logits.float(), temperature, top_p, seeds[i:i + 1],
+                                          torch.zeros(1, dtype=torch.long, device=device))
                 if _took(out[i], int(token[0]), float(logp[0]), stop, max_new_tokens):
                     continue
                 slot = free.pop()
                 slots.insert(slot, cache)
                 context.start(slot, drafter.context(taps.to(dtype))[0], cache.length)
                 last[slot] = token[0]
+                slot_seed[slot], slot_draws[slot] = seeds[i], 1
                 running[slot] = i
             if not running:
                 continue
             busy = sorted(running)
             rows = to_device(busy, device)
-            gens = [generators[running[s]] for s in busy]
+            u = None
+            if temperature > 0:  # [B, 2K + 1]: each row's next draws from its own stream
+                counters = slot_draws[rows][:, None] + torch.arange(draws, device=device)
+                u = uniform_draws(slot_seed[rows][:, None], counters)
+                slot_draws[rows] += draws
             position = slots.pos[rows]  # [B]
             ctx, ctx_pos = context.read(rows)
             if draft_length == 0:  # plain decoding through this path: nothing to propose
                 drafts, q, k = last[rows][:, None], None, 0
             else:
                 drafts, q, conf = propose(drafter, model, ctx, ctx_pos, last[rows], position, temperature,
-                                          top_p, gens)
+                                          top_p, None if u is None else u[:, :K])
                 k = choose_draft_length(conf, capacity, draft_cost) if draft_length is None else draft_length
             k = min(k, max(max_new_tokens - len(out[running[s]].tokens) for s in busy) - 1)
             fed = torch.cat((last[rows][:, None], drafts[:, :k]), dim=1)  # [B, k + 1]
@@ -237,12 +253,13 @@ def generate_speculative(model: Transformer, drafter: DSpark, prompts: list[list
                 logits = model(fed, shard=slots).logits.float()  # [B, k + 1, V]
             taps = rec.take()
             if temperature <= 0:
-                n, nxt = accept_drafts(logits, None, drafts[:, :k], [])
+                n, nxt = accept_drafts(logits, None, drafts[:, :k], None)
                 logps = logits.log_softmax(-1)
             else:
                 logps = sampling_logprobs(logits, temperature, top_p)
                 probs = logps.exp()
-                n, nxt = accept_drafts(probs, probs[:, :0] if q is None else q[:, :k], drafts[:, :k], gens)
+                n, nxt = accept_drafts(probs, probs[:, :0] if q is None else q[:, :k], drafts[:, :k],
+                                       u[:, K:K + k + 1])
             keep = n + 1
             emitted = torch.cat((drafts[:, :k], nxt[:, None]), dim=1)  # row r emits its first n_r, then nxt
             emitted.scatter_(1, n[:, None], nxt[:, None])

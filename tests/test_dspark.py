@@ -205,15 +205,20 @@ def test_greedy_equality_speculative_against_plain(engine_target, monkeypatch):
     real = speculative.propose
     forwards = [0, 0, 0]  # target forwards each prompt took part in
 
-    def oracle(drafter, target, context, context_pos, anchor, position, temperature, top_p, gens):
+    def prompt_of(position: int, anchor: int) -> int:
+        """The prompt whose greedy continuation has this anchor at this position (unique here)."""
+        (i,) = [i for i, p in enumerate(prompts) if 0 <= position - len(p) < len(want[i].tokens)
+                and want[i].tokens[position - len(p)] == anchor]
+        return i
+
+    def oracle(drafter, target, context, context_pos, anchor, position, temperature, top_p, uniforms):
         drafts, q, conf = real(drafter, target, context, context_pos, anchor, position, temperature, top_p,
-                               gens)
-        for b, g in enumerate(gens):
-            i = g.initial_seed()  # seed 0: prompt i's generator is seeded i
+                               uniforms)
+        for b in range(anchor.shape[0]):
+            i = prompt_of(int(position[b]), int(anchor[b]))
             forwards[i] += 1
             row = want[i].tokens
             j = int(position[b]) - len(prompts[i])  # the anchor is token j of the continuation
-            assert row[j] == int(anchor[b])
             wrong = (drafter.block, 0, rng.randint(0, drafter.block))[i]  # drafts before this are right
             for d in range(drafter.block):
                 t = row[j + 1 + d] if j + 1 + d < len(row) else 0
@@ -233,6 +238,28 @@ def test_greedy_equality_speculative_against_plain(engine_target, monkeypatch):
         assert stats.accepted >= 8 + forwards[2], (max_batch, stats.as_dict())
 
 
+
+def test_a_sampled_prompt_draws_the_same_tokens_in_any_batch(engine_target):
+    """Sampled speculative decoding with a fixed draft length: each row draws its drafts, acceptance
+    tests and next tokens from its own counter-based stream (every row's in one op), so a prompt's
+    tokens do not depend on what it is batched with (fp64 target, so no rounding differs)."""
+    from inference.speculative import SpeculativeStats, generate_speculative
+
+    torch.manual_seed(2)
+    drafter = DSpark(engine_target.cfg).double()
+    prompts, packed = _prompts(), engine_target.packed_cache
+    runs = {}
+    for max_batch in (3, 1):
+        stats = SpeculativeStats()
+        gens = generate_speculative(engine_target, drafter, prompts, 8, temperature=1.0, seed=9,
+                                    packed=packed, draft_length=2, max_batch=max_batch, stats=stats)
+        runs[max_batch] = [g.tokens for g in gens]
+        assert stats.drafted > 0
+    assert runs[3] == runs[1]
+    other_seed = generate_speculative(engine_target, drafter, prompts, 8, temperature=1.0, seed=10,
+                                      packed=packed, draft_length=2)
+    assert [g.tokens for g in other_seed] != runs[3]  # the draws do come from the seed
+
 def _chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
     """p-value of Pearson's chi-square (Wilson-Hilferty's normal approximation of its distribution)."""
     expected = probs * counts.sum()
@@ -248,7 +275,6 @@ def _speculative_pairs(P, Q, n, rule, seed=0):
     token): [n] pair ids x1 * V + x2."""
     V = P.shape[0]
     g = torch.Generator().manual_seed(seed)
-    gens = [torch.Generator().manual_seed(seed * 100_003 + i) for i in range(n)]
 
     def round_from(x0):
         d1 = torch.multinomial(Q[x0], 1, generator=g)[:, 0]
@@ -256,7 +282,8 @@ def _speculative_pairs(P, Q, n, rule, seed=0):
         drafts = torch.stack((d1, d2), 1)
         p = torch.stack((P[x0], P[d1], P[d2]), 1)  # the target at the anchor and after each draft
         q = torch.stack((Q[x0], Q[d1]), 1)
-        return drafts, rule(p, q, drafts, gens)
+        uniforms = torch.rand(n, 3, generator=g, dtype=torch.float64)  # two tests, then the next token
+        return drafts, rule(p, q, drafts, uniforms)
 
     drafts, (acc, nxt) = round_from(torch.zeros(n, dtype=torch.long))
     x1 = torch.where(acc > 0, drafts[:, 0], nxt)
@@ -285,11 +312,11 @@ def test_a_statistical_test_of_the_speculative_sampler():
 
     assert _chi_square_p(counts(accept_drafts), joint) > 1e-3
 
-    def take_every_draft(p, q, drafts, gens):
+    def take_every_draft(p, q, drafts, uniforms):
         return torch.full((drafts.shape[0],), drafts.shape[1]), torch.multinomial(p[:, -1], 1)[:, 0]
 
-    def resample_from_target(p, q, drafts, gens):
-        n_acc, _ = accept_drafts(p, q, drafts, gens)
+    def resample_from_target(p, q, drafts, uniforms):
+        n_acc, _ = accept_drafts(p, q, drafts, uniforms)
         redraw = torch.multinomial(p[torch.arange(len(n_acc)), n_acc], 1)[:, 0]
         return n_acc, redraw
 
@@ -307,7 +334,7 @@ def test_speculative_sampling_through_the_engine_follows_the_target(monkeypatch)
     but not always accepted; later drafts from uniform q. The same run with a rule that takes every
     draft is rejected."""
     from inference import speculative
-    from inference.generate import sampling_logprobs
+    from inference.generate import invert_cdf, sampling_logprobs
     from inference.speculative import SpeculativeStats, generate_speculative
 
     torch.manual_seed(0)
@@ -329,14 +356,14 @@ def test_speculative_sampling_through_the_engine_follows_the_target(monkeypatch)
                 joint[(a, b, c)] = float(p1[a] * pa[b] * pc[c])
     drafter = DSpark(CFG).double()
 
-    def propose(drafter, target, context, context_pos, anchor, position, temperature, top_p, gens):
+    def propose(drafter, target, context, context_pos, anchor, position, temperature, top_p, uniforms):
         B, K = anchor.shape[0], drafter.block
         q = torch.full((B, K, V), 1.0 / V, dtype=torch.float64)
         for b in range(B):
             if int(position[b]) == len(prompt):  # the anchor is the first token
                 p = p2[int(anchor[b])]
                 q[b, 0] = 0.5 * p + 0.5 * (p > 0).double() / int((p > 0).sum())
-        drafts = torch.stack([torch.multinomial(q[b], 1, generator=g)[:, 0] for b, g in enumerate(gens)])
+        drafts = torch.stack([invert_cdf(q[:, i], uniforms[:, i]) for i in range(K)], 1)
         return drafts, q, torch.full((B, K), 0.9)
 
     monkeypatch.setattr(speculative, "propose", propose)
@@ -357,7 +384,7 @@ def test_speculative_sampling_through_the_engine_follows_the_target(monkeypatch)
     assert p > 1e-3, (p, stats.as_dict())
     assert 0.2 < stats.accepted / stats.drafted < 0.95, stats.as_dict()  # drafts both kept and rejected
 
-    def take_every_draft(p, q, drafts, gens):
+    def take_every_draft(p, q, drafts, uniforms):
         k = drafts.shape[1]
         return torch.full((drafts.shape[0],), k), torch.multinomial(p[:, k], 1)[:, 0]
 
