@@ -397,11 +397,9 @@ def clip_grad_norm(model: nn.Module, layout: ParallelLayout, expert_params: set[
     def grad_of(p: torch.Tensor) -> Optional[torch.Tensor]:
         return p.grad if p.grad is not None or id(p) not in masters else masters[id(p)].grad
 
-    grads = [grad_of(p) for p in model.parameters() if grad_of(p) is not None]
-    for p in model.parameters():
-        grad = grad_of(p)
-        if grad is None:
-            continue
+    held = [(p, g) for p in model.parameters() if (g := grad_of(p)) is not None]
+    grads = [g for _, g in held]
+    for p, grad in held:
         sq = (grad.coalesce().values() if grad.is_sparse else grad).double().square().sum().cpu()
         if id(p) in expert_params:
             expert_sq += sq
