@@ -81,6 +81,12 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def prompt_seeds(seed: int, n: int) -> list[int]:
+    """The stream seed of each of n prompts (>= 0, as `uniform_draws` needs): prompt i's draws in
+    `generate` and in speculative decoding come from the same stream."""
+    return [(seed * 1_000_003 + i) % 2**63 for i in range(n)]
+
+
 def uniform_draws(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
     """The counters[b]-th uniform draw of the stream seeded by seeds[b] (int64 [B] each, seeds
     >= 0) -> float64 [B] in (0, 1), 32 bits each. A counter-based generator: a draw depends on
@@ -226,7 +232,7 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
     model.eval()
     n_layers = len(model.layers)
     out = [Generation(policy_version=policy_version) for _ in prompts]
-    seeds = [(seed * 1_000_003 + i) % 2**63 for i in range(len(prompts))]
+    seeds = prompt_seeds(seed, len(prompts))
     n_slots = min(max_batch, max(len(prompts), 1))
     slots = SlotCache(model, n_slots, packed)
     rows = _Rows(n_slots, max_new_tokens, temperature, top_p, device)

@@ -33,6 +33,7 @@ from inference.generate import (
     _prefill,
     check_generate_args,
     invert_cdf,
+    prompt_seeds,
     sample_rows,
     sampling_logprobs,
     uniform_draws,
@@ -197,8 +198,7 @@ def generate_speculative(model: Transformer, drafter: DSpark, prompts: list[list
     stats = stats if stats is not None else SpeculativeStats()
     n_layers = len(model.layers)
     out = [Generation(policy_version=policy_version) for _ in prompts]
-    seeds = torch.tensor([(seed * 1_000_003 + i) % 2**63 for i in range(len(prompts))], dtype=torch.long,
-                         device=device)
+    seeds = torch.tensor(prompt_seeds(seed, len(prompts)), dtype=torch.long, device=device)
     n_slots = min(max_batch, max(len(prompts), 1))
     draws = 2 * K + 1  # a step's uniforms per row: K drafts, up to K acceptance tests, the next token
     slot_seed = torch.zeros(n_slots, dtype=torch.long, device=device)  # the seed of each slot's prompt
