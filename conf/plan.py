@@ -77,7 +77,9 @@ class PlanOptions:
     param_dtypes: list[str] = field(default_factory=lambda: ["fp32", "bf16"])
     # sequences per optimizer step over the whole cluster; 0: one micro-step per rank and step
     global_batch: int = 0
-    checkpointing: list[bool] = field(default_factory=lambda: [False, True])
+    # activation checkpointing: none | full (every block) | fewest (the fewest first blocks with which the
+    # layout fits, when that is some but not all: trainer.checkpointed_layers)
+    checkpointing: list[str] = field(default_factory=lambda: ["none", "fewest", "full"])
     # gpu | host (trainer.engram_tables): both by default, as the trainer runs both
     engram_tables: list[str] = field(default_factory=lambda: ["gpu", "host"])
     top: int = 12  # rows of the table (feasible first)

@@ -31,6 +31,9 @@ class TrainerConfig:
     # fp32 master on the owner only, as Megatron's distributed optimizer; trainer/master_weights.py)
     param_dtype: str = "fp32"
     activation_checkpointing: bool = False  # recompute each block's activations in the backward
+    # with activation_checkpointing: checkpoint only the first this many blocks (None: every block), as
+    # Megatron's --recompute-num-layers; `flashtrain plan` gives the fewest that fit
+    checkpointed_layers: Optional[int] = None
     compile: bool = False  # torch.compile each block's forward (trainer/parallelize.py compile_blocks)
     context_parallel: int = 1  # CP degree: each sequence cut into this many slices, one per rank
     expert_parallel: int = 1  # EP degree: experts sharded over groups of this many ranks (world = DP x EP)

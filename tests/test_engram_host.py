@@ -483,7 +483,7 @@ def test_planner_counts_host_tables_off_the_gpu():
     facts = ModelFacts.of(model, MuonConfig())
     table = sum(e.table.weight.numel() for e in model.engrams.values())
     plans = {host: plan_rank(facts, Layout(4, zero_stage=0, micro_batch=2, seq_len=64, engram_host=host),
-                             False, ActivationRates(), 2**40) for host in (False, True)}
+                             0, ActivationRates(), 2**40) for host in (False, True)}
     gpu, host = plans[False].parts, plans[True].parts
     assert gpu["parameters"] - host["parameters"] == 4 * table
     assert gpu["optimizer"] - host["optimizer"] == 4 * table  # Sinkhorn's one fp32 buffer
@@ -491,11 +491,11 @@ def test_planner_counts_host_tables_off_the_gpu():
     assert gpu["gradients"] - host["gradients"] == lookups * (cfg.engram_dim * 4 + 8)
     # a step's rows with their gradient and momentum, the last update's rows and momentum, a slot each
     assert host["engram rows in flight"] == lookups * (5 * cfg.engram_dim * 4 + 8)
-    three = plan_rank(facts, Layout(4, zero_stage=0, micro_batch=2, seq_len=64, engram_host=True), False,
+    three = plan_rank(facts, Layout(4, zero_stage=0, micro_batch=2, seq_len=64, engram_host=True), 0,
                       ActivationRates(), 2**40, accumulation=3)
     assert three.parts["engram rows in flight"] == 3 * host["engram rows in flight"]
     assert (plans[False].host_bytes, plans[True].host_bytes) == (0, 8 * table // 4)
-    times = {h: step_time(facts, p.layout, False, 1, GPUS["h100"], 8, StepRates()) for h, p in plans.items()}
+    times = {h: step_time(facts, p.layout, 0, 1, GPUS["h100"], 8, StepRates()) for h, p in plans.items()}
     assert times[False]["host traffic"] == 0 < times[True]["host traffic"]
 
 

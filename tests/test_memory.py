@@ -5,6 +5,7 @@ import dataclasses
 import pytest
 import torch
 
+from conf.errors import ConfigError
 from conf.model import TinyModelConfig
 from model.chunking import apply_chunking
 from model.transformer import Transformer
@@ -55,6 +56,27 @@ def test_activation_checkpointing_keeps_loss_and_gradients():
     assert ga.keys() == gb.keys()  # every parameter, including compressors read by later layers
     for name in ga:
         torch.testing.assert_close(ga[name], gb[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_checkpointing_the_first_blocks_only_keeps_loss_and_gradients():
+    """trainer.checkpointed_layers: the first block recomputes in the backward, the second keeps its
+    activations; same loss and gradients as no checkpointing."""
+    torch.manual_seed(0)
+    plain, part = Transformer(CFG), Transformer(CFG)
+    part.load_state_dict(plain.state_dict())
+    assert CFG.n_layers >= 2 and checkpoint_blocks(part, 1) == 1
+    # the checkpointed block's forward is wrapped, the rest are the modules' own
+    assert "forward" in vars(part.layers[0]) and all("forward" not in vars(b) for b in part.layers[1:])
+    a, ga = _loss_and_grads(plain, *_batch())
+    b, gb = _loss_and_grads(part, *_batch())
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    assert ga.keys() == gb.keys()
+    for name in ga:
+        torch.testing.assert_close(ga[name], gb[name], rtol=1e-5, atol=1e-7, msg=name)
+    assert checkpoint_blocks(Transformer(CFG), 0) == 0
+    over = CFG.n_layers + 1
+    with pytest.raises(ConfigError, match=f"layers={over}: expected 0 to the model's {CFG.n_layers} "):
+        checkpoint_blocks(Transformer(CFG), over)
 
 
 @pytest.mark.slow

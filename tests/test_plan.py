@@ -85,17 +85,22 @@ def test_plan_lists_the_layouts_of_a_gpu_and_what_a_rank_holds(cli_zygote, port_
               "plan.micro_batches=[1,8]", "plan.json=true", "plan.engram_tables=[gpu]")
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
-    rows = out["rows"]
+    n_layers = SmallModelConfig().n_layers
+    # a layout that fits only with some blocks checkpointed gets a third row: the fewest that fit
+    partial = [r for r in out["rows"] if 0 < r["checkpointed_layers"] < n_layers]
+    rows = [r for r in out["rows"] if r["checkpointed_layers"] in (0, n_layers)]
     # EP 1 and 2 (both divide 32 experts and 2 ranks) x ZeRO 0/1/2 (2 with fp32 or bf16 gradients; 1 and 2
     # with fp32 or bf16 weights: 1 + 2 + 2 * 2 = 7) x micro-batch 1/8 x checkpointing
-    assert out["world"] == 2 and len(rows) == out["layouts"] == 2 * 7 * 2 * 2
+    assert out["world"] == 2 and len(rows) == 2 * 7 * 2 * 2 and out["layouts"] == len(out["rows"])
+    assert all(r["activation_checkpointing"] == (r["checkpointed_layers"] > 0) for r in out["rows"])
+    assert partial and all(r["fits"] for r in partial)
     dtypes = ("fp32", "bf16")
     assert {(r["ep"], r["zero_stage"], r["grad_accum_dtype"], r["param_dtype"]) for r in rows} == {
         (ep, z, g, w) for ep in (1, 2) for z, g, w in ((0, "fp32", "fp32"), *((1, "fp32", w) for w in dtypes),
                                                         *((2, g, w) for g in dtypes for w in dtypes))}
-    fits = [r["fits"] for r in rows]
-    assert fits == sorted(fits, reverse=True) and 0 < sum(fits) < len(rows)  # the fitting ones first
-    for r in rows:
+    fits = [r["fits"] for r in out["rows"]]
+    assert fits == sorted(fits, reverse=True) and 0 < sum(fits) < len(fits)  # the fitting ones first
+    for r in out["rows"]:
         parts = (r["parameters_gib"] + r["gradients_gib"] + r["optimizer_gib"] + r.get("activations_gib", 0)
                  + r.get("optimizer_workspace_gib", 0))
         assert abs(parts - r["total_gib"]) < 1e-6 and r["fits"] == (r["total_gib"] <= out["capacity_gib"])
@@ -161,9 +166,18 @@ def test_flash_fits_8_nodes_only_with_zero2_and_bf16_gradients(cli_zygote, port_
     p = _plan(cli_zygote, port_base, "model=flash", "cluster.nodes=8", "plan.json=true")
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
+    n_layers = FlashModelConfig().n_layers
     fits = [r for r in out["rows"] if r["fits"]]
     assert fits and all((r["zero_stage"], r["grad_accum_dtype"], r["engram_tables"]) == (2, "bf16", "host")
                         for r in fits)
+    # the room bf16 weights leave lets some blocks keep their activations: fewer recomputed, a faster step
+    partial = [r for r in fits if r["checkpointed_layers"] < n_layers]
+    assert len(partial) == 1 and partial[0]["param_dtype"] == "bf16" and partial[0]["checkpointed_layers"] > 0
+    fits = [r for r in fits if r["checkpointed_layers"] == n_layers]
+    whole = next(r for r in fits
+                 if r["param_dtype"] == "bf16" and r["micro_batch"] == partial[0]["micro_batch"])
+    assert whole["total_gib"] < partial[0]["total_gib"] <= out["capacity_gib"]
+    assert partial[0]["step_s"] < whole["step_s"]
     # with fp32 weights it fits with almost no room; bf16 weights (trainer.param_dtype=bf16) halve the
     # replicated dense weights: at EP=64 an expert shard has world / EP = 1 replica and stays fp32, so
     # the weights shrink by half the dense fp32 bytes, and the masters (dense / 64 ranks, but whole
@@ -190,16 +204,16 @@ def test_plan_refuses_an_unknown_gpu_in_one_line(cli_zygote, port_base):
 def test_a_layout_that_cannot_fit_is_refused_before_anything_is_built(tiny):
     _, meta = tiny
     layout = Layout(world=1, micro_batch=2, seq_len=64)
-    fits = check_layout_fits(meta, MuonConfig(), layout, False, 2**30, "test GPU")  # 1 GiB: room to spare
+    fits = check_layout_fits(meta, MuonConfig(), layout, 0, 2**30, "test GPU")  # 1 GiB: room to spare
     assert fits.total < 2**30
     with pytest.raises(ConfigError) as e:
-        check_layout_fits(meta, MuonConfig(), layout, False, fits.total // 2, "test GPU")
+        check_layout_fits(meta, MuonConfig(), layout, 0, fits.total // 2, "test GPU")
     msg = str(e.value)
     need = fits.total / 2**30
     assert msg.startswith(f"trainer: this layout needs about {need:,.1f} GiB a GPU (parameters ")
     assert "the test GPU has" in msg and "trainer.plan_check=false" in msg and "\n" not in msg
     # within the planner's measured error of the card: left to run
-    check_layout_fits(meta, MuonConfig(), layout, False, int(fits.total / 1.05), "test GPU")
+    check_layout_fits(meta, MuonConfig(), layout, 0, int(fits.total / 1.05), "test GPU")
 
 
 @pytest.mark.gpu
@@ -221,11 +235,42 @@ def test_context_parallel_layouts_split_each_sequences_activations(tiny):
     facts = ModelFacts.of(meta, MuonConfig())
     layouts = candidate_layouts(facts, 4, meta.cfg, 1024, [1], [1], [1], context_parallel=[1, 4])
     assert [(lay.cp, lay.tokens_per_rank) for lay in layouts] == [(1, 1024), (4, 256)]
-    whole, sliced = (plan_rank(facts, lay, False, ActivationRates(), 2**40) for lay in layouts)
+    whole, sliced = (plan_rank(facts, lay, 0, ActivationRates(), 2**40) for lay in layouts)
     assert sliced.parts["parameters"] == whole.parts["parameters"]
     assert sliced.parts["activations"] * 4 == pytest.approx(whole.parts["activations"], rel=1e-6)
     with pytest.raises(ConfigError, match="context_parallel=3 does not divide the world size 4"):
         candidate_layouts(facts, 4, meta.cfg, 1024, [1], [1], [1], context_parallel=[3])
+
+
+def test_the_fewest_checkpointed_blocks_that_fit(tiny):
+    """trainer.checkpointed_layers in the planner: each checkpointed block keeps the checkpointed rate
+    instead of the whole one and runs its forward twice; the fewest that fit is the smallest count
+    whose plan fits."""
+    _, meta = tiny
+    from conf.plan import GPUS, ActivationRates, StepRates
+    from trainer.plan import activation_bytes, fewest_checkpointed, plan_rank, step_time
+
+    facts, rates, n = ModelFacts.of(meta, MuonConfig()), ActivationRates(), meta.cfg.n_layers
+    layout = Layout(world=1, zero_stage=0, micro_batch=64, seq_len=4096)
+    tokens, dim = 64 * 4096, meta.cfg.dim
+    assert activation_bytes(facts, layout, 0, rates) == int(rates.full * dim * n * tokens)
+    assert activation_bytes(facts, layout, n, rates) == int(rates.checkpointed * dim * n * tokens)
+    two = activation_bytes(facts, layout, 2, rates)
+    assert two == int((2 * rates.checkpointed + (n - 2) * rates.full) * dim * tokens)
+    none, every = (plan_rank(facts, layout, k, rates, 2**50).total for k in (0, n))
+    assert every < none
+    for capacity in (every, (every + none) // 2, none - 1):
+        plan = fewest_checkpointed(facts, layout, rates, capacity)
+        k = plan.checkpointed
+        assert 0 < k <= n and plan.fits and plan.total == plan_rank(facts, layout, k, rates, capacity).total
+        assert not plan_rank(facts, layout, k - 1, rates, capacity).fits
+    assert fewest_checkpointed(facts, layout, rates, none).checkpointed == 0
+    assert fewest_checkpointed(facts, layout, rates, every - 1) is None
+    # each checkpointed block adds a third of its forward-and-backward FLOPs and layer cost
+    t = {k: step_time(facts, layout, k, 1, GPUS["h100"], 8, StepRates()) for k in (0, 2, n)}
+    for part in ("compute", "layers"):
+        assert t[n][part] == pytest.approx(t[0][part] * 4 / 3)
+        assert t[2][part] == pytest.approx(t[0][part] * (1 + 2 / (3 * n)))
 
 
 def test_the_step_time_estimate_is_within_a_quarter_of_every_measured_step():
@@ -248,7 +293,9 @@ def test_the_step_time_estimate_is_within_a_quarter_of_every_measured_step():
                     facts[row["model"]] = ModelFacts.of(Transformer(model_config(row["model"], 129_280)),
                                                         MuonConfig())
             layout = Layout(world=1, zero_stage=0, micro_batch=row["micro_batch"], seq_len=row["seq_len"])
-            parts = step_time(facts[row["model"]], layout, row["activation_checkpointing"],
+            checkpointed = row.get("checkpointed_layers",
+                                   row["layers"] if row["activation_checkpointing"] else 0)
+            parts = step_time(facts[row["model"]], layout, checkpointed,
                               row.get("accumulation", 1), gpu, 8, StepRates())
             assert sum(parts.values()) == pytest.approx(row["step_s"], rel=0.25), (path.name, row)
             checked += 1
@@ -268,7 +315,7 @@ def test_step_time_parts_follow_the_layout():
     gpu, rates = GPUS["h100"], StepRates()
 
     def parts(world, ep, zero=1, gpus_per_node=8):
-        return step_time(facts, Layout(world, ep=ep, zero_stage=zero), False, 1, gpu, gpus_per_node, rates)
+        return step_time(facts, Layout(world, ep=ep, zero_stage=zero), 0, 1, gpu, gpus_per_node, rates)
 
     one = parts(1, 1, zero=0)
     assert one["all-to-all"] == one["gradient reduction"] == one["host traffic"] == 0

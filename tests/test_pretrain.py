@@ -130,6 +130,9 @@ def _checkpoint_files(run: Path) -> dict[str, int]:
     ("data=files data.path=/nonexistent/corpus", ["/nonexistent/corpus"]),
     ("trainer.compile=true trainer.activation_checkpointing=true",
      ["trainer.compile", "activation_checkpointing"]),
+    ("trainer.checkpointed_layers=1", ["trainer.checkpointed_layers=1", "activation_checkpointing=true"]),
+    ("trainer.activation_checkpointing=true trainer.checkpointed_layers=9",
+     ["trainer.checkpointed_layers=9", "model's 6 layers"]),
     ("data.path=/elsewhere/corpus.jsonl", ["data.path", "stdlib", "data=files"]),  # was ignored
     ("trainer.micro_batch_size=0", ["trainer.micro_batch_size=0"]),  # was DeepSpeed's assertion
     ("optim.lr=-1", ["optim", "lr"]),  # was the optimiser's traceback

@@ -187,17 +187,32 @@ class ExpertParallelDispatch:
         return self.moe.combine_routed(returned, order, inv, weights, x.dtype)
 
 
-def checkpoint_blocks(model: nn.Module) -> int:
-    """Activation checkpointing per block: each block keeps only its inputs and recomputes its
-    activations in the backward. Non-reentrant, so tensors a block hands to later layers
-    through the attention runtime (global KV, top-k) stay in the autograd graph. A recomputed
-    MoE forward counts its tokens again; the balancing update uses the sign of load minus mean,
-    which a uniform double count does not change."""
+def checkpoint_blocks(model: nn.Module, layers: Optional[int] = None) -> int:
+    """Activation checkpointing per block: the first `layers` blocks (None: all) keep only their
+    inputs and recompute their activations in the backward; the rest keep theirs. Checkpointing
+    only as many blocks as the memory needs is Megatron's `--recompute-num-layers` (method block):
+    each block left out saves a third of its forward FLOPs again. Every block's activations are
+    alive together at the end of the forward, so which blocks are chosen does not change the peak.
+    Non-reentrant, so tensors a block hands to later layers through the attention runtime
+    (global KV, top-k) stay in the autograd graph. A recomputed MoE forward counts its tokens
+    again; the balancing update uses the sign of load minus mean, which a uniform double count does
+    not change."""
     blocks = list(getattr(model, "layers", []))
-    for block in blocks:
+    chosen = blocks[:checkpointed_count(len(blocks), layers)]
+    for block in chosen:
         block.forward = functools.partial(torch.utils.checkpoint.checkpoint, block.forward,
                                           use_reentrant=False)
-    return len(blocks)
+    return len(chosen)
+
+
+def checkpointed_count(n_blocks: int, layers: Optional[int]) -> int:
+    """How many of n_blocks trainer.checkpointed_layers checkpoints (None: all of them)."""
+    if layers is None:
+        return n_blocks
+    if not 0 <= layers <= n_blocks:
+        raise ConfigError(f"trainer.checkpointed_layers={layers}: expected 0 to the model's {n_blocks} "
+                          "layers")
+    return layers
 
 
 def compile_blocks(model: nn.Module, backend: str = "inductor") -> int:

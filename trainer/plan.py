@@ -230,10 +230,12 @@ def optimizer_workspace_elements(facts: ModelFacts, ep: int) -> int:
                 if facts.kinds[r.name] != "engram"), default=0)
 
 
-def activation_bytes(facts: ModelFacts, layout: Layout, checkpointing: bool, rates: ActivationRates) -> int:
-    """What a micro-step keeps for its backward: per token, layer and unit of width, as measured."""
-    per = rates.checkpointed if checkpointing else rates.full
-    return int(per * facts.dim * facts.n_layers * layout.tokens_per_rank)
+def activation_bytes(facts: ModelFacts, layout: Layout, checkpointed: int, rates: ActivationRates) -> int:
+    """What a micro-step keeps for its backward with `checkpointed` of the blocks checkpointed: per
+    token, layer and unit of width, the measured rate of a checkpointed block for those and of a
+    whole one for the rest (between the two measured ends, a block's share is assumed to be its own)."""
+    per = rates.checkpointed * checkpointed + rates.full * (facts.n_layers - checkpointed)
+    return int(per * facts.dim * layout.tokens_per_rank)
 
 
 def dispatch_bytes(facts: ModelFacts, layout: Layout) -> int:
@@ -259,7 +261,7 @@ def _link_gbs(ranks: int, gpus_per_node: int, gpu: GPUSpec) -> float:
     return (gpu.nvlink_gbs if ranks <= gpus_per_node else gpu.network_gbs) * 1e9
 
 
-def step_time(facts: ModelFacts, layout: Layout, checkpointing: bool, accumulation: int, gpu: GPUSpec,
+def step_time(facts: ModelFacts, layout: Layout, checkpointed: int, accumulation: int, gpu: GPUSpec,
               gpus_per_node: int, rates: StepRates) -> dict[str, float]:
     """Seconds of one optimizer step on a rank, by part, none overlapped (an upper bound where the
     trainer overlaps): the model's FLOPs at the measured fraction of the peak, the per-layer rest,
@@ -270,7 +272,8 @@ def step_time(facts: ModelFacts, layout: Layout, checkpointing: bool, accumulati
     and the rows and gradients exchanged with their owners over the network; the owners' Sinkhorn
     update runs on the host CPU behind the step and is not counted."""
     tokens = layout.tokens_per_rank * accumulation
-    again = rates.recompute if checkpointing else 1.0
+    # each checkpointed block runs its forward twice
+    again = 1.0 + (rates.recompute - 1.0) * checkpointed / facts.n_layers
     peak = gpu.bf16_tflops * 1e12
     flops = tokens * facts.flops_per_token(layout.seq_len) * again
     parts = {"compute": flops / (peak * rates.compute_efficiency),
@@ -323,7 +326,7 @@ def step_time(facts: ModelFacts, layout: Layout, checkpointing: bool, accumulati
 class RankPlan:
     """One layout and what its fullest rank holds (bytes)."""
     layout: Layout
-    checkpointing: bool
+    checkpointed: int  # blocks with activation checkpointing (the first ones)
     parts: dict[str, int]
     engram_table_bytes: int
     capacity: int
@@ -347,16 +350,34 @@ class RankPlan:
         return line
 
 
-def plan_rank(facts: ModelFacts, layout: Layout, checkpointing: bool, rates: ActivationRates,
+def plan_rank(facts: ModelFacts, layout: Layout, checkpointed: int, rates: ActivationRates,
               capacity: int, accumulation: int = 1) -> RankPlan:
     """Per-rank memory of one layout: the kept state, then the larger of a micro-step's
     activations (with the EP exchange buffers) and the optimizer step's workspace."""
     parts = state_bytes(facts, layout, accumulation)
-    acts = activation_bytes(facts, layout, checkpointing, rates) + dispatch_bytes(facts, layout)
+    acts = activation_bytes(facts, layout, checkpointed, rates) + dispatch_bytes(facts, layout)
     workspace = int(rates.optimizer_workspace * FP32 * optimizer_workspace_elements(facts, layout.ep))
     parts["activations" if acts >= workspace else "optimizer workspace"] = max(acts, workspace)
     on_gpu = 0 if layout.engram_host else FP32 * facts.of_kind("engram")
-    return RankPlan(layout, checkpointing, parts, on_gpu, capacity, host_table_bytes(facts, layout))
+    return RankPlan(layout, checkpointed, parts, on_gpu, capacity, host_table_bytes(facts, layout))
+
+
+def fewest_checkpointed(facts: ModelFacts, layout: Layout, rates: ActivationRates, capacity: int,
+                        accumulation: int = 1) -> RankPlan | None:
+    """The plan with the fewest checkpointed blocks that fits (each block left out runs its forward
+    once), or None when even checkpointing all of them does not fit."""
+    plan = plan_rank(facts, layout, 0, rates, capacity, accumulation)
+    if plan.fits:
+        return plan
+    if not plan_rank(facts, layout, facts.n_layers, rates, capacity, accumulation).fits:
+        return None
+    # activations fall linearly with the checkpointed blocks: start from the count that covers the
+    # excess, then step up past rounding (the optimizer workspace may be the larger part)
+    saved = (rates.full - rates.checkpointed) * facts.dim * layout.tokens_per_rank
+    k = max(0, min(facts.n_layers, int((plan.total - capacity) // saved)))
+    while not (plan := plan_rank(facts, layout, k, rates, capacity, accumulation)).fits:
+        k += 1
+    return plan
 
 
 def candidate_layouts(facts: ModelFacts, world: int, model_cfg, seq_len: int, micro_batches, expert_parallel,
@@ -394,11 +415,11 @@ def candidate_layouts(facts: ModelFacts, world: int, model_cfg, seq_len: int, mi
 REFUSE_OVER = 1.10
 
 
-def check_layout_fits(model: nn.Module, optim: OptimConfig, layout: Layout, checkpointing: bool,
+def check_layout_fits(model: nn.Module, optim: OptimConfig, layout: Layout, checkpointed: int,
                       capacity: int, gpu: str, accumulation: int = 1) -> RankPlan:
     """Before a GPU run builds anything: refuse, in one line, a layout whose fullest rank the planner
     puts above the card's memory by more than its measured error. Returns the plan."""
-    rank = plan_rank(ModelFacts.of(model, optim), layout, checkpointing, ActivationRates(), capacity,
+    rank = plan_rank(ModelFacts.of(model, optim), layout, checkpointed, ActivationRates(), capacity,
                      accumulation)
     if rank.total > REFUSE_OVER * capacity:
         parts = ", ".join(f"{name} {size / GIB:,.1f}" for name, size in rank.parts.items())

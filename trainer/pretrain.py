@@ -48,6 +48,7 @@ from trainer.parallelize import (
     build_layout,
     check_training_layout,
     checkpoint_blocks,
+    checkpointed_count,
     clip_grad_norm,
     compile_blocks,
     full_experts,
@@ -149,6 +150,9 @@ class Trainer:
             raise ConfigError("trainer.compile=true with trainer.activation_checkpointing=true is not "
                               "supported: checkpoint recomputation through the compiled blocks fails; turn "
                               "one off")
+        if tc.checkpointed_layers is not None and not tc.activation_checkpointing:
+            raise ConfigError(f"trainer.checkpointed_layers={tc.checkpointed_layers} needs "
+                              "trainer.activation_checkpointing=true")
         self.dist: DistInfo = init_distributed(tc.collective_timeout_s)
         check_fp8(tc.fp8, tc.fp8_emulate, resolve_precision(tc, self.dist.device), tc.zero_stage,
                   self.dist.device)
@@ -187,7 +191,7 @@ class Trainer:
         if tc.compile:
             compile_blocks(self.model)
         if tc.activation_checkpointing:
-            checkpoint_blocks(self.model)
+            checkpoint_blocks(self.model, tc.checkpointed_layers)
         CommTimer.enabled = tc.profile_comm
         self._build_optimizer()
         # context-parallel ranks share samples: the data is sharded over the DP index
@@ -238,7 +242,9 @@ class Trainer:
                         engram_host=tc.engram_tables == "host", grad_accum_dtype=tc.grad_accum_dtype,
                         param_dtype=tc.param_dtype)
         gpu = torch.cuda.get_device_properties(self.dist.device)
-        check_layout_fits(meta, cfg.optim, layout, tc.activation_checkpointing, gpu.total_memory, gpu.name,
+        checkpointed = (checkpointed_count(meta.cfg.n_layers, tc.checkpointed_layers)
+                        if tc.activation_checkpointing else 0)
+        check_layout_fits(meta, cfg.optim, layout, checkpointed, gpu.total_memory, gpu.name,
                           tc.grad_accum_steps)
 
     def build_data(self):

@@ -2,8 +2,9 @@
 JSON object. These are the measured points a memory and step-time model (a planner) is fitted to
 and checked against.
 
-For each row (a model, a sequence length, a micro-batch, activation checkpointing on or off, and
-optionally the micro-steps a step accumulates): the bytes of the parameters, of the gradients and
+For each row (a model, a sequence length, a micro-batch, activation checkpointing off, on, or on
+for the first K blocks only (`firstK`: trainer.checkpointed_layers=K), and optionally the
+micro-steps a step accumulates): the bytes of the parameters, of the gradients and
 of the optimizer state (read off the tensors), the allocator's peak over the whole run and over
 the timed steps alone, and the median step time, the optimizer's share of it and the MFU of the
 timed steps. Kernels on, bf16 autocast with fp32 master weights, the Muon + Sinkhorn + AdamW
@@ -24,7 +25,8 @@ its masters are all of them (`master_gib`, beside `optimizer_state_gib`); at N r
 about 1/N of them, which the planner counts. `lm_loss_first` is the first step's loss: the same for
 both dtypes, as autocast computes with the same bf16 weights.
 
-    python -m bench.system.step_memory [--rows small:4096:2:0,flash-L4:4096:1:1:4,flash-L4:4096:1:1:4:rowwise]
+    python -m bench.system.step_memory [--rows small:4096:2:0,small:4096:2:first8,flash-L4:4096:1:1:4,
+        flash-L4:4096:1:1:4:rowwise]
         [--steps 3] [--compile] [--param-dtypes fp32,bf16] [--out FILE]
 """
 from __future__ import annotations
@@ -75,7 +77,7 @@ def _bytes(tensors) -> int:
                for t in tensors)
 
 
-def measure(name: str, seq_len: int, micro_batch: int, checkpointing: bool, steps: int, vocab: int,
+def measure(name: str, seq_len: int, micro_batch: int, checkpointing: bool | int, steps: int, vocab: int,
             accumulation: int = 1, fp8: str = "none", compiled: bool = False,
             param_dtype: str = "fp32") -> dict:
     check_fp8(fp8, False, "bf16", 0, torch.device("cuda"))
@@ -85,8 +87,9 @@ def measure(name: str, seq_len: int, micro_batch: int, checkpointing: bool, step
     conversion = apply_fp8(model, fp8)  # as the trainer: before compiling and checkpointing
     if compiled:
         compile_blocks(model)
-    if checkpointing:
-        checkpoint_blocks(model)
+    # True: every block; an int: the first that many (trainer.checkpointed_layers)
+    layers = None if checkpointing is True else int(checkpointing)
+    checkpointed = checkpoint_blocks(model, layers) if checkpointing is not False else 0
     if param_dtype == "bf16":  # the trainer's bf16 weights, every master on this one rank
         opt = CompositeOptimizer(route_parameters(model, MuonConfig()), MuonConfig(), master_weights=True,
                                  keep_fp32=fp32_parameters(model), master_min_replicas=1)
@@ -137,7 +140,8 @@ def measure(name: str, seq_len: int, micro_batch: int, checkpointing: bool, step
     summary = model_summary(model)
     tokens_per_s = accumulation * micro_batch * seq_len / step_s
     row = {"model": name, "seq_len": seq_len, "micro_batch": micro_batch,
-           "activation_checkpointing": checkpointing, "accumulation": accumulation,
+           "activation_checkpointing": checkpointed > 0, "checkpointed_layers": checkpointed,
+           "accumulation": accumulation,
            "fp8": fp8, "fp8_matmul_sites": len(conversion.converted), "compiled": compiled,
            "param_dtype": param_dtype, "master_gib": master_bytes / GIB,
            "layers": model.cfg.n_layers,
@@ -169,7 +173,8 @@ def _inner_optimizers(opt):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default=DEFAULT_ROWS,
-                    help="comma-separated model:seq_len:micro_batch:checkpointing(0/1)[:micro-steps a step"
+                    help="comma-separated model:seq_len:micro_batch:checkpointing(0, 1 or firstK)"
+                         "[:micro-steps a step"
                          "[:fp8 recipe]]")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--compile", action="store_true", help="torch.compile each block in every row")
@@ -185,12 +190,15 @@ def main() -> None:
     for spec, param_dtype in ((spec, d) for spec in args.rows.split(",") for d in dtypes):
         name, seq_len, micro_batch, ac, *rest = spec.split(":")
         accumulation, fp8 = (int(rest[0]) if rest else 1), (rest[1] if len(rest) > 1 else "none")
+        if ac not in ("0", "1") and not (ac.startswith("first") and ac[5:].isdigit()):
+            raise SystemExit(f"--rows {spec}: checkpointing {ac!r} is 0, 1 or firstK")
+        checkpointing = int(ac[5:]) if ac.startswith("first") else ac == "1"
         try:
-            row = measure(name, int(seq_len), int(micro_batch), ac == "1", args.steps, args.vocab,
+            row = measure(name, int(seq_len), int(micro_batch), checkpointing, args.steps, args.vocab,
                           accumulation, fp8, args.compile, param_dtype)
         except torch.OutOfMemoryError as e:
             row = {"model": name, "seq_len": int(seq_len), "micro_batch": int(micro_batch),
-                   "activation_checkpointing": ac == "1", "fp8": fp8, "oom": " ".join(str(e).split())[:400]}
+                   "activation_checkpointing": ac != "0", "fp8": fp8, "oom": " ".join(str(e).split())[:400]}
         except ConfigError as e:  # an fp8 recipe this GPU or torchao install cannot run
             row = {"model": name, "seq_len": int(seq_len), "fp8": fp8, "error": str(e)}
         # A failed row's tensors stay reachable from its traceback's frames until the cycle

@@ -18,7 +18,14 @@ def plan(cfg: PlanConfig, run_dir: Path, config_yaml: str):
     import torch
 
     from model.transformer import Transformer
-    from trainer.plan import ModelFacts, accumulation_steps, candidate_layouts, plan_rank, step_time
+    from trainer.plan import (
+        ModelFacts,
+        accumulation_steps,
+        candidate_layouts,
+        fewest_checkpointed,
+        plan_rank,
+        step_time,
+    )
 
     c, o = cfg.cluster, cfg.plan
     if c.gpu not in GPUS:
@@ -46,13 +53,28 @@ def plan(cfg: PlanConfig, run_dir: Path, config_yaml: str):
     bad = [g for g in o.param_dtypes if g not in ("fp32", "bf16")]
     if bad or not o.param_dtypes:
         raise ConfigError(f"plan.param_dtypes={list(o.param_dtypes)}: expected fp32 and/or bf16")
+    bad = [m for m in o.checkpointing if m not in ("none", "fewest", "full")]
+    if bad or not o.checkpointing:
+        raise ConfigError(f"plan.checkpointing={list(o.checkpointing)}: expected none, fewest and/or full")
+    n_layers = model_cfg.n_layers
     for layout in candidate_layouts(facts, world, model_cfg, o.seq_len, o.micro_batches, o.expert_parallel,
                                     o.zero_stages, o.context_parallel, o.engram_tables, o.grad_accum_dtypes,
                                     o.param_dtypes):
-        for ac in o.checkpointing:
-            accumulation = accumulation_steps(layout, o.global_batch)
-            row = plan_rank(facts, layout, ac, ActivationRates(), capacity, accumulation)
-            parts = step_time(facts, layout, ac, accumulation, gpu, c.gpus_per_node, StepRates())
+        accumulation = accumulation_steps(layout, o.global_batch)
+        listed = set()
+        for mode in o.checkpointing:
+            if mode == "fewest":  # none when nothing fits (the full row says why)
+                fewest = fewest_checkpointed(facts, layout, ActivationRates(), capacity, accumulation)
+                row = plan_rank(facts, layout, n_layers, ActivationRates(), capacity,
+                                accumulation) if fewest is None else fewest
+            else:
+                row = plan_rank(facts, layout, 0 if mode == "none" else n_layers, ActivationRates(), capacity,
+                                accumulation)
+            if row.checkpointed in listed:
+                continue
+            listed.add(row.checkpointed)
+            parts = step_time(facts, layout, row.checkpointed, accumulation, gpu, c.gpus_per_node,
+                              StepRates())
             step_s = sum(parts.values())
             tokens = layout.tokens_per_rank * accumulation
             flops = tokens * facts.flops_per_token(layout.seq_len)
@@ -68,7 +90,8 @@ def plan(cfg: PlanConfig, run_dir: Path, config_yaml: str):
                "rows": [{"ep": r.layout.ep, "cp": r.layout.cp, "zero_stage": r.layout.zero_stage,
                          "grad_accum_dtype": r.layout.grad_accum_dtype, "param_dtype": r.layout.param_dtype,
                          "micro_batch": r.layout.micro_batch, "seq_len": r.layout.seq_len,
-                         "activation_checkpointing": r.checkpointing,
+                         "activation_checkpointing": r.checkpointed > 0,
+                         "checkpointed_layers": r.checkpointed,
                          "engram_tables": "host" if r.layout.engram_host else "gpu",
                          "host_engram_gib": r.host_bytes / GIB,
                          "fits": r.fits, "total_gib": r.total / GIB,
@@ -94,12 +117,18 @@ def plan(cfg: PlanConfig, run_dir: Path, config_yaml: str):
         print(f"  {r.layout.ep:>4} {r.layout.cp:>3} {r.layout.zero_stage:>4} {r.layout.grad_accum_dtype:>5} "
               f"{r.layout.param_dtype:>5} "
               f"{r.layout.micro_batch:>3} "
-              f"{'on' if r.checkpointing else 'off':>3} {'host' if r.layout.engram_host else 'gpu':>6} "
+              f"{_blocks(r.checkpointed, n_layers):>3} {'host' if r.layout.engram_host else 'gpu':>6} "
               f"{r.total / GIB:>8,.1f} {t['step_s']:>7.2f} "
               f"{t['tokens_per_s_per_gpu']:>9,.0f} {t['mfu']:>5.1%}  {parts}  {verdict}")
     print("  step time: the model's FLOPs and each layer's rest at rates measured on one GPU, the EP "
           "all-to-all and the gradient reduction at link bandwidth, the optimizer per element updated; "
-          "nothing overlapped (plan.json=true gives each part)")
+          "nothing overlapped (plan.json=true gives each part); AC: the blocks checkpointed, all or the "
+          "first N (trainer.activation_checkpointing=true trainer.checkpointed_layers=N)")
     if len(rows) > o.top:
         print(f"  ... {len(rows) - o.top} more (plan.top, plan.json=true)")
     return summary
+
+
+def _blocks(checkpointed: int, n_layers: int) -> str:
+    """The AC column: off, all, or how many of the first blocks are checkpointed."""
+    return "off" if checkpointed == 0 else "all" if checkpointed == n_layers else str(checkpointed)
