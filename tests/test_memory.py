@@ -80,9 +80,11 @@ def test_checkpointing_the_first_blocks_only_keeps_loss_and_gradients():
 
 
 @pytest.mark.slow
-@pytest.mark.extended  # ~25 s of CPU compilation; the gpu tier compiles the kernel model
-def test_compiled_blocks_keep_loss_and_gradients():
-    """trainer.compile. aot_eager traces with dynamo and AOT autograd as inductor does, minus the
+@pytest.mark.extended  # ~25 s of CPU compilation each; the gpu tier compiles the kernel model
+@pytest.mark.parametrize("checkpointed", [0, 2])
+def test_compiled_blocks_keep_loss_and_gradients(checkpointed):
+    """trainer.compile, alone and after trainer.checkpointed_layers (the blocks after the checkpointed
+    ones compiled). aot_eager traces with dynamo and AOT autograd as inductor does, minus the
     code generation (minutes on 2 cores): what this checks is that capture changes nothing."""
     from torch._dynamo.utils import counters
 
@@ -94,7 +96,9 @@ def test_compiled_blocks_keep_loss_and_gradients():
     dynamo = torch._dynamo.config
     process_wide = (dynamo.suppress_errors, dynamo.recompile_limit, dynamo.accumulated_recompile_limit)
     try:
-        assert compile_blocks(compiled, backend="aot_eager") == CFG.n_layers
+        assert checkpoint_blocks(compiled, checkpointed) == checkpointed
+        compiled_blocks = compile_blocks(compiled, backend="aot_eager", start=checkpointed)
+        assert compiled_blocks == CFG.n_layers - checkpointed
         for _ in range(2):  # the second pass runs the cached graphs
             a, ga = _loss_and_grads(plain, *_batch())
             b, gb = _loss_and_grads(compiled, *_batch())

@@ -215,19 +215,20 @@ def checkpointed_count(n_blocks: int, layers: Optional[int]) -> int:
     return layers
 
 
-def compile_blocks(model: nn.Module, backend: str = "inductor") -> int:
-    """torch.compile each block's forward, as torchtitan does: the many small elementwise ops around the
-    matmuls and Triton kernels (norms, mHC coefficients, routing weights, rotary) fuse into
-    a few generated kernels. Data-dependent steps (MoE token counts, padding checks) are graph
-    breaks and run eagerly. Blocks differ in their layer spec (encoder/decoder, compression),
-    so each distinct spec is its own graph: the recompile limit is raised to cover them all.
+def compile_blocks(model: nn.Module, backend: str = "inductor", start: int = 0) -> int:
+    """torch.compile the forward of each block from `start` on, as torchtitan does: the many small
+    elementwise ops around the matmuls and Triton kernels (norms, mHC coefficients, routing weights,
+    rotary) fuse into a few generated kernels. Data-dependent steps (MoE token counts, padding
+    checks) are graph breaks and run eagerly. Blocks differ in their layer spec (encoder/decoder,
+    compression), so each distinct spec is its own graph: the recompile limit is raised to cover them all.
     A frame dynamo fails to compile (torch 2.11 trips a guard assertion on the MoE call) runs
     eagerly with a logged warning (suppress_errors) rather than stopping the run: compiling
     is an optimisation, never a change in what is computed. Those settings hold only while a
     block runs (`_with_dynamo_config`): the rest of the process keeps dynamo's own. Not combined with
-    checkpoint_blocks (the trainer refuses both): dynamo compiles nothing under a forward that checkpoint
-    already wraps, and checkpointing a compiled forward saves a different set of tensors in the
-    recomputation than in the forward (torch 2.13: CheckpointError)."""
+    checkpoint_blocks on one block (the trainer compiles only the blocks after the checkpointed ones):
+    dynamo compiles nothing under a forward that checkpoint already wraps, and checkpointing a
+    compiled forward saves a different set of tensors in the recomputation than in the forward
+    (torch 2.13: CheckpointError)."""
     import torch._dynamo
 
     blocks = list(getattr(model, "layers", []))
@@ -235,9 +236,9 @@ def compile_blocks(model: nn.Module, backend: str = "inductor") -> int:
     settings = {"recompile_limit": max(dynamo.recompile_limit, 2 * len(blocks)),
                 "accumulated_recompile_limit": max(dynamo.accumulated_recompile_limit, 8 * len(blocks)),
                 "suppress_errors": True}
-    for block in blocks:  # patch the forward, as checkpoint_blocks does, not the module call
+    for block in blocks[start:]:  # patch the forward, as checkpoint_blocks does, not the module call
         block.forward = _with_dynamo_config(torch.compile(block.forward, backend=backend), settings)
-    return len(blocks)
+    return len(blocks[start:])
 
 
 def _with_dynamo_config(fn, settings: dict):

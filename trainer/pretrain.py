@@ -146,10 +146,13 @@ class Trainer:
             start_from, init_setting = cfg.model.init_from, "model.init_from"
         if start_from is not None:
             existing_init_source(str(start_from), init_setting)
-        if tc.compile and tc.activation_checkpointing:  # the recompute saves other tensors than the forward
+        # the recompute of a compiled block saves other tensors than its forward: a run compiles the
+        # blocks after the checkpointed ones, so some must be left
+        if tc.compile and tc.activation_checkpointing and tc.checkpointed_layers is None:
             raise ConfigError("trainer.compile=true with trainer.activation_checkpointing=true is not "
                               "supported: checkpoint recomputation through the compiled blocks fails; turn "
-                              "one off")
+                              "one off, or set trainer.checkpointed_layers=N to compile the blocks after "
+                              "the first N")
         if tc.checkpointed_layers is not None and not tc.activation_checkpointing:
             raise ConfigError(f"trainer.checkpointed_layers={tc.checkpointed_layers} needs "
                               "trainer.activation_checkpointing=true")
@@ -188,10 +191,10 @@ class Trainer:
         self.engram_host = (HostEngramTables(self.model, cfg.optim, d.rank, d.world_size, d.device,
                                              tc.collective_timeout_s, tc.seed)
                             if tc.engram_tables == "host" else None)
+        checkpointed = (checkpoint_blocks(self.model, tc.checkpointed_layers) if tc.activation_checkpointing
+                        else 0)
         if tc.compile:
-            compile_blocks(self.model)
-        if tc.activation_checkpointing:
-            checkpoint_blocks(self.model, tc.checkpointed_layers)
+            compile_blocks(self.model, start=checkpointed)
         CommTimer.enabled = tc.profile_comm
         self._build_optimizer()
         # context-parallel ranks share samples: the data is sharded over the DP index
