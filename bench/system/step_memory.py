@@ -85,11 +85,11 @@ def measure(name: str, seq_len: int, micro_batch: int, checkpointing: bool | int
     with torch.device("cuda"):
         model, _ = assemble_model(model_config(name, vocab))
     conversion = apply_fp8(model, fp8)  # as the trainer: before compiling and checkpointing
-    if compiled:
-        compile_blocks(model)
     # True: every block; an int: the first that many (trainer.checkpointed_layers)
     layers = None if checkpointing is True else int(checkpointing)
     checkpointed = checkpoint_blocks(model, layers) if checkpointing is not False else 0
+    if compiled:  # as the trainer: the blocks after the checkpointed ones
+        compile_blocks(model, start=checkpointed)
     if param_dtype == "bf16":  # the trainer's bf16 weights, every master on this one rank
         opt = CompositeOptimizer(route_parameters(model, MuonConfig()), MuonConfig(), master_weights=True,
                                  keep_fp32=fp32_parameters(model), master_min_replicas=1)
