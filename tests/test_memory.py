@@ -186,3 +186,20 @@ def test_recomputation_leaves_no_state_behind():
     assert n_aux == CFG.n_layers and len(rt.aux_losses) == n_aux
     for name, entries in before.items():
         assert entries and all(getattr(rt, name)[k] is v for k, v in entries.items()), name
+
+
+def test_saved_activations_are_counted_once_by_the_module_that_saved_them():
+    """bench/system/activation_breakdown.py: x [5, 4] -> Linear(4, 8) -> ReLU -> Linear(8, 2). The first
+    linear saves its input for its weight's gradient (5 x 4 fp32 = 80 bytes); ReLU saves its output
+    (5 x 8 x 4 = 160), which the second linear saves again as its input (the same storage: counted once,
+    against ReLU); the weights (and their transposes) are parameters, not activations."""
+    from torch import nn
+
+    from bench.system.activation_breakdown import per_block, saved_bytes_by_module
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    x = torch.randn(5, 4)
+    assert saved_bytes_by_module(model, lambda: model(x).sum()) == {"0": 80, "1": 160}
+    # per block: summed over layers.N, the rest by name
+    assert per_block({"layers.0.attn": 3, "layers.11.attn": 4, "layers.2": 1, "head": 5, "": 2}) == (
+        {"attn": 7, "(block)": 1}, {"head": 5, "(model)": 2})
