@@ -351,10 +351,11 @@ class RankPlan:
 
 
 def plan_rank(facts: ModelFacts, layout: Layout, checkpointed: int, rates: ActivationRates,
-              capacity: int, accumulation: int = 1) -> RankPlan:
-    """Per-rank memory of one layout: the kept state, then the larger of a micro-step's
-    activations (with the EP exchange buffers) and the optimizer step's workspace."""
-    parts = state_bytes(facts, layout, accumulation)
+              capacity: int, accumulation: int = 1, state: dict[str, int] | None = None) -> RankPlan:
+    """Per-rank memory of one layout: the kept state (`state`: the layout's `state_bytes`, when
+    already computed), then the larger of a micro-step's activations (with the EP exchange buffers)
+    and the optimizer step's workspace."""
+    parts = dict(state) if state is not None else state_bytes(facts, layout, accumulation)
     acts = activation_bytes(facts, layout, checkpointed, rates) + dispatch_bytes(facts, layout)
     workspace = int(rates.optimizer_workspace * FP32 * optimizer_workspace_elements(facts, layout.ep))
     parts["activations" if acts >= workspace else "optimizer workspace"] = max(acts, workspace)
@@ -363,19 +364,20 @@ def plan_rank(facts: ModelFacts, layout: Layout, checkpointed: int, rates: Activ
 
 
 def fewest_checkpointed(facts: ModelFacts, layout: Layout, rates: ActivationRates, capacity: int,
-                        accumulation: int = 1) -> RankPlan | None:
+                        accumulation: int = 1, state: dict[str, int] | None = None) -> RankPlan | None:
     """The plan with the fewest checkpointed blocks that fits (each block left out runs its forward
     once), or None when even checkpointing all of them does not fit."""
-    plan = plan_rank(facts, layout, 0, rates, capacity, accumulation)
+    state = state_bytes(facts, layout, accumulation) if state is None else state
+    plan = plan_rank(facts, layout, 0, rates, capacity, accumulation, state)
     if plan.fits:
         return plan
-    if not plan_rank(facts, layout, facts.n_layers, rates, capacity, accumulation).fits:
+    if not plan_rank(facts, layout, facts.n_layers, rates, capacity, accumulation, state).fits:
         return None
     # activations fall linearly with the checkpointed blocks: start from the count that covers the
     # excess, then step up past rounding (the optimizer workspace may be the larger part)
     saved = (rates.full - rates.checkpointed) * facts.dim * layout.tokens_per_rank
     k = max(0, min(facts.n_layers, int((plan.total - capacity) // saved)))
-    while not (plan := plan_rank(facts, layout, k, rates, capacity, accumulation)).fits:
+    while not (plan := plan_rank(facts, layout, k, rates, capacity, accumulation, state)).fits:
         k += 1
     return plan
 

@@ -24,6 +24,7 @@ def plan(cfg: PlanConfig, run_dir: Path, config_yaml: str):
         candidate_layouts,
         fewest_checkpointed,
         plan_rank,
+        state_bytes,
         step_time,
     )
 
@@ -61,15 +62,16 @@ def plan(cfg: PlanConfig, run_dir: Path, config_yaml: str):
                                     o.zero_stages, o.context_parallel, o.engram_tables, o.grad_accum_dtypes,
                                     o.param_dtypes):
         accumulation = accumulation_steps(layout, o.global_batch)
+        state = state_bytes(facts, layout, accumulation)  # the same for every checkpointing choice
         listed = set()
         for mode in o.checkpointing:
             if mode == "fewest":  # none when nothing fits (the full row says why)
-                fewest = fewest_checkpointed(facts, layout, ActivationRates(), capacity, accumulation)
+                fewest = fewest_checkpointed(facts, layout, ActivationRates(), capacity, accumulation, state)
                 row = plan_rank(facts, layout, n_layers, ActivationRates(), capacity,
-                                accumulation) if fewest is None else fewest
+                                accumulation, state) if fewest is None else fewest
             else:
                 row = plan_rank(facts, layout, 0 if mode == "none" else n_layers, ActivationRates(), capacity,
-                                accumulation)
+                                accumulation, state)
             if row.checkpointed in listed:
                 continue
             listed.add(row.checkpointed)
