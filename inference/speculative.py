@@ -39,6 +39,7 @@ from inference.generate import (
     uniform_draws,
 )
 from inference.graphs import decode_experts
+from inference.prefix import PrefixCache
 from inference.slots import SlotCache, to_device
 from model.dspark import DSpark, TapRecorder
 from model.transformer import Transformer
@@ -179,7 +180,8 @@ def generate_speculative(model: Transformer, drafter: DSpark, prompts: list[list
                          seed: int = 0, policy_version: int = 0, packed: bool = True,
                          replay: Optional[int] = 128, max_batch: int = 64, draft_length: Optional[int] = None,
                          capacity: float = 256.0, draft_cost: float = 0.1,
-                         stats: Optional[SpeculativeStats] = None) -> list[Generation]:
+                         stats: Optional[SpeculativeStats] = None,
+                         prefix_cache: Optional[PrefixCache] = None) -> list[Generation]:
     """`generate`'s contract (inference/generate.py) with speculative decoding: up to max_batch
     sequences decode together from slots, each keeping its own accepted drafts, and a finished
     sequence hands its slot to the next prompt. draft_length: verify this many drafts every step
@@ -187,7 +189,10 @@ def generate_speculative(model: Transformer, drafter: DSpark, prompts: list[list
     Greedy output equals `generate`'s; sampled output has its distribution but not its per-prompt
     draws (a row's randomness, its own counter-based stream as in `generate`, is spent on drafts and
     acceptance tests: 2K + 1 draws a step, drawn for every row in one op; with draft_length given, a
-    prompt's draws do not depend on its batch neighbours)."""
+    prompt's draws do not depend on its batch neighbours). `prefix_cache` as in `generate`: a prompt
+    starts from the longest cached prefix (the drafter's context from the prefix's replayed last
+    tokens on), and a finished sequence leaves the tokens its cache consumed (accepted drafts past a
+    stop token included)."""
     check_generate_args(prompts, max_new_tokens, max_batch)
     K = drafter.block
     if draft_length is not None and not 0 <= draft_length <= K:
@@ -214,14 +219,20 @@ def generate_speculative(model: Transformer, drafter: DSpark, prompts: list[list
         while waiting or running:
             while waiting and free:
                 i = waiting.popleft()
-                cache, logits = _prefill(model, prompts[i], replay, packed, None, device)
-                taps = rec.take()  # the positions whose decoder layers ran: the last min(replay, N)
+                cache, logits = _prefill(model, prompts[i], replay, packed, prefix_cache, device)
+                # the positions whose decoder layers ran: the last min(replay, N), or from a cached
+                # prefix's replayed tokens to the end
+                taps = rec.take()
                 out[i].token_layer_passes = cache.token_layer_passes
                 if max_new_tokens == 0:
+                    if prefix_cache is not None:
+                        prefix_cache.put(list(prompts[i]), cache)
                     continue
                 token, logp = sample_rows(logits.float(), temperature, top_p, seeds[i:i + 1],
                                           torch.zeros(1, dtype=torch.long, device=device))
                 if _took(out[i], int(token[0]), float(logp[0]), stop, max_new_tokens):
+                    if prefix_cache is not None:
+                        prefix_cache.put(list(prompts[i]), cache)
                     continue
                 slot = free.pop()
                 slots.insert(slot, cache)
@@ -278,7 +289,12 @@ def generate_speculative(model: Transformer, drafter: DSpark, prompts: list[list
             for s, kept, tokens, logp in zip(busy, kept_host, (h[1:] for h in host), lps.tolist()):
                 gen = out[running[s]]
                 gen.token_layer_passes += (k + 1) * n_layers
+                before = len(gen.tokens)
                 if any(_took(gen, t, lp, stop, max_new_tokens) for t, lp in zip(tokens[:kept], logp[:kept])):
+                    if prefix_cache is not None:  # the cache holds the kept drafts, a stop cut or not
+                        cache = slots.extract(s)
+                        fed = list(prompts[running[s]]) + gen.tokens[:before] + tokens[:kept]
+                        prefix_cache.put(fed[:cache.length], cache)
                     slots.release(s)
                     free.append(s)
                     del running[s]

@@ -253,11 +253,12 @@ class TapRecorder:
     """Records the inputs of the target's tap layers (the streams entering each block, after its
     Engram), averaged over the mHC streams, in every forward the target runs while inside
     (training, prefill, decode and verification alike): forward pre-hooks, so the target's code
-    does not change."""
+    does not change. The forwards between two `take`s must run over consecutive positions (a
+    prefix cache's replay of a prefix's last tokens, then the rest of the prompt)."""
 
     def __init__(self, target: Transformer, taps: list[int]):
         self.target, self.taps = target, taps
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, list[torch.Tensor]] = {}
         self._handles = []
 
     def __enter__(self) -> TapRecorder:
@@ -267,7 +268,7 @@ class TapRecorder:
                 pending = args[3] if len(args) > 3 else None
                 if pending is not None:  # the fused schedule (model/fused_mhc.py) hands a block the
                     h = module.update_streams(h, *pending)  # streams before the last MoE update
-                self.outputs[t] = h.mean(2)  # [B, T, D]
+                self.outputs.setdefault(t, []).append(h.mean(2))  # [B, T, D]
             self._handles.append(self.target.layers[t].register_forward_pre_hook(hook))
         return self
 
@@ -277,10 +278,11 @@ class TapRecorder:
         self._handles = []
 
     def take(self) -> torch.Tensor:
-        """The last forward's taps, concatenated in tap order: [B, T, n_taps * D]."""
+        """The taps of the forwards since the last take, their positions in order, concatenated in
+        tap order: [B, T, n_taps * D]."""
         missing = [t for t in self.taps if t not in self.outputs]
         if missing:
             raise RuntimeError(f"the target forward ran none of the tap layers {missing}")
-        out = torch.cat([self.outputs[t] for t in self.taps], dim=-1)
+        out = torch.cat([torch.cat(self.outputs[t], dim=1) for t in self.taps], dim=-1)
         self.outputs = {}
         return out

@@ -239,6 +239,46 @@ def test_greedy_equality_speculative_against_plain(engine_target, monkeypatch):
 
 
 
+def test_speculative_decoding_from_a_prefix_cache(engine_target, monkeypatch):
+    """With a prefix cache, a prompt that extends a finished sequence starts from its cached prefix:
+    the same greedy tokens as plain decoding without one (the prefixes fit the replay, so exactly),
+    and the drafter proposes what it proposes without the cache, its context rebuilt from the
+    replayed prefix and the rest of the prompt."""
+    from inference import speculative
+    from inference.generate import generate
+    from inference.prefix import PrefixCache
+    from inference.speculative import generate_speculative
+
+    model, packed = engine_target, engine_target.packed_cache
+    prompts = [torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+               for n in (9, 4)]
+    torch.manual_seed(5)
+    drafter = DSpark(model.cfg).double()
+    cache = PrefixCache(1 << 30)
+    first = generate_speculative(model, drafter, prompts, 6, temperature=0, packed=packed, draft_length=3,
+                                 prefix_cache=cache)
+    assert (cache.hits, cache.misses, len(cache._lru)) == (0, 2, 2)
+    longer = [p + g.tokens + [5, 6] for p, g in zip(prompts, first)]
+    want = generate(model, longer, 6, temperature=0, packed=packed)
+
+    real, drafts = speculative.propose, []
+
+    def recorded(*args):
+        out = real(*args)
+        drafts.append(out[0].clone())
+        return out
+
+    monkeypatch.setattr(speculative, "propose", recorded)
+    plain = generate_speculative(model, drafter, longer, 6, temperature=0, packed=packed, draft_length=3,
+                                 max_batch=1)
+    plain_drafts, drafts[:] = list(drafts), []
+    got = generate_speculative(model, drafter, longer, 6, temperature=0, packed=packed, draft_length=3,
+                               max_batch=1, prefix_cache=cache)
+    assert cache.hits == 2
+    assert [g.tokens for g in got] == [g.tokens for g in plain] == [w.tokens for w in want]
+    assert len(drafts) == len(plain_drafts) and all(torch.equal(a, b) for a, b in zip(drafts, plain_drafts))
+
+
 def test_a_sampled_prompt_draws_the_same_tokens_in_any_batch(engine_target):
     """Sampled speculative decoding with a fixed draft length: each row draws its drafts, acceptance
     tests and next tokens from its own counter-based stream (every row's in one op), so a prompt's
