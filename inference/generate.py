@@ -6,9 +6,10 @@ distribution it was sampled from (temperature and top-p applied), as RL needs th
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -146,6 +147,31 @@ def _prefill(model: Transformer, prompt: list[int], replay: Optional[int], packe
     return cache, prefill_ced(model, cache, ids, replay)[:, -1]
 
 
+class SharedPrefills:
+    """A prompt that occurs more than once in a call (an RL group's samples of one prompt) is
+    prefilled once: its prefill (the cache and the last position's logits) is kept until the
+    prompt's last copy has taken it. A slot copies the cache it takes, so the copies decode apart;
+    each draws from its own stream. Exact: the copies start from the state a prefill of their own
+    would compute."""
+
+    def __init__(self, prompts: list[list[int]], prefill: Callable[[int], Any], enabled: bool = True):
+        self.prompts, self.prefill = prompts, prefill
+        self.left = Counter(tuple(p) for p in prompts) if enabled else Counter()
+        self.kept: dict[tuple[int, ...], Any] = {}
+
+    def take(self, i: int) -> tuple[Any, bool]:
+        """(prompt i's prefill, whether an earlier copy's was reused): `prefill(i)` runs for the first."""
+        key = tuple(self.prompts[i])
+        reused = key in self.kept
+        value = self.kept[key] if reused else self.prefill(i)
+        self.left[key] -= 1
+        if self.left[key] > 0:
+            self.kept[key] = value
+        else:
+            self.kept.pop(key, None)
+        return value, reused
+
+
 def check_generate_args(prompts: list[list[int]], max_new_tokens: int, max_batch: int) -> None:
     """What every decoder refuses (`generate`, inference/speculative.py), in one line each."""
     if max_new_tokens < 0:
@@ -216,7 +242,9 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
     bounded replay of that many tokens (None: every layer over the whole prompt). `prefix_cache`:
     prompts that extend a finished sequence reuse its global KV (agent loops: the same
     conversation plus new tool output), and every finished sequence is offered to it. `vision[i]`:
-    prompt i's token types and images (None: text), prefilled by `_prefill`'s plain forward.
+    prompt i's token types and images (None: text), prefilled by `_prefill`'s plain forward. A text
+    prompt given more than once is prefilled once (`SharedPrefills`; its copies count no prefill
+    token-layer passes).
     `graphs`: replay each decode step from a CUDA graph on CUDA (inference/graphs.py). Opt-in until
     its equality test with the eager step (tests/test_generate.py, marked gpu) has passed on a GPU.
 
@@ -275,13 +303,15 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
             n = drawn[running[s]]
             close(s, running[s], tokens[b][:n], logps[b][:n])
 
+    shared = SharedPrefills(prompts, lambda i: _prefill(model, prompts[i], replay, packed, prefix_cache,
+                                                        device, vision[i] if vision is not None else None),
+                            enabled=vision is None)
     since = 0
     while waiting or running:
         while waiting and free:
             i = waiting.popleft()
-            cache, logits = _prefill(model, prompts[i], replay, packed, prefix_cache, device,
-                                     vision[i] if vision is not None else None)
-            prefill_passes[i] = out[i].token_layer_passes = cache.token_layer_passes
+            (cache, logits), reused = shared.take(i)
+            prefill_passes[i] = out[i].token_layer_passes = 0 if reused else cache.token_layer_passes
             if max_new_tokens == 0:
                 if prefix_cache is not None:
                     prefix_cache.put(list(prompts[i])[:cache.length], cache)

@@ -30,6 +30,7 @@ import torch
 
 from inference.generate import (
     Generation,
+    SharedPrefills,
     _prefill,
     check_generate_args,
     invert_cdf,
@@ -215,15 +216,21 @@ def generate_speculative(model: Transformer, drafter: DSpark, prompts: list[list
     running: dict[int, int] = {}  # slot -> prompt index
     waiting = deque(range(len(prompts)))
     dtype = drafter.main_proj.weight.dtype
+    def prefill(i: int) -> tuple:
+        """Prompt i's cache, last logits and drafter context rows."""
+        cache, logits = _prefill(model, prompts[i], replay, packed, prefix_cache, device)
+        # the positions whose decoder layers ran: the last min(replay, N), or from a cached prefix's
+        # replayed tokens to the end
+        return cache, logits, drafter.context(rec.take().to(dtype))[0]
+
+    shared = SharedPrefills(prompts, prefill)
+
     with TapRecorder(model, drafter.taps) as rec:
         while waiting or running:
             while waiting and free:
                 i = waiting.popleft()
-                cache, logits = _prefill(model, prompts[i], replay, packed, prefix_cache, device)
-                # the positions whose decoder layers ran: the last min(replay, N), or from a cached
-                # prefix's replayed tokens to the end
-                taps = rec.take()
-                out[i].token_layer_passes = cache.token_layer_passes
+                (cache, logits, context_rows), reused = shared.take(i)
+                out[i].token_layer_passes = 0 if reused else cache.token_layer_passes
                 if max_new_tokens == 0:
                     if prefix_cache is not None:
                         prefix_cache.put(list(prompts[i]), cache)
@@ -236,7 +243,7 @@ def generate_speculative(model: Transformer, drafter: DSpark, prompts: list[list
                     continue
                 slot = free.pop()
                 slots.insert(slot, cache)
-                context.start(slot, drafter.context(taps.to(dtype))[0], cache.length)
+                context.start(slot, context_rows, cache.length)
                 last[slot] = token[0]
                 slot_seed[slot], slot_draws[slot] = seeds[i], 1
                 running[slot] = i

@@ -279,6 +279,32 @@ def test_speculative_decoding_from_a_prefix_cache(engine_target, monkeypatch):
     assert len(drafts) == len(plain_drafts) and all(torch.equal(a, b) for a, b in zip(drafts, plain_drafts))
 
 
+def test_speculative_copies_of_a_prompt_share_its_prefill(engine_target, monkeypatch):
+    """A repeated prompt is prefilled once (with its drafter context) and each copy decodes as it
+    would alone: greedy copies give generate's tokens."""
+    from inference import speculative
+    from inference.generate import generate
+    from inference.speculative import generate_speculative
+
+    model, packed = engine_target, engine_target.packed_cache
+    a = torch.randint(0, 97, (10,), generator=torch.Generator().manual_seed(3)).tolist()
+    prompts = [a, [4, 5, 6], a]
+    calls, real = [], speculative._prefill
+
+    def counted(model, prompt, *args):
+        calls.append(tuple(prompt))
+        return real(model, prompt, *args)
+
+    monkeypatch.setattr(speculative, "_prefill", counted)
+    torch.manual_seed(5)
+    drafter = DSpark(model.cfg).double()
+    got = generate_speculative(model, drafter, prompts, 6, temperature=0, packed=packed, draft_length=3,
+                               max_batch=2)
+    assert calls == [tuple(a), (4, 5, 6)]
+    want = generate(model, prompts, 6, temperature=0, packed=packed)
+    assert [g.tokens for g in got] == [w.tokens for w in want]
+
+
 def test_a_sampled_prompt_draws_the_same_tokens_in_any_batch(engine_target):
     """Sampled speculative decoding with a fixed draft length: each row draws its drafts, acceptance
     tests and next tokens from its own counter-based stream (every row's in one op), so a prompt's

@@ -307,6 +307,43 @@ def test_continuous_batching_gives_each_prompt_what_it_gets_alone(model):
         generate(model, prompts, max_new_tokens=1, max_batch=0)
 
 
+def test_a_repeated_prompt_is_prefilled_once(model, monkeypatch):
+    """An RL group's samples of one prompt: the prompt's copies share one prefill (a copy that waits
+    for a slot takes the kept one) and sample exactly what copies prefilled one by one do, each from
+    its own stream."""
+    from inference import generate as generate_module
+
+    a, b = _ids(13, seed=1)[0].tolist(), _ids(6, seed=2)[0].tolist()
+    prompts = [a, b, a, a, b]
+    calls = []
+    real = generate_module._prefill
+
+    def counted(model, prompt, *args):
+        calls.append(tuple(prompt))
+        return real(model, prompt, *args)
+
+    class Unshared(generate_module.SharedPrefills):
+        def __init__(self, prompts, prefill, enabled=True):
+            super().__init__(prompts, prefill, enabled=False)
+
+    monkeypatch.setattr(generate_module, "_prefill", counted)
+    kw = dict(max_new_tokens=9, temperature=1.0, seed=4, max_batch=2, packed=model.packed_cache)
+    shared = generate(model, prompts, **kw)
+    assert calls == [tuple(a), tuple(b)]
+    monkeypatch.setattr(generate_module, "SharedPrefills", Unshared)
+    calls[:] = []
+    alone = generate(model, prompts, **kw)
+    assert len(calls) == 5
+    assert [g.tokens for g in shared] == [g.tokens for g in alone]
+    for s, u in zip(shared, alone):
+        torch.testing.assert_close(torch.tensor(s.logprobs), torch.tensor(u.logprobs), rtol=0, atol=0)
+    assert shared[0].tokens != shared[2].tokens  # each copy its own draws
+    # the copies that reused a prefill count only their decode passes
+    assert [s.token_layer_passes == u.token_layer_passes for s, u in zip(shared, alone)] == [
+        True, True, False, False, False]
+    assert all(s.token_layer_passes < u.token_layer_passes for s, u in zip(shared[2:], alone[2:]))
+
+
 def test_rollout_log_probs_are_the_training_forwards(model):
     """What RL trains against: the engine's log-prob of each token it sampled (temperature 1, top-p
     1) equals the policy's training forward over prompt + response (rl/policy.py), when the cache
