@@ -21,6 +21,17 @@ def _loss_and_grads(model, x, y, doc):
     return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def _assert_same_loss_and_grads(plain, other, grad_atol=1e-7):
+    """Both models' loss on the batch within 1e-6, and every parameter's gradient (the same set,
+    including compressors read by later layers) within rtol 1e-5 and grad_atol."""
+    a, ga = _loss_and_grads(plain, *_batch())
+    b, gb = _loss_and_grads(other, *_batch())
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    assert ga.keys() == gb.keys()
+    for name in ga:
+        torch.testing.assert_close(ga[name], gb[name], rtol=1e-5, atol=grad_atol, msg=name)
+
+
 def _batch():
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 97, (2, 65), generator=g)
@@ -50,12 +61,7 @@ def test_activation_checkpointing_keeps_loss_and_gradients():
     ckpt = Transformer(CFG)
     ckpt.load_state_dict(plain.state_dict())
     assert checkpoint_blocks(ckpt) == CFG.n_layers
-    a, ga = _loss_and_grads(plain, *_batch())
-    b, gb = _loss_and_grads(ckpt, *_batch())
-    torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
-    assert ga.keys() == gb.keys()  # every parameter, including compressors read by later layers
-    for name in ga:
-        torch.testing.assert_close(ga[name], gb[name], rtol=1e-5, atol=1e-7, msg=name)
+    _assert_same_loss_and_grads(plain, ckpt)
 
 
 def test_checkpointing_the_first_blocks_only_keeps_loss_and_gradients():
@@ -67,12 +73,7 @@ def test_checkpointing_the_first_blocks_only_keeps_loss_and_gradients():
     assert CFG.n_layers >= 2 and checkpoint_blocks(part, 1) == 1
     # the checkpointed block's forward is wrapped, the rest are the modules' own
     assert "forward" in vars(part.layers[0]) and all("forward" not in vars(b) for b in part.layers[1:])
-    a, ga = _loss_and_grads(plain, *_batch())
-    b, gb = _loss_and_grads(part, *_batch())
-    torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
-    assert ga.keys() == gb.keys()
-    for name in ga:
-        torch.testing.assert_close(ga[name], gb[name], rtol=1e-5, atol=1e-7, msg=name)
+    _assert_same_loss_and_grads(plain, part)
     assert checkpoint_blocks(Transformer(CFG), 0) == 0
     over = CFG.n_layers + 1
     with pytest.raises(ConfigError, match=f"layers={over}: expected 0 to the model's {CFG.n_layers} "):
@@ -100,12 +101,7 @@ def test_compiled_blocks_keep_loss_and_gradients(checkpointed):
         compiled_blocks = compile_blocks(compiled, backend="aot_eager", start=checkpointed)
         assert compiled_blocks == CFG.n_layers - checkpointed
         for _ in range(2):  # the second pass runs the cached graphs
-            a, ga = _loss_and_grads(plain, *_batch())
-            b, gb = _loss_and_grads(compiled, *_batch())
-            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
-            assert ga.keys() == gb.keys()
-            for name in ga:
-                torch.testing.assert_close(ga[name], gb[name], rtol=1e-5, atol=1e-6, msg=name)
+            _assert_same_loss_and_grads(plain, compiled, grad_atol=1e-6)
         assert counters["stats"]["unique_graphs"] > 0  # dynamo captured graphs, not all frames fell back
         # the blocks' settings (errors suppressed, higher recompile limits) did not leak into the process
         assert (dynamo.suppress_errors, dynamo.recompile_limit,
