@@ -362,8 +362,14 @@ def _quotient(x, scale, inv, FMT: tl.constexpr):
 
 # --- kernels ---
 
+# Triton turns an int argument equal to 1 into a constant. With one row and one block both folded
+# (a [1, 1, d] probe of a d = block cache entry), Triton 3.6's coalescing pass asserts on the pack
+# kernel's stores on sm90; as runtime values the same shapes compile. The counts are only compared
+# and multiplied, so nothing is lost by not specialising them.
+_NO_SPECIALIZE = ("n_rows", "n_blocks")
 
-@triton.jit
+
+@triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _pack_kernel(x_ptr, codes_ptr, scales_ptr, n_rows, n_blocks, stride_x,
                  FMT: tl.constexpr, G: tl.constexpr, MIN_AMAX_BITS: tl.constexpr, IN_BF16: tl.constexpr,
                  BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, EVEN: tl.constexpr, WB: tl.constexpr):
@@ -411,7 +417,7 @@ def _pack_kernel(x_ptr, codes_ptr, scales_ptr, n_rows, n_blocks, stride_x,
                  tl.broadcast_to(sbyte.to(tl.uint8)[:, :, None], shape), mask=s_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _unpack_kernel(codes_ptr, scales_ptr, out_ptr, n_rows, n_blocks, stride_c, stride_s,
                    FMT: tl.constexpr, G: tl.constexpr, OUT_BF16: tl.constexpr,
                    BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, EVEN: tl.constexpr, WB: tl.constexpr):
@@ -469,7 +475,7 @@ def _unpack_kernel(codes_ptr, scales_ptr, out_ptr, n_rows, n_blocks, stride_c, s
                  G, OUT_BF16, EVEN, WB)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _quant_dequant_kernel(x_ptr, out_ptr, n_rows, n_blocks, stride_x,
                           FMT: tl.constexpr, G: tl.constexpr, MIN_AMAX_BITS: tl.constexpr,
                           IN_BF16: tl.constexpr, OUT_BF16: tl.constexpr,
