@@ -362,14 +362,8 @@ def _quotient(x, scale, inv, FMT: tl.constexpr):
 
 # --- kernels ---
 
-# Triton turns an int argument equal to 1 into a constant. With one row and one block both folded
-# (a [1, 1, d] probe of a d = block cache entry), Triton 3.6's coalescing pass asserts on the pack
-# kernel's stores on sm90; as runtime values the same shapes compile. The counts are only compared
-# and multiplied, so nothing is lost by not specialising them.
-_NO_SPECIALIZE = ("n_rows", "n_blocks")
 
-
-@triton.jit(do_not_specialize=_NO_SPECIALIZE)
+@triton.jit
 def _pack_kernel(x_ptr, codes_ptr, scales_ptr, n_rows, n_blocks, stride_x,
                  FMT: tl.constexpr, G: tl.constexpr, MIN_AMAX_BITS: tl.constexpr, IN_BF16: tl.constexpr,
                  BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, EVEN: tl.constexpr, WB: tl.constexpr):
@@ -417,7 +411,7 @@ def _pack_kernel(x_ptr, codes_ptr, scales_ptr, n_rows, n_blocks, stride_x,
                  tl.broadcast_to(sbyte.to(tl.uint8)[:, :, None], shape), mask=s_mask)
 
 
-@triton.jit(do_not_specialize=_NO_SPECIALIZE)
+@triton.jit
 def _unpack_kernel(codes_ptr, scales_ptr, out_ptr, n_rows, n_blocks, stride_c, stride_s,
                    FMT: tl.constexpr, G: tl.constexpr, OUT_BF16: tl.constexpr,
                    BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, EVEN: tl.constexpr, WB: tl.constexpr):
@@ -475,7 +469,7 @@ def _unpack_kernel(codes_ptr, scales_ptr, out_ptr, n_rows, n_blocks, stride_c, s
                  G, OUT_BF16, EVEN, WB)
 
 
-@triton.jit(do_not_specialize=_NO_SPECIALIZE)
+@triton.jit
 def _quant_dequant_kernel(x_ptr, out_ptr, n_rows, n_blocks, stride_x,
                           FMT: tl.constexpr, G: tl.constexpr, MIN_AMAX_BITS: tl.constexpr,
                           IN_BF16: tl.constexpr, OUT_BF16: tl.constexpr,
@@ -513,6 +507,9 @@ def _tiles(kernel: str, n_rows: int, n_blocks: int, block: int) -> dict:
     bb = min(triton.next_power_of_2(n_blocks), most)
     if n_blocks % bb and (n_blocks & -n_blocks) * block >= 64:
         bb = min(n_blocks & -n_blocks, most)  # the largest power of two that divides n_blocks
+    # A tile of one block (BLOCK_B = 1) makes Triton 3.6's coalescing pass assert on sm90 (AxisInfo rank
+    # mismatch); a masked second block compiles.
+    bb = max(bb, min(2, most))
     br = min(max(1, values // (bb * block)), triton.next_power_of_2(n_rows))
     return dict(grid=(triton.cdiv(n_rows, br), triton.cdiv(n_blocks, bb)), BLOCK_R=br, BLOCK_B=bb,
                 EVEN=n_rows % br == 0 and n_blocks % bb == 0, WB=_WHOLE_BLOCKS[kernel], num_warps=warps)
