@@ -68,6 +68,13 @@ class SharedExpert(nn.Module):
         return self.w2(self.swiglu(gate_up, self.limit))
 
 
+def _aligned(w: torch.Tensor) -> torch.Tensor:
+    """w, copied if it does not start on a 16-byte boundary, which torch._grouped_mm requires. A weight
+    kept in a flat buffer (DeepSpeed's bf16 partitions) starts wherever the parameters before it end, off
+    the boundary when one of those has a size that is no multiple of 8 (as in `tiny`)."""
+    return w if w.data_ptr() % 16 == 0 else w.clone()
+
+
 class RoutedExperts(nn.Module):
     """E experts stored as stacked weights [E, ...], so expert parallelism can shard dim 0.
 
@@ -123,14 +130,14 @@ class RoutedExperts(nn.Module):
         offsets = counts.cumsum(0).to(torch.int32)  # [E] end row of each expert's group
         dtype = (torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type)
                  else x.dtype)
-        w2 = self.w2.to(dtype).transpose(-2, -1)  # [E, I, D] view
+        w2 = _aligned(self.w2.to(dtype)).transpose(-2, -1)  # [E, I, D] view
         with torch.autocast(x.device.type, enabled=False):  # _grouped_mm has no autocast rule: cast here
             x = x.to(dtype)
             if self.stack_gate_up:
                 w13 = torch.cat((self.w1.to(dtype), self.w3.to(dtype)), 1).transpose(-2, -1)  # [E, D, 2I]
                 gate_up = self.grouped_mm(x, w13, offs=offsets)  # [N, 2I]
             else:
-                gate_up = torch.cat([self.grouped_mm(x, w.to(dtype).transpose(-2, -1), offs=offsets)
+                gate_up = torch.cat([self.grouped_mm(x, _aligned(w.to(dtype)).transpose(-2, -1), offs=offsets)
                                      for w in (self.w1, self.w3)], dim=-1)
             h = self.swiglu(gate_up, self.limit)  # [N, I]
             return self.grouped_mm(h, w2, offs=offsets)

@@ -196,6 +196,37 @@ def test_grouped_experts_on_gpu_under_autocast():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("stacked", [True, False])
+def test_grouped_experts_with_weights_off_the_16_byte_boundary(stacked):
+    """bf16 weights that are views into one flat buffer at an odd element offset (as DeepSpeed's bf16
+    partitions place them): the grouped path runs and gives the loop's values and gradients."""
+    torch.manual_seed(5)
+    experts = RoutedExperts(n_experts=4, dim=64, inter_dim=96, limit=7.0).cuda().bfloat16()
+    experts.stack_gate_up = stacked
+    flat = torch.empty(1 + sum(p.numel() for p in experts.parameters()), dtype=torch.bfloat16, device="cuda")
+    at = 1
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+        view = flat[at:at + p.numel()].view_as(p)
+        view.copy_(p.data)
+        p.data = view
+        at += p.numel()
+    assert experts.w2.data_ptr() % 16 != 0
+    counts = torch.tensor([40, 0, 7, 81], device="cuda")
+    x = torch.randn(int(counts.sum()), 64, device="cuda", dtype=torch.bfloat16)
+    got = {}
+    for grouped in (False, True):
+        experts.grouped = grouped
+        experts.zero_grad()
+        xi = x.clone().requires_grad_()
+        y = experts(xi, counts)
+        y.float().sum().backward()
+        got[grouped] = (y.float(), xi.grad.float(), *(p.grad.float() for p in experts.parameters()))
+    for a, b in zip(got[False], got[True]):
+        torch.testing.assert_close(b, a, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
 def test_expert_counts_on_gpu_without_host_wait():
     """On CUDA the counts equal torch.bincount's, the unused experts included, and computing them
     does not make the host wait for the GPU (sync debug mode "error" raises if it does)."""
