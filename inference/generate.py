@@ -232,7 +232,7 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
              policy_version: int = 0, packed: bool = True, replay: Optional[int] = 128,
              prefix_cache: Optional[PrefixCache] = None, max_batch: int = 64,
              vision: Optional[list[Optional[tuple[list[int], ImageBatch]]]] = None,
-             graphs: bool = False, check_every: int = 16) -> list[Generation]:
+             graphs: Optional[bool] = None, check_every: int = 16) -> list[Generation]:
     """Continuous batching: up to `max_batch` sequences decode together, one token each per
     forward (inference/slots.py); a finished sequence frees its slot for the next waiting prompt,
     which is prefilled on its own first. Prompt i draws from its own counter-based stream (seeded
@@ -245,8 +245,8 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
     prompt i's token types and images (None: text), prefilled by `_prefill`'s plain forward. A text
     prompt given more than once is prefilled once (`SharedPrefills`; its copies count no prefill
     token-layer passes).
-    `graphs`: replay each decode step from a CUDA graph on CUDA (inference/graphs.py). Opt-in until
-    its equality test with the eager step (tests/test_generate.py, marked gpu) has passed on a GPU.
+    `graphs`: replay each decode step from a CUDA graph (inference/graphs.py); None: on for a CUDA
+    model, False runs every step eagerly (the reference the graphs are tested against).
 
     Sampled tokens stay on the device. The host reads them when a sequence reaches
     max_new_tokens (it knows when without looking) and, when `stop` is given, every `check_every`
