@@ -1,5 +1,5 @@
 """Training-loop configs: steps, batch, checkpoints, precision, metrics."""
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 
@@ -34,6 +34,9 @@ class TrainerConfig:
     # with activation_checkpointing: checkpoint only the first this many blocks (None: every block), as
     # Megatron's --recompute-num-layers; `flashtrain plan` gives the fewest that fit
     checkpointed_layers: Optional[int] = None
+    # selective recomputation in the blocks not checkpointed whole, as Megatron's --recompute-modules:
+    # moe_act (the routed experts' SwiGLU and weight copies; their matmul outputs are kept)
+    recompute_modules: list[str] = field(default_factory=list)
     compile: bool = False  # torch.compile each block's forward (trainer/parallelize.py compile_blocks)
     context_parallel: int = 1  # CP degree: each sequence cut into this many slices, one per rank
     expert_parallel: int = 1  # EP degree: experts sharded over groups of this many ranks (world = DP x EP)

@@ -9,7 +9,7 @@ from conf.errors import ConfigError
 from conf.model import TinyModelConfig
 from model.chunking import apply_chunking
 from model.transformer import Transformer
-from trainer.parallelize import checkpoint_blocks, compile_blocks
+from trainer.parallelize import checkpoint_blocks, compile_blocks, recompute_modules
 
 CFG = dataclasses.replace(TinyModelConfig(vocab_size=97), engram_min_rows=50)
 
@@ -80,12 +80,51 @@ def test_checkpointing_the_first_blocks_only_keeps_loss_and_gradients():
         checkpoint_blocks(Transformer(CFG), over)
 
 
+def _train_flops(model) -> int:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        _loss_and_grads(model, *_batch())
+    return counter.get_total_flops()
+
+
+def test_recomputing_the_moe_activation_keeps_loss_and_gradients_and_runs_no_matmul_twice():
+    """trainer.recompute_modules=[moe_act], after one block checkpointed whole: every other block's
+    expert stack recomputes its SwiGLU in the backward (the SwiGLU runs twice as often) but no matmul
+    (a training step's FLOPs are those of the plain model; checkpointing a block adds its forward's)."""
+    torch.manual_seed(0)
+    plain, recomputed = Transformer(CFG), Transformer(CFG)
+    recomputed.load_state_dict(plain.state_dict())
+    assert checkpoint_blocks(recomputed, 1) == 1
+    assert recompute_modules(recomputed, ["moe_act"], start=1) == CFG.n_layers - 1
+    _assert_same_loss_and_grads(plain, recomputed)
+
+    def swiglu_calls(model):
+        calls = []
+        for block in model.layers:
+            experts = block.moe.experts
+            experts.swiglu = lambda *a, _f=type(experts).swiglu, **k: calls.append(1) or _f(*a, **k)
+        _loss_and_grads(model, *_batch())
+        return len(calls)
+    assert swiglu_calls(recomputed) > swiglu_calls(plain)
+    whole = Transformer(CFG)
+    checkpoint_blocks(whole, 1)
+    flops = _train_flops(plain)
+    assert _train_flops(recomputed) == _train_flops(whole) > flops
+    only_act = Transformer(CFG)
+    recompute_modules(only_act, ["moe_act"])
+    assert _train_flops(only_act) == flops
+    with pytest.raises(ConfigError, match=r"recompute_modules: unknown \['moe'\]; expected some of \['moe_act'\]"):
+        recompute_modules(Transformer(CFG), ["moe"])
+
+
 @pytest.mark.slow
 @pytest.mark.extended  # ~25 s of CPU compilation each; the gpu tier compiles the kernel model
-@pytest.mark.parametrize("checkpointed", [0, 2])
-def test_compiled_blocks_keep_loss_and_gradients(checkpointed):
+@pytest.mark.parametrize("checkpointed, recompute", [(0, []), (2, []), (2, ["moe_act"])],
+                         ids=["all", "after-2", "after-2-moe_act"])
+def test_compiled_blocks_keep_loss_and_gradients(checkpointed, recompute):
     """trainer.compile, alone and after trainer.checkpointed_layers (the blocks after the checkpointed
-    ones compiled). aot_eager traces with dynamo and AOT autograd as inductor does, minus the
+    ones compiled), and with trainer.recompute_modules in the compiled blocks. aot_eager traces with dynamo and AOT autograd as inductor does, minus the
     code generation (minutes on 2 cores): what this checks is that capture changes nothing."""
     from torch._dynamo.utils import counters
 
@@ -98,6 +137,7 @@ def test_compiled_blocks_keep_loss_and_gradients(checkpointed):
     process_wide = (dynamo.suppress_errors, dynamo.recompile_limit, dynamo.accumulated_recompile_limit)
     try:
         assert checkpoint_blocks(compiled, checkpointed) == checkpointed
+        recompute_modules(compiled, recompute, start=checkpointed)
         compiled_blocks = compile_blocks(compiled, backend="aot_eager", start=checkpointed)
         assert compiled_blocks == CFG.n_layers - checkpointed
         for _ in range(2):  # the second pass runs the cached graphs

@@ -133,6 +133,7 @@ def _checkpoint_files(run: Path) -> dict[str, int]:
     ("trainer.checkpointed_layers=1", ["trainer.checkpointed_layers=1", "activation_checkpointing=true"]),
     ("trainer.activation_checkpointing=true trainer.checkpointed_layers=9",
      ["trainer.checkpointed_layers=9", "model's 6 layers"]),
+    ("trainer.recompute_modules=[moe_act,mlp]", ["trainer.recompute_modules", "'mlp'", "moe_act"]),
     ("data.path=/elsewhere/corpus.jsonl", ["data.path", "stdlib", "data=files"]),  # was ignored
     ("trainer.micro_batch_size=0", ["trainer.micro_batch_size=0"]),  # was DeepSpeed's assertion
     ("optim.lr=-1", ["optim", "lr"]),  # was the optimiser's traceback

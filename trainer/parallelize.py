@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.utils.checkpoint
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from conf.errors import ConfigError
 from model.moe import MoE, RoutedExperts, routing_order
@@ -213,6 +214,50 @@ def checkpointed_count(n_blocks: int, layers: Optional[int]) -> int:
         raise ConfigError(f"trainer.checkpointed_layers={layers}: expected 0 to the model's {n_blocks} "
                           "layers")
     return layers
+
+
+# Selective recomputation (Megatron's --recompute-modules), by module name.
+RECOMPUTE_MODULES = ("moe_act",)
+# What a selective recompute keeps: the matmuls' outputs (the float8 ones of trainer/fp8.py included).
+# Everything else in the region (activation functions, weight casts and stacked copies) runs again.
+_KEPT_OPS = frozenset(getattr(torch.ops.aten, name).default
+                      for name in ("mm", "addmm", "bmm", "_grouped_mm", "_scaled_mm", "_scaled_grouped_mm"))
+
+
+def _keep_matmuls(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in _KEPT_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def check_recompute_modules(modules) -> list[str]:
+    """trainer.recompute_modules, validated: a list of names from RECOMPUTE_MODULES."""
+    names = [modules] if isinstance(modules, str) else list(modules or [])
+    if unknown := [m for m in names if m not in RECOMPUTE_MODULES]:
+        raise ConfigError(f"trainer.recompute_modules: unknown {unknown}; expected some of "
+                          f"{list(RECOMPUTE_MODULES)}")
+    return names
+
+
+def recompute_modules(model: nn.Module, modules, start: int = 0) -> int:
+    """Selective recomputation in the blocks from `start` on (the ones before are checkpointed whole).
+    `moe_act`: each routed-expert stack keeps its input rows and its grouped GEMMs' outputs; the SwiGLU
+    and the weights' compute-dtype copies (cast, and gate and up stacked) are made again in the backward
+    instead of kept. Those are most of what the routed experts save at a training micro-batch (the
+    copies are [E, D, 3I] whatever the token count), for an elementwise pass and a weight copy more per
+    layer; no matmul runs twice. Non-reentrant checkpoint with a policy, applied by patching the
+    stack's forward, so the expert-parallel dispatch (which calls the stack) gets it too.
+    -> the number of expert stacks patched."""
+    names = check_recompute_modules(modules)
+    if "moe_act" not in names:
+        return 0
+    patched = 0
+    for block in list(getattr(model, "layers", []))[start:]:
+        for module in block.modules():
+            if isinstance(module, RoutedExperts):
+                module.forward = functools.partial(
+                    torch.utils.checkpoint.checkpoint, module.forward, use_reentrant=False,
+                    context_fn=functools.partial(create_selective_checkpoint_contexts, _keep_matmuls))
+                patched += 1
+    return patched
 
 
 def compile_blocks(model: nn.Module, backend: str = "inductor", start: int = 0) -> int:

@@ -46,6 +46,7 @@ from trainer.nonfinite import NonFiniteSteps, boundary_step
 from trainer.parallelize import (
     CommTimer,
     build_layout,
+    check_recompute_modules,
     check_training_layout,
     checkpoint_blocks,
     checkpointed_count,
@@ -54,6 +55,7 @@ from trainer.parallelize import (
     full_experts,
     optimizer_placement,
     parallelize,
+    recompute_modules,
     reduce_gradients,
 )
 from trainer.progress import Progress
@@ -156,6 +158,7 @@ class Trainer:
         if tc.checkpointed_layers is not None and not tc.activation_checkpointing:
             raise ConfigError(f"trainer.checkpointed_layers={tc.checkpointed_layers} needs "
                               "trainer.activation_checkpointing=true")
+        check_recompute_modules(tc.recompute_modules)
         self.dist: DistInfo = init_distributed(tc.collective_timeout_s)
         check_fp8(tc.fp8, tc.fp8_emulate, resolve_precision(tc, self.dist.device), tc.zero_stage,
                   self.dist.device)
@@ -193,6 +196,7 @@ class Trainer:
                             if tc.engram_tables == "host" else None)
         checkpointed = (checkpoint_blocks(self.model, tc.checkpointed_layers) if tc.activation_checkpointing
                         else 0)
+        recompute_modules(self.model, tc.recompute_modules, start=checkpointed)
         if tc.compile:
             compile_blocks(self.model, start=checkpointed)
         CommTimer.enabled = tc.profile_comm
