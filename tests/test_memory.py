@@ -101,9 +101,13 @@ def test_recomputing_the_moe_activation_keeps_loss_and_gradients_and_runs_no_mat
 
     def swiglu_calls(model):
         calls = []
+        op = type(model.layers[0].moe.experts).swiglu
+
+        def counted(*args, **kwargs):
+            calls.append(1)
+            return op(*args, **kwargs)
         for block in model.layers:
-            experts = block.moe.experts
-            experts.swiglu = lambda *a, _f=type(experts).swiglu, **k: calls.append(1) or _f(*a, **k)
+            block.moe.experts.swiglu = counted
         _loss_and_grads(model, *_batch())
         return len(calls)
     assert swiglu_calls(recomputed) > swiglu_calls(plain)
@@ -114,7 +118,8 @@ def test_recomputing_the_moe_activation_keeps_loss_and_gradients_and_runs_no_mat
     only_act = Transformer(CFG)
     recompute_modules(only_act, ["moe_act"])
     assert _train_flops(only_act) == flops
-    with pytest.raises(ConfigError, match=r"recompute_modules: unknown \['moe'\]; expected some of \['moe_act'\]"):
+    with pytest.raises(ConfigError,
+                       match=r"recompute_modules: unknown \['moe'\]; expected some of \['moe_act'\]"):
         recompute_modules(Transformer(CFG), ["moe"])
 
 
@@ -124,8 +129,9 @@ def test_recomputing_the_moe_activation_keeps_loss_and_gradients_and_runs_no_mat
                          ids=["all", "after-2", "after-2-moe_act"])
 def test_compiled_blocks_keep_loss_and_gradients(checkpointed, recompute):
     """trainer.compile, alone and after trainer.checkpointed_layers (the blocks after the checkpointed
-    ones compiled), and with trainer.recompute_modules in the compiled blocks. aot_eager traces with dynamo and AOT autograd as inductor does, minus the
-    code generation (minutes on 2 cores): what this checks is that capture changes nothing."""
+    ones compiled), and with trainer.recompute_modules in the compiled blocks. aot_eager traces with
+    dynamo and AOT autograd as inductor does, minus the code generation (minutes on 2 cores): what
+    this checks is that capture changes nothing."""
     from torch._dynamo.utils import counters
 
     torch.manual_seed(0)

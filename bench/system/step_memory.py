@@ -23,11 +23,13 @@ rank's share at EP=32), top-6 routing, and small Engram tables: `flash-L<layers>
 with fp32 masters (optim/composite.py, trainer/master_weights.py). One GPU owns every parameter, so
 its masters are all of them (`master_gib`, beside `optimizer_state_gib`); at N ranks an owner keeps
 about 1/N of them, which the planner counts. `lm_loss_first` is the first step's loss: the same for
-both dtypes, as autocast computes with the same bf16 weights.
+both dtypes, as autocast computes with the same bf16 weights. `--recompute none,moe_act` runs every
+row once per trainer.recompute_modules variant (selective recomputation in the blocks not
+checkpointed whole).
 
     python -m bench.system.step_memory [--rows small:4096:2:0,small:4096:2:first8,flash-L4:4096:1:1:4,
         flash-L4:4096:1:1:4:rowwise]
-        [--steps 3] [--compile] [--param-dtypes fp32,bf16] [--out FILE]
+        [--steps 3] [--compile] [--param-dtypes fp32,bf16] [--recompute none,moe_act] [--out FILE]
 """
 from __future__ import annotations
 
@@ -50,7 +52,14 @@ from optim import CompositeOptimizer, build_optimizer, route_parameters
 from trainer.fp8 import apply_fp8, check_fp8
 from trainer.master_weights import Fp32Grads, fp32_parameters
 from trainer.metrics import device_peak_flops
-from trainer.parallelize import build_layout, checkpoint_blocks, compile_blocks, reduce_gradients
+from trainer.parallelize import (
+    RECOMPUTE_MODULES,
+    build_layout,
+    checkpoint_blocks,
+    compile_blocks,
+    recompute_modules,
+    reduce_gradients,
+)
 from trainer.pretrain import assemble_model
 
 GIB = 2**30
@@ -79,7 +88,7 @@ def _bytes(tensors) -> int:
 
 def measure(name: str, seq_len: int, micro_batch: int, checkpointing: bool | int, steps: int, vocab: int,
             accumulation: int = 1, fp8: str = "none", compiled: bool = False,
-            param_dtype: str = "fp32") -> dict:
+            param_dtype: str = "fp32", recompute: str = "none") -> dict:
     check_fp8(fp8, False, "bf16", 0, torch.device("cuda"))
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -88,6 +97,7 @@ def measure(name: str, seq_len: int, micro_batch: int, checkpointing: bool | int
     # True: every block; an int: the first that many (trainer.checkpointed_layers)
     layers = None if checkpointing is True else int(checkpointing)
     checkpointed = checkpoint_blocks(model, layers) if checkpointing is not False else 0
+    recompute_modules(model, [] if recompute == "none" else [recompute], start=checkpointed)
     if compiled:  # as the trainer: the blocks after the checkpointed ones
         compile_blocks(model, start=checkpointed)
     if param_dtype == "bf16":  # the trainer's bf16 weights, every master on this one rank
@@ -143,7 +153,7 @@ def measure(name: str, seq_len: int, micro_batch: int, checkpointing: bool | int
            "activation_checkpointing": checkpointed > 0, "checkpointed_layers": checkpointed,
            "accumulation": accumulation,
            "fp8": fp8, "fp8_matmul_sites": len(conversion.converted), "compiled": compiled,
-           "param_dtype": param_dtype, "master_gib": master_bytes / GIB,
+           "param_dtype": param_dtype, "master_gib": master_bytes / GIB, "recompute_modules": recompute,
            "layers": model.cfg.n_layers,
            "params": summary["all_params"],
            "routed_expert_params": summary["routed_expert_params"],
@@ -180,6 +190,9 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="torch.compile each block in every row")
     ap.add_argument("--param-dtypes", default="fp32",
                     help="comma-separated trainer.param_dtype values (fp32, bf16): each row once per value")
+    ap.add_argument("--recompute", default="none",
+                    help="comma-separated trainer.recompute_modules variants (none, moe_act): each row once "
+                         "per variant, in the blocks the row does not checkpoint whole")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--vocab", type=int, default=129_280)
     args = ap.parse_args()
@@ -187,7 +200,11 @@ def main() -> None:
     dtypes = args.param_dtypes.split(",")
     if not dtypes or any(d not in ("fp32", "bf16") for d in dtypes):
         raise SystemExit(f"--param-dtypes {args.param_dtypes}: expected fp32 and/or bf16")
-    for spec, param_dtype in ((spec, d) for spec in args.rows.split(",") for d in dtypes):
+    variants = args.recompute.split(",")
+    if unknown := [v for v in variants if v != "none" and v not in RECOMPUTE_MODULES]:
+        raise SystemExit(f"--recompute: unknown {unknown}; expected none or one of {list(RECOMPUTE_MODULES)}")
+    for spec, param_dtype, recompute in ((spec, d, v) for spec in args.rows.split(",") for d in dtypes
+                                         for v in variants):
         name, seq_len, micro_batch, ac, *rest = spec.split(":")
         accumulation, fp8 = (int(rest[0]) if rest else 1), (rest[1] if len(rest) > 1 else "none")
         if ac not in ("0", "1") and not (ac.startswith("first") and ac[5:].isdigit()):
@@ -195,7 +212,7 @@ def main() -> None:
         checkpointing = int(ac[5:]) if ac.startswith("first") else ac == "1"
         try:
             row = measure(name, int(seq_len), int(micro_batch), checkpointing, args.steps, args.vocab,
-                          accumulation, fp8, args.compile, param_dtype)
+                          accumulation, fp8, args.compile, param_dtype, recompute)
         except torch.OutOfMemoryError as e:
             row = {"model": name, "seq_len": int(seq_len), "micro_batch": int(micro_batch),
                    "activation_checkpointing": ac != "0", "fp8": fp8, "oom": " ".join(str(e).split())[:400]}
