@@ -31,6 +31,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -61,7 +62,7 @@ def draw_ids(kind: str, shape: tuple[int, int], vocab: int, g: torch.Generator) 
 
 
 def measure(cfg, tables: str, seq_len: int, micro_batch: int, accum: int, steps: int, ids: str,
-            device: torch.device) -> dict:
+            device: torch.device, profile: Optional[Path] = None) -> dict:
     torch.manual_seed(0)
     with torch.device(device), (tables_on_meta() if tables == "host" else contextlib.nullcontext()):
         model, _ = assemble_model(cfg)
@@ -86,15 +87,7 @@ def measure(cfg, tables: str, seq_len: int, micro_batch: int, accum: int, steps:
         if host is not None:
             host.synchronize()
 
-    times, start_all, before = [], None, {}
-    batches = draw()
-    total = steps + 2  # two warm-up steps: autotuning, allocator growth, optimizer state
-    for step in range(total):
-        if step == 2:
-            sync()
-            before = dict(host.stats) if host is not None else {}
-            start_all = time.perf_counter()
-        start = time.perf_counter()
+    def train_step(model, opt, batches: list[torch.Tensor], last: bool):
         for b in batches:
             b = b.to(device, non_blocking=True)
             with autocast:
@@ -106,15 +99,32 @@ def measure(cfg, tables: str, seq_len: int, micro_batch: int, accum: int, steps:
         opt.step()
         if host is not None:
             host.step(1.0)
-        if step + 1 < total:
-            batches = draw()
+        following = None if last else draw()
         opt.zero_grad(set_to_none=True)
         if cuda:
             torch.cuda.synchronize()
+        return out, following
+
+    times, start_all, before = [], None, {}
+    batches = draw()
+    total = steps + 2  # two warm-up steps: autotuning, allocator growth, optimizer state
+    for step in range(total):
+        if step == 2:
+            sync()
+            before = dict(host.stats) if host is not None else {}
+            start_all = time.perf_counter()
+        start = time.perf_counter()
+        out, batches = train_step(model, opt, batches, last=step + 1 == total and profile is None)
         if step >= 2:
             times.append(time.perf_counter() - start)
     sync()
     wall = time.perf_counter() - start_all
+    if profile is not None:  # one more step, after the timed ones, so the profiler costs them nothing
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
+                                    + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])) as prof:
+            out, _ = train_step(model, opt, batches, last=True)
+            sync()
+        write_profile(prof, profile / f"{tables}-tables.txt", cuda)
     row = {"tables": tables, "step_s": wall / steps, "step_s_median_main_thread": statistics.median(times),
            "table_rows_per_layer": engram_table_params(cfg) // cfg.engram_dim // len(cfg.engram_layers),
            "lm_loss_last": out.lm_loss.item()}
@@ -152,6 +162,21 @@ def measure(cfg, tables: str, seq_len: int, micro_batch: int, accum: int, steps:
     return row
 
 
+def write_profile(prof, path: Path, cuda: bool) -> None:
+    """The profiled step's ops by device time (on CUDA) and by CPU time, and the step's total device
+    time: a host-table step whose device total matches the device-table step's spent its extra time
+    with the GPU idle (the training thread), one whose total is higher spent it in kernels or copies."""
+    events = prof.key_averages()
+    lines = []
+    if cuda:
+        device_s = sum(e.self_device_time_total for e in events) / 1e6
+        lines += [f"device time, all ops' own: {device_s:.3f} s", "",
+                  events.table(sort_by="self_device_time_total", row_limit=40), ""]
+    lines.append(events.table(sort_by="self_cpu_time_total", row_limit=40))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+
+
 def breakdown(row: dict) -> str:
     """One line of a row's step time and, for host tables, where the host-side time went."""
     line = f"{row['tables']}: {row['step_s']:.3f} s/step"
@@ -180,6 +205,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("--out", type=Path, help="also write the JSON to this file")
+    ap.add_argument("--profile", type=Path,
+                    help="a folder: one more step per mode under torch.profiler, its op tables there")
     args = ap.parse_args()
     if args.threads:  # a shared CPU: one thread avoids OpenMP barriers waiting on descheduled threads
         torch.set_num_threads(args.threads)
@@ -187,7 +214,7 @@ def main() -> None:
     layers = [int(x) for x in args.engram_layers.split(",")]
     cfg = bench_config(args.model, args.vocab, args.min_rows, layers)
     shape = dict(seq_len=args.seq_len, micro_batch=args.micro_batch, accum=args.accum, steps=args.steps,
-                 ids=args.ids, device=device)
+                 ids=args.ids, device=device, profile=args.profile)
     result = {**provenance.header("engram_host"), "model": args.model, "engram_layers": layers,
               "min_rows": args.min_rows, "seq_len": args.seq_len, "micro_batch": args.micro_batch,
               "accumulation": args.accum, "ids": args.ids, "threads": torch.get_num_threads(), "rows": []}
@@ -197,7 +224,7 @@ def main() -> None:
     result["overhead"] = host["step_s"] / gpu["step_s"] - 1
     if args.host_only_rows:
         big = bench_config(args.model, args.vocab, args.host_only_rows, layers)
-        row = measure(big, "host", **shape)
+        row = measure(big, "host", **{**shape, "profile": None})  # its own tables: not profiled
         row["overhead_vs_device_tables_of_min_rows"] = row["step_s"] / gpu["step_s"] - 1
         result["rows"].append(row)
     provenance.emit(result, args.out)
