@@ -30,6 +30,9 @@ def test_the_page_has_the_four_steps():
 
 
 @pytest.mark.slow
+# ~28 s: in the extended tier; each stage keeps its own default tests (convert, sft, rl), and the
+# page's four commands are checked above
+@pytest.mark.extended
 def test_the_post_training_walkthrough_runs_as_written(flashtrain, tmp_path):
     rng = random.Random(0)
     corpus = tmp_path / "corpus"

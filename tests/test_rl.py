@@ -119,6 +119,7 @@ def test_killed_actors_restart_and_no_prompt_is_lost_or_trained_twice(rl_setup, 
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # ~38 s under the suite's load; the default suite keeps RL sync mode with resume
 def test_two_trainer_ranks_stay_in_sync(rl_setup, local_ray):
     """rl.trainer_workers=2: two DeepSpeed ranks (Ray actors, gloo) split each batch and reduce
     gradients, so after updates with non-zero advantages both hold the same, changed weights; with
