@@ -9,6 +9,9 @@ A small sequence-wise balance loss is returned alongside.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -259,9 +262,12 @@ class MoE(nn.Module):
         self.experts = RoutedExperts(n_routed, dim, inter_dim, limit)
         self.shared = SharedExpert(dim, inter_dim * n_shared, limit) if n_shared > 0 else None
 
-    def dispatch(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Dropless routed compute: x [N, D], chosen/weights [N, k] -> [N, D]. Expert
-        parallelism replaces this method from outside (an all-to-all around the experts).
+    def dispatch(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
+                 alongside: Optional[Callable[[], torch.Tensor]] = None) -> torch.Tensor:
+        """Dropless routed compute: x [N, D], chosen/weights [N, k] -> [N, D], plus alongside()
+        when given: work that does not depend on the routing (the shared expert), which an
+        expert-parallel dispatch runs while its exchange is in flight. Expert parallelism
+        replaces this method from outside (an all-to-all around the experts).
         Choice slot s = n*k + j (token n's j-th expert) is row inv[s] of the expert-sorted
         rows. Both reorderings are permutations, so each gradient is a gather too: no
         scatter-add (fp32 atomics) in the forward's combine or the backward's dispatch."""
@@ -269,7 +275,8 @@ class MoE(nn.Module):
         order, inv = routing_order(flat)
         counts = expert_counts(flat, self.n_routed)  # [E], on the device
         y = self.experts(self.gather_routed(x, order, inv), counts)  # [N*k, D] by expert
-        return self.combine_routed(y, order, inv, weights, x.dtype)
+        y = self.combine_routed(y, order, inv, weights, x.dtype)
+        return y if alongside is None else y + alongside()
 
     def gather_routed(self, x: torch.Tensor, order: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
         """x [N, D] -> [N*k, D]: row i is token order[i] // k's (`routing_order`). Under autocast
@@ -292,9 +299,8 @@ class MoE(nn.Module):
         B, T, D = x.shape
         flat = x.reshape(B * T, D)
         scores, chosen, weights = self.router(flat, None if image_mask is None else image_mask.reshape(-1))
-        y = self.dispatch(flat, chosen, weights)
-        if self.shared is not None:
-            y = y + self.shared(flat)
+        y = self.dispatch(flat, chosen, weights,
+                          alongside=None if self.shared is None else lambda: self.shared(flat))
         return y.view(B, T, D), self.sequence_balance_loss(scores, chosen, B, T, shard)
 
     def sequence_balance_loss(self, scores, chosen, B: int, T: int, shard=None) -> torch.Tensor:

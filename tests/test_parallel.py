@@ -164,7 +164,8 @@ def test_multinode_deepspeed_backend_dry_run(flashtrain, tmp_path):
 
 def _ep_dispatch_worker(rank: int, port: int, out_dir: str) -> None:
     """EP = 2 over gloo against the local dispatch of the same MoE with all experts, under bf16
-    autocast: same output and gradients; every row exchange carries bf16."""
+    autocast, the shared expert computed alongside (while the rows travel, in the forward and the
+    backward): same output and gradients; every row exchange carries bf16."""
     import os
 
     import torch
@@ -177,7 +178,7 @@ def _ep_dispatch_worker(rank: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     torch.manual_seed(0)
-    moe = MoE(dim=32, n_routed=4, n_shared=0, topk=2, inter_dim=16, route_scale=1.0, limit=0.0,
+    moe = MoE(dim=32, n_routed=4, n_shared=1, topk=2, inter_dim=16, route_scale=1.0, limit=0.0,
               seq_aux_alpha=0.0)
     for p in moe.parameters():
         nn.init.normal_(p, std=0.2)
@@ -189,7 +190,7 @@ def _ep_dispatch_worker(rank: int, port: int, out_dir: str) -> None:
         module.zero_grad()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             _, chosen, weights = module.router(x)
-            y = module.dispatch(x, chosen, weights)
+            y = module.dispatch(x, chosen, weights, alongside=lambda: module.shared(x))
         y.float().square().sum().backward()
         return y.detach().float(), x.grad.clone(), {n: p.grad.clone() for n, p in module.named_parameters()}
 
@@ -203,13 +204,20 @@ def _ep_dispatch_worker(rank: int, port: int, out_dir: str) -> None:
     sent = []
     exchange = CommTimer.exchange.__func__
 
-    def record(cls, out, x_, out_splits, in_splits, group):
-        sent.append(x_.dtype)
-        return exchange(cls, out, x_, out_splits, in_splits, group)
+    def record(cls, out, x_, out_splits, in_splits, group, async_op=False):
+        sent.append((x_.dtype, async_op))
+        wait = exchange(cls, out, x_, out_splits, in_splits, group, async_op)
+        return lambda: (sent.append("wait"), wait())
 
     CommTimer.exchange = classmethod(record)
+    moe.shared.register_forward_hook(lambda *_: sent.append("shared"))
+    moe.shared.register_full_backward_hook(lambda *_: sent.append("shared backward"))
     y, gx, g = run(moe)
-    assert sent == [torch.bfloat16] * 4, sent  # dispatch and return, forward and backward
+    # forward: the dispatch started, the shared expert, its wait, the return; backward: the return's
+    # reverse, the dispatch's reverse started, the shared expert's backward, its wait
+    bf16 = torch.bfloat16
+    assert sent == [(bf16, True), "shared", "wait", (bf16, False),
+                    (bf16, False), (bf16, True), "shared backward", "wait"], sent
 
     def rel(a, b):  # bf16 rounding, summed in other orders and groupings
         return ((a - b).norm() / b.norm()).item()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional
 
@@ -120,15 +121,26 @@ class CommTimer:
     events: list = []
 
     @classmethod
-    def exchange(cls, out: torch.Tensor, x: torch.Tensor, out_splits, in_splits, group) -> None:
-        if cls.enabled and x.is_cuda:
+    def exchange(cls, out: torch.Tensor, x: torch.Tensor, out_splits, in_splits, group,
+                 async_op: bool = False) -> Callable[[], None]:
+        """all_to_all_single into out; -> wait(), which makes the current stream wait for it (a
+        no-op once done). With async_op the exchange runs while the caller queues other work, and
+        the timing (when enabled) spans the exchange's start to that wait."""
+        timed = cls.enabled and x.is_cuda
+        if timed:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
-            end.record()
-            cls.events.append((start, end))
-        else:
-            dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+        work = dist.all_to_all_single(out, x, out_splits, in_splits, group=group, async_op=async_op)
+
+        def wait() -> None:
+            if work is not None:
+                work.wait()
+            if timed:
+                end.record()
+                cls.events.append((start, end))
+        if not async_op:
+            wait()
+        return wait
 
     @classmethod
     def take_seconds(cls) -> float:
@@ -159,6 +171,57 @@ class _AllToAll(torch.autograd.Function):
         return back, None, None, None
 
 
+class _AllToAllStart(torch.autograd.Function):
+    """The first half of an all-to-all that overlaps other work: the exchange starts and the
+    output buffer returns at once (not to be read before _AllToAllWait). Its gradient waits for
+    the reverse exchange that _AllToAllWait's gradient started, so the backward overlaps too:
+    autograd runs what was computed between the two halves while the gradients travel."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group, pending: dict):
+        ctx.splits, ctx.group, ctx.pending = (out_splits, in_splits), group, pending
+        out = x.new_empty(sum(out_splits), *x.shape[1:])
+        pending["forward"] = CommTimer.exchange(out, x.contiguous(), out_splits, in_splits, group,
+                                                async_op=True)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        wait, back = ctx.pending.pop("backward")  # the reverse exchange _AllToAllWait's gradient began
+        wait()
+        return back, None, None, None, None
+
+
+class _AllToAllWait(torch.autograd.Function):
+    """The second half: waits for the exchange _AllToAllStart began -> its output."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, pending: dict):
+        ctx.pending = pending
+        pending.pop("forward")()
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (out_splits, in_splits), group = ctx.pending["splits"], ctx.pending["group"]
+        back = grad.new_empty(sum(in_splits), *grad.shape[1:])
+        ctx.pending["backward"] = (CommTimer.exchange(back, grad.contiguous(), in_splits, out_splits, group,
+                                                      async_op=True), back)
+        return grad, None  # _AllToAllStart's gradient takes `back` instead, once it has arrived
+
+
+def all_to_all_around(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group,
+                      alongside: Optional[Callable[[], torch.Tensor]]):
+    """-> (x exchanged, alongside() computed while the exchange, and in the backward its reverse,
+    are in flight; None without alongside)."""
+    if alongside is None:
+        return _AllToAll.apply(x, out_splits, in_splits, group), None
+    pending = {"splits": (out_splits, in_splits), "group": group}
+    started = _AllToAllStart.apply(x, out_splits, in_splits, group, pending)
+    side = alongside()
+    return _AllToAllWait.apply(started, pending), side
+
+
 class ExpertParallelDispatch:
     """Replaces `MoE.dispatch`: tokens travel to the rank that owns their expert and back."""
 
@@ -166,8 +229,10 @@ class ExpertParallelDispatch:
         self.moe, self.layout = moe, layout
         self.n_local = moe.n_routed // layout.ep
 
-    def __call__(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [N, D], chosen / weights [N, k] (global expert ids) -> [N, D]."""
+    def __call__(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
+                 alongside: Optional[Callable[[], torch.Tensor]] = None) -> torch.Tensor:
+        """x [N, D], chosen / weights [N, k] (global expert ids) -> [N, D] (+ alongside(), computed
+        while the rows travel to their experts)."""
         ep, n_local, group = self.layout.ep, self.n_local, self.layout.ep_group
         flat = chosen.flatten()
         order, inv = routing_order(flat)  # assignments grouped by global expert = by owner rank
@@ -176,8 +241,8 @@ class ExpertParallelDispatch:
         dist.all_to_all_single(recv_counts, send_counts, group=group)  # [source rank, local expert]
         send_splits, recv_splits = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
         # under autocast the rows travel in its dtype (half an fp32 row's bytes), as the experts read them
-        received = _AllToAll.apply(self.moe.gather_routed(x, order, inv), recv_splits, send_splits,
-                                   group)  # [R, D] by source, then expert
+        received, side = all_to_all_around(self.moe.gather_routed(x, order, inv), recv_splits, send_splits,
+                                           group, alongside)  # [R, D] by source, then expert
         # regroup the received rows by local expert for the grouped expert compute
         local_expert = torch.repeat_interleave(torch.arange(n_local, device=x.device).repeat(ep),
                                                recv_counts.flatten())  # [R]
@@ -185,7 +250,8 @@ class ExpertParallelDispatch:
         out = self.moe.experts(received[perm], recv_counts.sum(0).tolist())  # [R, D]
         out = out[perm.argsort()]  # back to (source, expert) order
         returned = _AllToAll.apply(out, send_splits, recv_splits, group)  # [N*k, D] in `order`
-        return self.moe.combine_routed(returned, order, inv, weights, x.dtype)
+        y = self.moe.combine_routed(returned, order, inv, weights, x.dtype)
+        return y if side is None else y + side
 
 
 def checkpoint_blocks(model: nn.Module, layers: Optional[int] = None) -> int:
