@@ -53,4 +53,6 @@ class TrainerConfig:
     # where the Engram tables live: gpu (parameters of the model) | host (row shards in host memory,
     # prefetched per micro-batch and updated there; trainer/engram_host.py)
     engram_tables: str = "gpu"
-    profile_comm: bool = False  # time expert all-to-alls (CUDA events) and log their share of step time
+    # time expert all-to-alls (CUDA events) and log their share of step time (a2a_share); an exchange
+    # that overlaps the shared expert counts from its start to its wait, so the share is an upper bound
+    profile_comm: bool = False
