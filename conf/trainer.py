@@ -40,6 +40,9 @@ class TrainerConfig:
     compile: bool = False  # torch.compile each block's forward (trainer/parallelize.py compile_blocks)
     context_parallel: int = 1  # CP degree: each sequence cut into this many slices, one per rank
     expert_parallel: int = 1  # EP degree: experts sharded over groups of this many ranks (world = DP x EP)
+    # EP: compute the shared expert while the rows travel to their experts (Megatron's
+    # --moe-shared-expert-overlap); false: after the dispatch, as on one GPU
+    shared_expert_overlap: bool = True
     precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16 | fp64 (numerical checks)
     # FP8 matmuls through torchao (trainer/fp8.py): none | tensorwise | rowwise | blockwise (1x128 / 128x128)
     fp8: str = "none"

@@ -162,10 +162,11 @@ def test_multinode_deepspeed_backend_dry_run(flashtrain, tmp_path):
     assert p.returncode == 2 and "launcher.hostfile" in p.stderr
 
 
-def _ep_dispatch_worker(rank: int, port: int, out_dir: str) -> None:
+def _ep_dispatch_worker(rank: int, port: int, out_dir: str, overlap: bool) -> None:
     """EP = 2 over gloo against the local dispatch of the same MoE with all experts, under bf16
     autocast, the shared expert computed alongside (while the rows travel, in the forward and the
-    backward): same output and gradients; every row exchange carries bf16."""
+    backward; with overlap off, after the dispatch): same output and gradients; every row exchange
+    carries bf16."""
     import os
 
     import torch
@@ -200,7 +201,7 @@ def _ep_dispatch_worker(rank: int, port: int, out_dir: str) -> None:
             dist.all_reduce(grad)
     holder = nn.Module()
     holder.moe = moe
-    parallelize(holder, build_layout(rank, 2, ep=2, n_experts=4))
+    parallelize(holder, build_layout(rank, 2, ep=2, n_experts=4), shared_expert_overlap=overlap)
     sent = []
     exchange = CommTimer.exchange.__func__
 
@@ -216,8 +217,12 @@ def _ep_dispatch_worker(rank: int, port: int, out_dir: str) -> None:
     # forward: the dispatch started, the shared expert, its wait, the return; backward: the return's
     # reverse, the dispatch's reverse started, the shared expert's backward, its wait
     bf16 = torch.bfloat16
-    assert sent == [(bf16, True), "shared", "wait", (bf16, False),
-                    (bf16, False), (bf16, True), "shared backward", "wait"], sent
+    if overlap:
+        assert sent == [(bf16, True), "shared", "wait", (bf16, False),
+                        (bf16, False), (bf16, True), "shared backward", "wait"], sent
+    else:  # every exchange waited for at once, the shared expert after them
+        assert sent == [(bf16, False), (bf16, False), "shared", "shared backward", (bf16, False),
+                        (bf16, False)], sent
 
     def rel(a, b):  # bf16 rounding, summed in other orders and groupings
         return ((a - b).norm() / b.norm()).item()
@@ -233,10 +238,11 @@ def _ep_dispatch_worker(rank: int, port: int, out_dir: str) -> None:
     os._exit(0)
 
 
-def test_expert_parallel_dispatch_sends_autocast_rows_and_matches_local(tmp_path, port_base):
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "after"])
+def test_expert_parallel_dispatch_sends_autocast_rows_and_matches_local(tmp_path, port_base, overlap):
     import torch.multiprocessing as mp
 
-    mp.start_processes(_ep_dispatch_worker, args=(port_base(), str(tmp_path)), nprocs=2, join=True,
+    mp.start_processes(_ep_dispatch_worker, args=(port_base(), str(tmp_path), overlap), nprocs=2, join=True,
                        start_method="spawn")
     assert (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists()
 

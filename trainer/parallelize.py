@@ -225,8 +225,8 @@ def all_to_all_around(x: torch.Tensor, out_splits: list[int], in_splits: list[in
 class ExpertParallelDispatch:
     """Replaces `MoE.dispatch`: tokens travel to the rank that owns their expert and back."""
 
-    def __init__(self, moe: MoE, layout: ParallelLayout):
-        self.moe, self.layout = moe, layout
+    def __init__(self, moe: MoE, layout: ParallelLayout, shared_expert_overlap: bool = True):
+        self.moe, self.layout, self.overlap = moe, layout, shared_expert_overlap
         self.n_local = moe.n_routed // layout.ep
 
     def __call__(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
@@ -242,7 +242,7 @@ class ExpertParallelDispatch:
         send_splits, recv_splits = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
         # under autocast the rows travel in its dtype (half an fp32 row's bytes), as the experts read them
         received, side = all_to_all_around(self.moe.gather_routed(x, order, inv), recv_splits, send_splits,
-                                           group, alongside)  # [R, D] by source, then expert
+                                           group, alongside if self.overlap else None)  # [R, D] by source
         # regroup the received rows by local expert for the grouped expert compute
         local_expert = torch.repeat_interleave(torch.arange(n_local, device=x.device).repeat(ep),
                                                recv_counts.flatten())  # [R]
@@ -251,6 +251,8 @@ class ExpertParallelDispatch:
         out = out[perm.argsort()]  # back to (source, expert) order
         returned = _AllToAll.apply(out, send_splits, recv_splits, group)  # [N*k, D] in `order`
         y = self.moe.combine_routed(returned, order, inv, weights, x.dtype)
+        if alongside is not None and side is None:
+            side = alongside()
         return y if side is None else y + side
 
 
@@ -371,14 +373,16 @@ def _expert_stacks(model: nn.Module):
             yield module
 
 
-def parallelize(model: nn.Module, layout: ParallelLayout) -> set[int]:
-    """Shard experts and install the dispatcher. Returns the ids of the expert parameters."""
+def parallelize(model: nn.Module, layout: ParallelLayout, shared_expert_overlap: bool = True) -> set[int]:
+    """Shard experts and install the dispatcher (`shared_expert_overlap`: the shared expert runs while
+    the rows travel; False: after the dispatch, as on one GPU). Returns the ids of the expert
+    parameters."""
     expert_params: set[int] = set()
     if layout.ep == 1:
         return expert_params
     for module in model.modules():
         if isinstance(module, MoE):
-            module.dispatch = ExpertParallelDispatch(module, layout)
+            module.dispatch = ExpertParallelDispatch(module, layout, shared_expert_overlap)
     for stack in _expert_stacks(model):
         n_local = stack.n_experts // layout.ep
         start = layout.ep_rank * n_local

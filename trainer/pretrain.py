@@ -189,7 +189,7 @@ class Trainer:
         self.flops_per_token = train_flops_per_token(self.model, cfg.data.seq_len)  # before sharding
         self.layout = build_layout(d.rank, d.world_size, tc.expert_parallel, self.model.cfg.n_routed_experts,
                                    tc.context_parallel)
-        self.expert_params = parallelize(self.model, self.layout)
+        self.expert_params = parallelize(self.model, self.layout, tc.shared_expert_overlap)
         # host tables leave the model before the engine moves it to the GPU and the optimiser routes it
         self.engram_host = (HostEngramTables(self.model, cfg.optim, d.rank, d.world_size, d.device,
                                              tc.collective_timeout_s, tc.seed)
