@@ -74,7 +74,7 @@ class SharedExpert(nn.Module):
 def _aligned(w: torch.Tensor) -> torch.Tensor:
     """w, copied if it does not start on a 16-byte boundary, which torch._grouped_mm requires. A weight
     kept in a flat buffer (DeepSpeed's bf16 partitions) starts wherever the parameters before it end, off
-    the boundary when one of those has a size that is no multiple of 8 (as in `tiny`)."""
+    the boundary when one of those has a size that is no multiple of 8 (the mHC scales have 3)."""
     return w if w.data_ptr() % 16 == 0 else w.clone()
 
 
