@@ -178,8 +178,10 @@ class _AllToAllStart(torch.autograd.Function):
     autograd runs what was computed between the two halves while the gradients travel."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group, pending: dict):
-        ctx.splits, ctx.group, ctx.pending = (out_splits, in_splits), group, pending
+    def forward(ctx, x: torch.Tensor, pending: dict):
+        """pending: the exchange's "splits" (out, in) and "group"; its wait goes in as "forward"."""
+        ctx.pending = pending
+        (out_splits, in_splits), group = pending["splits"], pending["group"]
         out = x.new_empty(sum(out_splits), *x.shape[1:])
         pending["forward"] = CommTimer.exchange(out, x.contiguous(), out_splits, in_splits, group,
                                                 async_op=True)
@@ -189,7 +191,7 @@ class _AllToAllStart(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         wait, back = ctx.pending.pop("backward")  # the reverse exchange _AllToAllWait's gradient began
         wait()
-        return back, None, None, None, None
+        return back, None
 
 
 class _AllToAllWait(torch.autograd.Function):
@@ -217,7 +219,7 @@ def all_to_all_around(x: torch.Tensor, out_splits: list[int], in_splits: list[in
     if alongside is None:
         return _AllToAll.apply(x, out_splits, in_splits, group), None
     pending = {"splits": (out_splits, in_splits), "group": group}
-    started = _AllToAllStart.apply(x, out_splits, in_splits, group, pending)
+    started = _AllToAllStart.apply(x, pending)
     side = alongside()
     return _AllToAllWait.apply(started, pending), side
 

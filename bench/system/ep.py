@@ -10,7 +10,7 @@ the real CLI and trainer. Three runs of `--model`, `--steps` steps each:
 Prints one JSON object: each run's tokens/s per GPU, MFU and peak memory, the EP runs' ratio to
 one GPU (issue 56's goal: >= 0.85 at EP=8 within one node) and their all-to-all share of step time
 (CUDA events from each exchange's start to its wait: with the overlap an upper bound on the time
-the exchange is exposed). On a CPU (`--device cpu`, gloo) it is a smoke test of the runs.
+the exchange is exposed). Without a GPU the runs use the CPU over gloo: a smoke test.
 
     python -m bench.system.ep [--ep 8] [--model small] [--steps 20] [--seq-len 4096] [--micro-batch 2]
         [--kernels] [--out FILE]
@@ -47,7 +47,8 @@ def train(name: str, overrides: list[str], nproc: int, log_dir: Path) -> dict:
     if code != 0:
         sys.exit(f"{name}: training failed ({code}), see {log}")
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    steady = [r for r in rows if "tokens_per_s" in r][1:] or [r for r in rows if "tokens_per_s" in r]
+    windows = [r for r in rows if "tokens_per_s" in r]
+    steady = windows[1:] or windows
     mean = lambda key: sum(r[key] for r in steady) / len(steady)  # noqa: E731
     out = {"gpus": nproc, "tokens_per_s_per_gpu": mean("tokens_per_s") / nproc, "mfu": mean("mfu"),
            "first_loss": rows[0]["loss"], "final_loss": steady[-1]["loss"], "windows": len(steady)}

@@ -53,8 +53,8 @@ from trainer.fp8 import apply_fp8, check_fp8
 from trainer.master_weights import Fp32Grads, fp32_parameters
 from trainer.metrics import device_peak_flops
 from trainer.parallelize import (
-    RECOMPUTE_MODULES,
     build_layout,
+    check_recompute_modules,
     checkpoint_blocks,
     compile_blocks,
     recompute_modules,
@@ -201,8 +201,10 @@ def main() -> None:
     if not dtypes or any(d not in ("fp32", "bf16") for d in dtypes):
         raise SystemExit(f"--param-dtypes {args.param_dtypes}: expected fp32 and/or bf16")
     variants = args.recompute.split(",")
-    if unknown := [v for v in variants if v != "none" and v not in RECOMPUTE_MODULES]:
-        raise SystemExit(f"--recompute: unknown {unknown}; expected none or one of {list(RECOMPUTE_MODULES)}")
+    try:
+        check_recompute_modules([v for v in variants if v != "none"])
+    except ConfigError as e:
+        raise SystemExit(f"--recompute: {e}") from None
     for spec, param_dtype, recompute in ((spec, d, v) for spec in args.rows.split(",") for d in dtypes
                                          for v in variants):
         name, seq_len, micro_batch, ac, *rest = spec.split(":")
