@@ -27,7 +27,16 @@ def header(benchmark: str) -> dict[str, Any]:
 
     return {"benchmark": benchmark, "commit": commit(), "date": time.strftime("%Y-%m-%d"),
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU",
-            "versions": {"python": sys.version.split()[0], "torch": torch.__version__}}
+            "versions": {"python": sys.version.split()[0], "torch": torch.__version__, "triton": _triton()}}
+
+
+def _triton() -> Optional[str]:
+    """The Triton version (the kernels' compiler), or None where it is not installed."""
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
 
 
 def emit(result: dict[str, Any], out: Optional[Path]) -> dict[str, Any]:
