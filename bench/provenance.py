@@ -39,6 +39,13 @@ def _triton() -> Optional[str]:
     return triton.__version__
 
 
+def save_partial(result: dict[str, Any], out: Optional[Path]) -> None:
+    """Write the rows measured so far to `out`, marked incomplete: a run cut off by its time limit
+    keeps them, and the final `emit` rewrites the file whole."""
+    if out:
+        out.write_text(json.dumps({**result, "complete": False}, indent=2) + "\n")
+
+
 def emit(result: dict[str, Any], out: Optional[Path]) -> dict[str, Any]:
     """Print the result as indented JSON, and write it to `out` when given; returns it."""
     text = json.dumps(result, indent=2)

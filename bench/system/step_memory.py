@@ -226,6 +226,7 @@ def main() -> None:
         torch.cuda.empty_cache()
         print(json.dumps(row), flush=True)
         result["rows"].append(row)
+        provenance.save_partial(result, args.out)
     provenance.emit(result, args.out)
 
 
