@@ -56,6 +56,10 @@ class TrainerConfig:
     # where the Engram tables live: gpu (parameters of the model) | host (row shards in host memory,
     # prefetched per micro-batch and updated there; trainer/engram_host.py)
     engram_tables: str = "gpu"
+    # with host tables: intra-op (OpenMP) threads of each of the two threads that gather and scatter
+    # their rows (0: auto, what the process's intra-op threads leave after two, halved), so their CPU
+    # ops do not deschedule the threads launching the GPU's kernels (trainer/engram_host.py)
+    engram_host_threads: int = 0
     # time expert all-to-alls (CUDA events) and log their share of step time (a2a_share); an exchange
     # that overlaps the shared expert counts from its start to its wait, so the share is an upper bound
     profile_comm: bool = False

@@ -45,7 +45,8 @@ class Run:
     """The trainer's step with its own optimiser path (reduce, clip, composite step), on a plain
     model: GPU-resident tables (`host=False`) or host tables."""
 
-    def __init__(self, host: bool, rank: int = 0, world: int = 1, steps: int = 4, device: str = "cpu"):
+    def __init__(self, host: bool, rank: int = 0, world: int = 1, steps: int = 4, device: str = "cpu",
+                 threads: int = 0):
         from optim import build_optimizer, lr_multiplier
         from trainer.engram_host import HostEngramTables
         from trainer.parallelize import build_layout
@@ -54,7 +55,8 @@ class Run:
         self.device = torch.device(device)
         self.model = tiny_model().to(self.device)
         self.layout = build_layout(rank, world, 1, self.model.cfg.n_routed_experts)
-        self.host = HostEngramTables(self.model, self.cfg, rank, world, self.device) if host else None
+        self.host = (HostEngramTables(self.model, self.cfg, rank, world, self.device, threads=threads)
+                     if host else None)
         self.opt = build_optimizer(self.model, self.cfg, zero_stage=0, rank=rank, world_size=world)
         self.opt.enable_sparse_table_grads(self.model)
         self.lr = lr_multiplier(self.cfg, steps)
@@ -391,6 +393,61 @@ def test_host_tables_need_the_sinkhorn_route():
 
     with pytest.raises(ConfigError, match="routed to the Sinkhorn optimiser"):
         HostEngramTables(tiny_model(), AdamWConfig())
+
+
+def test_side_threads_run_the_configured_intra_op_threads_and_leave_the_others():
+    """trainer.engram_host_threads: the worker and the writer run a step's fetches and write-backs
+    with that many intra-op threads, while the training thread, and a thread started afterwards (as
+    the autograd engine's device threads, at the first backward), keep the process's count."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    own = torch.get_num_threads()
+    side = own + 2
+    run = Run(host=True, threads=side)
+    try:
+        for step in batches(0, 2):
+            run.step(step)
+        run.host.synchronize()
+        assert run.host.stats["fetches"] > 0 and run.host.stats["writebacks"] > 0
+        assert run.host.side_thread_counts() == {"worker": side, "writer": side}
+        assert torch.get_num_threads() == own
+        with ThreadPoolExecutor(max_workers=1) as later:
+            assert later.submit(torch.get_num_threads).result() == own
+    finally:
+        run.host.close()
+
+
+def test_auto_side_threads_halve_what_two_leave_of_the_process_threads():
+    from trainer.engram_host import side_thread_count
+
+    own = torch.get_num_threads()
+    try:
+        torch.set_num_threads(16)
+        assert side_thread_count(0) == 7 and side_thread_count(5) == 5
+        torch.set_num_threads(2)
+        assert side_thread_count(0) == 1
+    finally:
+        torch.set_num_threads(own)
+
+
+def test_negative_engram_host_threads_is_a_one_line_config_error():
+    from conf.errors import ConfigError
+    from trainer.engram_host import HostEngramTables, check_engram_host_threads
+
+    with pytest.raises(ConfigError, match=r"trainer\.engram_host_threads=-1: expected 0 \(auto\)") as error:
+        check_engram_host_threads(-1)
+    assert "\n" not in str(error.value)
+    with pytest.raises(ConfigError, match=r"trainer\.engram_host_threads=-2"):
+        HostEngramTables(tiny_model(), MuonConfig(), threads=-2)
+
+
+def test_negative_engram_host_threads_through_the_cli_is_one_line(flashtrain, tmp_path):
+    p = flashtrain("pretrain", "model=tiny", "logger=none", "trainer.engram_tables=host",
+                   f"hydra.run.dir={tmp_path / 'run'}", "trainer.engram_host_threads=-1")
+    errors = [ln for ln in p.stderr.splitlines() if ln.startswith("flashtrain: error:")]
+    assert p.returncode == 2 and len(errors) == 1, p.stderr[-2000:]
+    assert "trainer.engram_host_threads=-1" in errors[0] and "Traceback" not in p.stderr
+    assert not (tmp_path / "run" / "config.yaml").exists()  # refused before the run started
 
 
 # ---------------------------------------------------------------------------- the trainer (CLI)

@@ -38,6 +38,10 @@ computes (tests/test_engram_host.py). Per Engram layer:
 All host-table collectives run on the worker thread, in the order the trainer submits them, so
 the ranks always agree on their order. Every wait has a deadline (trainer.collective_timeout_s)
 and a message naming what it waited for.
+
+The worker and the writer run their CPU ops (hashing, unique, index_select, index_copy_) with
+their own intra-op thread count (trainer.engram_host_threads; `side_thread_count`), so their
+OpenMP teams leave cores to the training and autograd threads that launch the GPU's kernels.
 """
 from __future__ import annotations
 
@@ -81,6 +85,34 @@ def check_engram_tables(value: str, context_parallel: int) -> None:
         raise ConfigError("trainer.engram_tables=host with trainer.context_parallel>1 is not supported: a "
                           "context-parallel slice hashes the n-grams across its boundary from the previous "
                           "slice's ids; use engram_tables=gpu or context_parallel=1")
+
+
+def check_engram_host_threads(value: int) -> None:
+    """ConfigError for a `trainer.engram_host_threads` below 0 (0: `side_thread_count` picks)."""
+    if value < 0:
+        raise ConfigError(f"trainer.engram_host_threads={value}: expected 0 (auto) or a positive number of "
+                          "intra-op threads for each of the two host-table threads")
+
+
+def side_thread_count(configured: int) -> int:
+    """Intra-op threads for each of the worker and the writer thread: `configured`, or with 0 what the
+    calling thread's own count leaves after two, halved. Two for the training thread and the
+    autograd engine's device thread: they launch the GPU's kernels, and a launcher descheduled by an
+    OpenMP team as wide as the machine leaves the GPU idle. Halved because the worker's gather and
+    the writer's scatter run at the same time. The calling thread's count is the process's intra-op
+    budget (torch's default of one a core, OMP_NUM_THREADS, trainer.torch_threads; torchrun sets
+    OMP_NUM_THREADS=1 for several processes a node), so the side threads never get more than they
+    would inherit, and several ranks on a node do not each claim all of its cores."""
+    check_engram_host_threads(configured)
+    return configured or max(1, (torch.get_num_threads() - 2) // 2)
+
+
+def _set_thread_intra_op_threads(count: int) -> None:
+    """A side thread's initializer. torch.get_num_threads() first: a thread's first use of the
+    intra-op pool (at::init_num_threads) sets its count to the one last set in the process, which
+    would undo a count set here before it."""
+    torch.get_num_threads()
+    torch.set_num_threads(count)
 
 
 class RowShard:
@@ -235,7 +267,10 @@ class HostEngramTables:
     """Every Engram layer's table of one model, held as host row shards (see the module docstring)."""
 
     def __init__(self, model: nn.Module, optim_cfg: OptimConfig, rank: int = 0, world_size: int = 1,
-                 device: torch.device | str = "cpu", timeout_s: float = 1800.0, seed: int = 0):
+                 device: torch.device | str = "cpu", timeout_s: float = 1800.0, seed: int = 0,
+                 threads: int = 0):
+        # threads: trainer.engram_host_threads, each side thread's intra-op threads (0: auto)
+        self.side_threads = side_thread_count(threads)
         engrams = {e.layer_id: e for e in model.modules() if isinstance(e, Engram)}
         if not engrams:
             raise ConfigError("trainer.engram_tables=host: the model has no Engram layers")
@@ -275,10 +310,19 @@ class HostEngramTables:
                               "gamma": optim_cfg.sinkhorn_gamma, "iters": optim_cfg.sinkhorn_iters,
                               "tau": optim_cfg.sinkhorn_tau, "weight_decay": self.route.weight_decay}
         self.base_lr = optim_cfg.lr * self.route.lr_mult
+        own_threads = torch.get_num_threads()
+        side_init = {"initializer": _set_thread_intra_op_threads, "initargs": (self.side_threads,)}
         # fetches (and, at W ranks, the exchanges and updates) in submission order
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engram-host")
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engram-host", **side_init)
         # one rank: updated rows into the shards, in update order
-        self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engram-host-write")
+        self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engram-host-write", **side_init)
+        # torch.set_num_threads sets the calling thread's OpenMP team size and also the count every
+        # thread started later takes (at::init_num_threads, run when a thread first uses the intra-op
+        # pool, and by the autograd engine's device threads, started at the first backward). So both
+        # side threads start here, and this thread then puts that count back to its own.
+        for pool in (self.worker, self.writer):
+            pool.submit(lambda: None).result()
+        torch.set_num_threads(own_threads)
         cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if cuda else None  # host -> device
         self.d2h_stream = torch.cuda.Stream(self.device) if cuda else None  # updated rows -> host
@@ -301,6 +345,11 @@ class HostEngramTables:
     @property
     def host_bytes(self) -> int:
         return sum(s.nbytes for s in self.shards.values())
+
+    def side_thread_counts(self) -> dict[str, int]:
+        """The intra-op threads the worker and the writer thread run with, as each reports it."""
+        return {name: self._wait(pool.submit(torch.get_num_threads), f"the {name} thread")
+                for name, pool in (("worker", self.worker), ("writer", self.writer))}
 
     def _count(self, **values: float) -> None:
         with self._stats_lock:  # three threads count

@@ -32,7 +32,7 @@ from trainer.checkpoint import CheckpointManager
 from trainer.context_parallel import slice_batch
 from trainer.distributed import DistInfo, all_reduce_sum_, init_distributed
 from trainer.engine import build_engine, check_trainer_counts, resolve_precision
-from trainer.engram_host import HostEngramTables, check_engram_tables
+from trainer.engram_host import HostEngramTables, check_engram_host_threads, check_engram_tables
 from trainer.fp8 import apply_fp8, check_fp8
 from trainer.init_weights import checkpoint_attachments, existing_init_source, load_init_weights
 from trainer.master_weights import (
@@ -144,6 +144,7 @@ class Trainer:
             raise ConfigError(f"trainer.max_steps={tc.max_steps}: must be positive")
         check_trainer_counts(tc)  # before the data and the model are built
         check_grad_accum_dtype(tc.grad_accum_dtype, tc.zero_stage)
+        check_engram_host_threads(tc.engram_host_threads)
         if start_from is None:
             start_from, init_setting = cfg.model.init_from, "model.init_from"
         if start_from is not None:
@@ -192,7 +193,7 @@ class Trainer:
         self.expert_params = parallelize(self.model, self.layout, tc.shared_expert_overlap)
         # host tables leave the model before the engine moves it to the GPU and the optimiser routes it
         self.engram_host = (HostEngramTables(self.model, cfg.optim, d.rank, d.world_size, d.device,
-                                             tc.collective_timeout_s, tc.seed)
+                                             tc.collective_timeout_s, tc.seed, tc.engram_host_threads)
                             if tc.engram_tables == "host" else None)
         checkpointed = (checkpoint_blocks(self.model, tc.checkpointed_layers) if tc.activation_checkpointing
                         else 0)
