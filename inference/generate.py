@@ -217,6 +217,36 @@ class _Rows:
         self.post(logits, rows)
 
 
+class DecodeEngines:
+    """generate()'s decode state, kept across calls by a caller that generates again and again with
+    one model (a rollout worker, every policy version): per setting (slots, packed cache, max new
+    tokens, temperature, top-p, graphs), the slot cache, the sampling rows and the decode step with
+    the CUDA graphs it captured. A call whose setting an earlier call had reuses them, so its steps
+    replay those graphs instead of running each shape eagerly and capturing it again. The graphs read
+    the weights where they are: load new weights in place (`load_state_dict`), never by replacing
+    the parameters. What a setting keeps (its cache pages, rows and graph pool) stays allocated
+    until this object goes. A call that raised may leave slots taken: the next call's inserts take
+    them over whole (`SlotCache.insert` resets a slot's state, and its pages go back at release)."""
+
+    def __init__(self, model: Transformer):
+        self.model = model
+        self._kept: dict[tuple, tuple[SlotCache, _Rows, DecodeStep]] = {}
+
+    def take(self, slots: int, packed: bool, max_new_tokens: int, temperature: float, top_p: float,
+             graphs: Optional[bool]) -> tuple[SlotCache, _Rows, DecodeStep]:
+        key = (slots, packed, max(max_new_tokens, 1), temperature, top_p, graphs)
+        if key not in self._kept:
+            device = next(self.model.parameters()).device
+            cache = SlotCache(self.model, slots, packed)
+            rows = _Rows(slots, max_new_tokens, temperature, top_p, device)
+            step = DecodeStep(self.model, cache, rows.feed, rows.post, graphs=graphs)
+            self._kept[key] = (cache, rows, step)
+        return self._kept[key]
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+
 def _cut(tokens: list[int], stop: Optional[set[int]]) -> tuple[int, bool]:
     """How many of tokens a generation keeps: up to and including the first stop token."""
     if stop:
@@ -232,7 +262,8 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
              policy_version: int = 0, packed: bool = True, replay: Optional[int] = 128,
              prefix_cache: Optional[PrefixCache] = None, max_batch: int = 64,
              vision: Optional[list[Optional[tuple[list[int], ImageBatch]]]] = None,
-             graphs: Optional[bool] = None, check_every: int = 16) -> list[Generation]:
+             graphs: Optional[bool] = None, check_every: int = 16,
+             engines: Optional[DecodeEngines] = None) -> list[Generation]:
     """Continuous batching: up to `max_batch` sequences decode together, one token each per
     forward (inference/slots.py); a finished sequence frees its slot for the next waiting prompt,
     which is prefilled on its own first. Prompt i draws from its own counter-based stream (seeded
@@ -247,6 +278,7 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
     token-layer passes).
     `graphs`: replay each decode step from a CUDA graph (inference/graphs.py); None: on for a CUDA
     model, False runs every step eagerly (the reference the graphs are tested against).
+    `engines`: decode state kept across calls with this model (`DecodeEngines`); None: the call's own.
 
     Sampled tokens stay on the device. The host reads them when a sequence reaches
     max_new_tokens (it knows when without looking) and, when `stop` is given, every `check_every`
@@ -262,9 +294,11 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
     out = [Generation(policy_version=policy_version) for _ in prompts]
     seeds = prompt_seeds(seed, len(prompts))
     n_slots = min(max_batch, max(len(prompts), 1))
-    slots = SlotCache(model, n_slots, packed)
-    rows = _Rows(n_slots, max_new_tokens, temperature, top_p, device)
-    step = DecodeStep(model, slots, rows.feed, rows.post, graphs=graphs)
+    if engines is None:
+        engines = DecodeEngines(model)
+    elif engines.model is not model:
+        raise ValueError("generate: `engines` holds another model's decode state")
+    slots, rows, step = engines.take(n_slots, packed, max_new_tokens, temperature, top_p, graphs)
     if stop and prefix_cache is not None:
         check_every = 1
     free = list(range(n_slots))[::-1]

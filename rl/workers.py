@@ -47,6 +47,9 @@ class RolloutWorker:
             place_for_rollout([self.model, self.drafter], cfg.trainer, torch.device("cuda"))
         self.version: Optional[int] = None  # no weights yet
         self.seed, self.calls = seed, 0
+        # decode state kept across versions (set_weights loads in place): later calls replay the
+        # CUDA graphs the first ones captured
+        self.engines = None
 
     def set_weights(self, weights: tuple[int, dict[str, torch.Tensor]]) -> int:
         """(version, state dict) as PolicyTrainer.weights returns it."""
@@ -57,7 +60,7 @@ class RolloutWorker:
 
     def generate(self, prompts: list[dict], greedy: bool = False) -> dict[str, Any]:
         """prompts -> {"samples": group_size samples per prompt (1 when greedy), "gen_s": seconds}."""
-        from inference.generate import generate
+        from inference.generate import DecodeEngines, generate
 
         if self.version is None:  # a restarted actor: the coordinator re-queues and sends weights
             return {"no_weights": True, "samples": [], "gen_s": 0.0}
@@ -78,7 +81,9 @@ class RolloutWorker:
             gens = generate_speculative(self.model, self.drafter, prompt_ids, self.rl.max_new_tokens,
                                         **kwargs)
         else:
-            gens = generate(self.model, prompt_ids, self.rl.max_new_tokens, **kwargs)
+            if self.engines is None:
+                self.engines = DecodeEngines(self.model)
+            gens = generate(self.model, prompt_ids, self.rl.max_new_tokens, engines=self.engines, **kwargs)
         samples = [{"id": p["id"], "effort": p["effort"], "prompt": p["ids"], "response": g.tokens,
                     "behaviour": g.logprobs, "version": g.policy_version, "finish": g.finish}
                    for p, g in zip(flat, gens)]

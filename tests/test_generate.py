@@ -307,6 +307,50 @@ def test_continuous_batching_gives_each_prompt_what_it_gets_alone(model):
         generate(model, prompts, max_new_tokens=1, max_batch=0)
 
 
+def test_decode_state_kept_across_calls_gives_what_fresh_calls_give(model):
+    """DecodeEngines (a rollout worker's, across policy versions): calls with one setting reuse one
+    slot cache, sampling rows and decode step, and each gives what a call with its own state gives,
+    also after a call that raised mid-decode left slots taken; another setting gets its own."""
+    from inference.generate import DecodeEngines
+
+    kw = dict(max_new_tokens=9, temperature=1.0, max_batch=3, packed=model.packed_cache)
+    calls = [[_ids(n, seed=40 + n + 7 * c)[0].tolist() for n in (5, 19, 3, 27)] for c in range(2)]
+    engines = DecodeEngines(model)
+    for c, prompts in enumerate(calls):
+        kept = generate(model, prompts, seed=c, engines=engines, **kw)
+        fresh = generate(model, prompts, seed=c, **kw)
+        assert [g.tokens for g in kept] == [g.tokens for g in fresh]
+        for a, b in zip(kept, fresh):
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-9)
+    assert len(engines) == 1
+    ((slots, _, step),) = engines._kept.values()
+    assert step.counts["eager"] >= 2 * 8  # one step object ran every call's decode steps
+
+    class Stop(Exception):
+        pass
+
+    def failing(busy, steps=[0]):  # noqa: B006 - counts this stand-in's calls
+        steps[0] += 1
+        if steps[0] == 3:
+            raise Stop
+        return step(busy)
+
+    key = next(iter(engines._kept))
+    engines._kept[key] = (slots, engines._kept[key][1], failing)
+    with pytest.raises(Stop):
+        generate(model, calls[1], seed=5, engines=engines, **kw)
+    assert any(slots.lengths)  # the raised call left its slots taken: the next call takes them over
+    engines._kept[key] = (slots, engines._kept[key][1], step)
+    after = generate(model, calls[0], seed=5, engines=engines, **kw)
+    assert [g.tokens for g in after] == [g.tokens for g in generate(model, calls[0], seed=5, **kw)]
+
+    generate(model, calls[0], seed=0, engines=engines, **{**kw, "temperature": 0.0})
+    assert len(engines) == 2
+    other = Transformer(CFG).double().eval()
+    with pytest.raises(ValueError, match="another model"):
+        generate(other, calls[0], engines=engines, **kw)
+
+
 def test_a_repeated_prompt_is_prefilled_once(model, monkeypatch):
     """An RL group's samples of one prompt: the prompt's copies share one prefill (a copy that waits
     for a slot takes the kept one) and sample exactly what copies prefilled one by one do, each from
@@ -508,3 +552,27 @@ def test_cuda_graph_decode_equals_eager_on_gpu():
         runs[graphs] = (state.tokens[:3].tolist(), step.counts, step.failed)
     assert runs[True][0] == runs[False][0]
     assert not runs[True][2] and runs[True][1]["replayed"] > 40, runs[True][1:]
+
+
+@pytest.mark.gpu
+def test_decode_state_kept_across_calls_replays_the_earlier_calls_graphs_on_gpu():
+    """A second call with kept decode state (DecodeEngines) replays the graphs the first captured:
+    no step runs eagerly or is captured again, and the tokens equal a fresh call's."""
+    from inference.generate import DecodeEngines
+    from model.ops import OPS, KernelPolicy
+
+    torch.manual_seed(0)
+    cfg = dataclasses.replace(CFG, window=32, index_topk=16, pool_block=4, pool_blocks=4)
+    with torch.device("cuda"):
+        model = KernelPolicy(OPS).apply(Transformer(cfg)).to(torch.bfloat16).eval()
+    prompts = [_ids(n, seed=50 + n)[0].tolist() for n in (5, 70, 33, 9)]
+    kw = dict(max_new_tokens=24, temperature=0.0, max_batch=4, graphs=True)
+    engines = DecodeEngines(model)
+    generate(model, prompts, engines=engines, **kw)
+    generate(model, prompts, engines=engines, **kw)  # every shape seen is captured here
+    ((_, _, step),) = engines._kept.values()
+    before = dict(step.counts)
+    kept = generate(model, prompts, engines=engines, **kw)
+    assert step.counts["eager"] == before["eager"] and step.counts["captured"] == before["captured"]
+    assert step.counts["replayed"] > before["replayed"], (before, step.counts)
+    assert [g.tokens for g in kept] == [g.tokens for g in generate(model, prompts, **kw)]
