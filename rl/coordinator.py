@@ -109,6 +109,8 @@ class Coordinator:
         self.flat = FlatRewardWatch(self.rl.flat_reward_warn_steps)
         self.samples_trained, self.train_s, self.wall_start = 0, 0.0, time.perf_counter()
         self.samples_at_wall_start = 0  # a resumed run's rate counts only this process's samples
+        # seconds inside rollout workers' generate calls and the tokens they drew: generation's own rate
+        self.gen_s, self.gen_tokens = 0.0, 0
         self.weights_ref = None
         self.busy_rollout: set[int] = set()
         self.next_reward = 0
@@ -252,6 +254,8 @@ class Coordinator:
             return None
         if call.kind == "gen":
             self.busy_rollout.discard(call.actor)
+            self.gen_s += result["gen_s"]
+            self.gen_tokens += sum(len(s["response"]) for s in result["samples"])
             samples = [s for s in result["samples"] if self.admitted.get(s["id"]) == "gen"]
             if samples:
                 ids = sorted({s["id"] for s in samples})
@@ -295,6 +299,8 @@ class Coordinator:
                                "samples": self.samples_trained, "elapsed_s": wall,
                                "samples_per_s": (self.samples_trained - self.samples_at_wall_start) / wall,
                                "trainer_idle_frac": max(0.0, 1 - self.train_s / wall),
+                               # tokens drawn per second of one worker's generate calls, prefills included
+                               "rollout_tokens_per_s": self.gen_tokens / self.gen_s if self.gen_s else 0.0,
                                "stale_samples": sum(s["stale_samples"] for s in stats),
                                "stale_tokens": sum(s["stale_tokens"] for s in stats),
                                "version_lag_mean": (sum(self.version - 1 - s["version"] for s in samples)
@@ -358,6 +364,7 @@ class Coordinator:
             self.log(first)
             last.update(first)
         self.wall_start, self.samples_at_wall_start = time.perf_counter(), self.samples_trained
+        self.gen_s, self.gen_tokens = 0.0, 0  # from the same start as samples_per_s
         while self.version < rl.steps:
             self._dispatch_rollouts()
             self._dispatch_training()

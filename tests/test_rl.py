@@ -100,6 +100,7 @@ def test_killed_actors_restart_and_no_prompt_is_lost_or_trained_twice(rl_setup, 
         worker.join(timeout=600)
         assert not worker.is_alive()
         assert result["duplicates"] == 0 and coord.restarts["rollout"] + coord.restarts["reward"] >= 1
+        assert rows and all(r["rollout_tokens_per_s"] > 0 for r in rows if "loss" in r)
         trained, admitted = coord.trained, set(coord.admitted)
         assert len(trained) == cfg.rl.steps * cfg.rl.prompts_per_step
         assert not trained & admitted and trained | admitted == set(range(coord.cursor))  # nothing lost

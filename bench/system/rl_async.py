@@ -31,8 +31,9 @@ from pathlib import Path
 
 from bench import provenance
 
-CURVE_KEYS = ("step", "elapsed_s", "samples_per_s", "trainer_idle_frac", "version_lag_mean", "stale_samples",
-              "stale_tokens", "task_reward", "reward", "loss", "behaviour_kl")
+CURVE_KEYS = ("step", "elapsed_s", "samples_per_s", "trainer_idle_frac", "rollout_tokens_per_s",
+              "version_lag_mean", "stale_samples", "stale_tokens", "task_reward", "reward", "loss",
+              "behaviour_kl")
 
 
 def _typed(overrides: list[str]):
@@ -60,6 +61,7 @@ def _run(overrides: list[str], run_dir: Path) -> dict:
     steps = [r for r in rows if "loss" in r]
     last = steps[-1]
     return {"samples_per_s": last["samples_per_s"], "trainer_idle_frac": last["trainer_idle_frac"],
+            "rollout_tokens_per_s": last["rollout_tokens_per_s"],
             "version_lag_mean": sum(r["version_lag_mean"] for r in steps) / len(steps),
             "stale_samples": sum(r["stale_samples"] for r in steps),
             "task_reward_first": steps[0]["task_reward"], "task_reward_last": last["task_reward"],
