@@ -29,16 +29,21 @@ GPUS = {
 
 @dataclass(frozen=True)
 class ActivationRates:
-    """Bytes a trained token keeps alive per layer, per unit of model width (dim), kernels on and
-    bf16 autocast, fitted to measured peaks of `small` (bench/reports/2026-12-06-planner.md):
-    without checkpointing, the slope of the peak over micro-batches 2-8 of 4K tokens; with each
-    block checkpointed, the least-squares rate over 64K- and 128K-token sequences."""
-    full: float = 122.3
-    checkpointed: float = 22.1
-    # the optimizer step's own peak over the kept state, in multiples of the largest parameter's
-    # fp32 bytes (Muon's Newton-Schulz and Sinkhorn's scaling work on whole matrices): 4.0 measured
-    # at flash's width, 4.2 at small's, with the trainer's sparse Engram gradients
-    optimizer_workspace: float = 4.2
+    """Bytes a trained token keeps alive for the backward per layer, per unit of model width (dim),
+    kernels on and bf16 autocast, besides the terms computed from shapes (trainer/plan.py
+    activation_bytes: the routed experts' weight copies and the LM head's loss), and the optimizer
+    step's workspace. Fitted together to every measured step of bench/results/system/step-memory-*.json
+    (`small` and flash-width slices; bench/reports/2026-12-07-planner-memory-refit.md): each row's peak
+    phase from the constants, then least squares of the workspace over the rows that peak in the
+    optimizer step and of the two rates over those that peak at the end of a forward, until the
+    phases no longer change."""
+    full: float = 122.6  # a block run whole
+    checkpointed: float = 21.9  # a block checkpointed whole: its input, and its share of the recomputation
+    # the optimizer step's own peak over the kept state, in multiples of the largest non-table
+    # parameter's fp32 bytes (the vocabulary-sized embedding or head: Sinkhorn's balancing holds the
+    # update, its squares and two scaled copies of the whole matrix; Muon's stacked batches are
+    # bounded below that)
+    optimizer_workspace: float = 4.05
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,12 @@ class StepRates:
     compute_efficiency: float = 0.43
     layer_overhead_s: float = 0.0079
     optimizer_s_per_element: float = 0.086e-9
+    # trainer.recompute_modules=[moe_act]: the bytes it does not keep (the experts' bf16 weight copies
+    # and the SwiGLU output) are made again in the backward at this rate: measured at flash-L2 (8,192
+    # tokens a micro-step, 4 micro-steps, H100), 1.076 GB a block and micro-step for 2.08 ms more
+    # (bench/reports/2026-12-07-moe-act-recompute.md); a cast, a stacking copy and an elementwise
+    # pass read and write each such byte several times, hence well under the card's bandwidth
+    moe_act_bytes_per_s: float = 5.17e11
     # with every block checkpointed the forward runs twice: 4/3 of the FLOPs and of the layer cost
     recompute: float = 4 / 3
 
@@ -82,6 +93,12 @@ class PlanOptions:
     checkpointing: list[str] = field(default_factory=lambda: ["none", "fewest", "full"])
     # gpu | host (trainer.engram_tables): both by default, as the trainer runs both
     engram_tables: list[str] = field(default_factory=lambda: ["gpu", "host"])
+    # trainer.recompute_modules settings: none, or moe_act (the routed experts' weight copies and SwiGLU
+    # re-made in the backward of the blocks not checkpointed whole, as Megatron's --recompute-modules)
+    recompute_modules: list[str] = field(default_factory=lambda: ["none", "moe_act"])
+    # data.image_text_ratio > 0: the vision tower trains, with gradients and optimizer state (a text-only
+    # run gives it none but at ZeRO-2); its activations for the images are not modelled
+    images: bool = False
     top: int = 12  # rows of the table (feasible first)
     json: bool = False  # one JSON object instead of the table
 

@@ -11,7 +11,9 @@ The trainer has two ways of holding a model (trainer/engine.py, optim/__init__.p
                    hold the same experts. trainer.param_dtype=bf16 (Layout.param_dtype) stores each
                    parameter that more than one rank holds in bf16 (but those the model needs in
                    fp32: trainer/master_weights.py) and its fp32 master on its owner alone.
-                   Engram tables take sparse row gradients. With
+                   Engram tables take sparse row gradients. A text-only run (data.image_text_ratio
+                   = 0) gives the vision tower no gradient, so it holds no gradients or optimizer
+                   state for it but at ZeRO-2, whose backward reducer stands zeros in for them. With
                    trainer.engram_tables=host (Layout.engram_host) the tables and their momentum
                    are fp32 row shards in host memory (8 bytes a parameter over the world, off
                    the GPU); the GPU holds a step's fetched rows, their gradients and momentum.
@@ -56,6 +58,10 @@ class Layout:
     engram_host: bool = False  # trainer.engram_tables=host: the tables are row shards in host memory
     grad_accum_dtype: str = "fp32"  # trainer.grad_accum_dtype: bf16 halves the gradients at zero_stage=2
     param_dtype: str = "fp32"  # trainer.param_dtype: bf16 weights and owner-sharded fp32 masters
+    # trainer.recompute_modules=[moe_act]: the blocks not checkpointed whole re-make their routed
+    # experts' weight copies and SwiGLU in the backward instead of keeping them
+    moe_act: bool = False
+    images: bool = False  # data.image_text_ratio > 0: the vision tower trains (gradients, optimizer state)
 
     @property
     def grad_bytes(self) -> int:
@@ -97,6 +103,10 @@ class ModelFacts:
     cfg: object  # the model config
     layer_plan: object  # the model's per-layer attention plan
     fp32_names: frozenset = frozenset()  # routes kept fp32 under trainer.param_dtype=bf16
+    vision: frozenset = frozenset()  # routes of the vision tower: no gradient from a text-only step
+    # per block, in order: the routed experts' (gate and up, down) parameters; (0, 0) for a dense block
+    expert_weights: tuple = ()
+    head: str = ""  # the LM head's route (its [vocab, dim] weight)
 
     @classmethod
     def of(cls, model: nn.Module, optim: OptimConfig) -> ModelFacts:
@@ -106,9 +116,16 @@ class ModelFacts:
         cfg = model.cfg
         names = {r.name: kinds.get(id(r.param), "dense") for r in routes}
         keep = fp32_parameters(model)
+        tower = getattr(model, "visual", None)
+        tower = {id(p) for p in tower.parameters()} if tower is not None else set()
+        experts = [[m for m in block.modules() if isinstance(m, RoutedExperts)] for block in model.layers]
         return cls(routes, names, engram_rows_per_token(model), max(tables, default=0), cfg.dim, cfg.n_layers,
                    cfg.n_activated_experts, active_matmul_params(model), cfg, model.plan,
-                   frozenset(r.name for r in routes if id(r.param) in keep))
+                   frozenset(r.name for r in routes if id(r.param) in keep),
+                   frozenset(r.name for r in routes if id(r.param) in tower),
+                   tuple((sum(e.w1.numel() + e.w3.numel() for e in block), sum(e.w2.numel() for e in block))
+                         for block in experts),
+                   next(r.name for r in routes if r.param is model.head.weight))
 
     def flops_per_token(self, seq_len: int) -> float:
         """Model FLOPs of a trained token (model/accounting.py train_flops_per_token)."""
@@ -134,6 +151,20 @@ class ModelFacts:
     def of_kind(self, kind: str) -> int:
         return sum(r.param.numel() for r in self.routes if self.kinds[r.name] == kind)
 
+    def trained(self, name: str, layout: Layout) -> bool:
+        """Whether the parameter gets a gradient (and so optimizer state): all but the vision tower's in
+        a text-only run, where ZeRO-2's backward reducer still hands its owners zeros for them
+        (trainer/backward_reduce.py)."""
+        return name not in self.vision or layout.images or layout.zero_stage == 2
+
+    def head_numel(self) -> int:
+        return next(r.param.numel() for r in self.routes if r.name == self.head)
+
+    def routed_low_precision(self, layout: Layout) -> bool:
+        """The expert shards are stored in bf16 (`low_precision`: more than one rank holds each)."""
+        name = next((r.name for r in self.routes if self.kinds[r.name] == "routed"), None)
+        return name is not None and self.low_precision(name, layout)
+
 
 def state_bytes(facts: ModelFacts, layout: Layout, accumulation: int = 1) -> dict[str, int]:
     """Bytes of weights, gradients and optimizer state on the rank that holds the most:
@@ -146,7 +177,8 @@ def state_bytes(facts: ModelFacts, layout: Layout, accumulation: int = 1) -> dic
                           "parallelism: the composite optimizer shards whole parameters (0, 1 or 2)")
     local = {r.name: facts.local(r.name, r.param.numel(), layout.ep) for r in facts.routes
              if not (layout.engram_host and facts.kinds[r.name] == "engram")}
-    held = {name: n for name, n in local.items() if facts.kinds[name] != "engram"}  # dense gradients
+    held = {name: n for name, n in local.items()  # dense gradients
+            if facts.kinds[name] != "engram" and facts.trained(name, layout)}
     if layout.zero_stage == 2:
         # each gradient on its owner alone, plus one bucket in flight: autograd's fp32 gradients and
         # their flat copy in the reduced dtype (trainer/backward_reduce.py)
@@ -166,8 +198,9 @@ def state_bytes(facts: ModelFacts, layout: Layout, accumulation: int = 1) -> dic
         return {"parameters": weights, "gradients": dense_grad_bytes,
                 "optimizer": _composite_state_bytes(facts, local, layout),
                 "engram rows in flight": step_lookups * (5 * facts.table_dim * FP32 + 8)}
-    # sparse row gradients of the Engram tables: each read row's values (fp32) and its int64 index
-    sparse = lookups * (facts.table_dim * FP32 + 8)
+    # sparse row gradients of the Engram tables: each read row's values (fp32) and its int64 index, for
+    # every micro-step of the step (autograd appends each backward's rows; the optimizer coalesces them)
+    sparse = lookups * accumulation * (facts.table_dim * FP32 + 8)
     return {"parameters": weights, "gradients": dense_grad_bytes + sparse,
             "optimizer": _composite_state_bytes(facts, local, layout)}
 
@@ -184,8 +217,10 @@ def _composite_state_bytes(facts: ModelFacts, local: dict[str, int], layout: Lay
     ZeRO-1 and 2: dense parameters are owned across all ranks, an expert shard (EP > 1) across the ranks
     that hold the same experts (world / EP of them; rank r is member r // EP of its group)."""
     routes = [r for r in facts.routes if r.name in local]  # host tables keep their state off the GPU
-    state = {r.name: (STATE_BYTES[r.optimizer] + (FP32 if facts.low_precision(r.name, layout) else 0))
-             * local[r.name] for r in routes}
+    # a parameter without gradients gets no momentum (optimizers create it at the first step), but
+    # its master exists from the start
+    state = {r.name: ((STATE_BYTES[r.optimizer] if facts.trained(r.name, layout) else 0)
+                      + (FP32 if facts.low_precision(r.name, layout) else 0)) * local[r.name] for r in routes}
     if layout.zero_stage == 0:
         return sum(state.values())
     return _largest_owned(facts, state, layout)
@@ -231,11 +266,51 @@ def optimizer_workspace_elements(facts: ModelFacts, ep: int) -> int:
 
 
 def activation_bytes(facts: ModelFacts, layout: Layout, checkpointed: int, rates: ActivationRates) -> int:
-    """What a micro-step keeps for its backward with `checkpointed` of the blocks checkpointed: per
-    token, layer and unit of width, the measured rate of a checkpointed block for those and of a
-    whole one for the rest (between the two measured ends, a block's share is assumed to be its own)."""
+    """What a micro-step holds at the end of its forward, its peak, with `checkpointed` of the blocks
+    (the first ones) checkpointed whole: the tensors each block saves for its backward, per token, layer
+    and unit of width at the measured rate of a checkpointed block for those and of a whole one for the
+    rest; the routed experts' weight copies of the whole blocks (`expert_weight_copies`, a constant per
+    block); and the LM head's loss (`head_loss_bytes`). trainer.recompute_modules=[moe_act] keeps
+    neither the copies nor the SwiGLU output in the whole blocks (trainer/parallelize.py)."""
+    tokens = layout.tokens_per_rank
     per = rates.checkpointed * checkpointed + rates.full * (facts.n_layers - checkpointed)
-    return int(per * facts.dim * layout.tokens_per_rank)
+    kept = int(per * facts.dim * tokens)
+    if layout.moe_act:  # the SwiGLU outputs are part of a whole block's rate
+        kept -= swiglu_bytes(facts, layout, checkpointed)
+    else:
+        kept += expert_weight_copies(facts, layout, checkpointed)
+    return kept + head_loss_bytes(facts, layout)
+
+
+def expert_weight_copies(facts: ModelFacts, layout: Layout, checkpointed: int) -> int:
+    """The bf16 copies of the routed experts' weights that the blocks after the first `checkpointed`
+    keep for their backward, whatever the tokens (model/moe.py RoutedExperts.forward_grouped): gate and
+    up cast and stacked for one grouped GEMM, and down cast; bf16 weights (trainer.param_dtype=bf16)
+    are used as they are but for the stacked gate and up. The rank's expert shards (1 / EP of them)."""
+    low = facts.routed_low_precision(layout)
+    return sum(BF16 * (gate_up + (0 if low else down))
+               for gate_up, down in facts.expert_weights[checkpointed:]) // layout.ep
+
+
+def swiglu_bytes(facts: ModelFacts, layout: Layout, checkpointed: int) -> int:
+    """The SwiGLU outputs the MoE blocks after the first `checkpointed` keep for the down GEMM: one bf16
+    row of the expert width per routed copy of a token."""
+    blocks = sum(1 for gate_up, _ in facts.expert_weights[checkpointed:] if gate_up)
+    return blocks * layout.tokens_per_rank * facts.n_activated_experts * facts.cfg.moe_inter_dim * BF16
+
+
+def head_loss_bytes(facts: ModelFacts, layout: Layout) -> int:
+    """The fused LM head and loss at the end of the forward (model/kernels/cross_entropy.py, kernels on):
+    the head weight's bf16 copy (none where the weight is bf16), its fp32 gradient, which the forward
+    computes and keeps for the backward, and the next chunk's sum beside it (the weight-gradient GEMM
+    writes a new tensor); and two [chunk, vocab] bf16 buffers (model.loss_chunk_tokens, or the rank's
+    tokens): a chunk's logits, overwritten in place with their gradient, and one more of that size,
+    which the measured peaks hold at both widths whatever the tokens."""
+    head = facts.head_numel()
+    vocab = head // facts.dim
+    chunk = min(facts.cfg.loss_chunk_tokens or layout.tokens_per_rank, layout.tokens_per_rank)
+    copy = 0 if facts.low_precision(facts.head, layout) else BF16
+    return (copy + 2 * FP32) * head + 2 * BF16 * vocab * chunk
 
 
 def dispatch_bytes(facts: ModelFacts, layout: Layout) -> int:
@@ -265,12 +340,13 @@ def step_time(facts: ModelFacts, layout: Layout, checkpointed: int, accumulation
               gpus_per_node: int, rates: StepRates) -> dict[str, float]:
     """Seconds of one optimizer step on a rank, by part, none overlapped (an upper bound where the
     trainer overlaps): the model's FLOPs at the measured fraction of the peak, the per-layer rest,
-    the EP all-to-all, the gradient reduction (dense and expert gradients in a ring, the Engram
-    tables' sparse rows gathered from every rank), the optimizer's update and, at ZeRO-1, the
-    owners' broadcast of the new weights, and host traffic: with host Engram tables, every lookup's
-    row copied to the GPU and its gradient back over PCIe (an upper bound: repeated rows travel once),
-    and the rows and gradients exchanged with their owners over the network; the owners' Sinkhorn
-    update runs on the host CPU behind the step and is not counted."""
+    moe_act's recomputed weight copies and SwiGLU, the EP all-to-all, the gradient reduction (dense
+    and expert gradients in a ring, the Engram tables' sparse rows gathered from every rank), the
+    optimizer's update and, at ZeRO-1, the owners' broadcast of the new weights, and host traffic:
+    with host Engram tables, every lookup's row copied to the GPU and its gradient back over PCIe (an
+    upper bound: repeated rows travel once), and the rows and gradients exchanged with their owners
+    over the network; the owners' Sinkhorn update runs on the host CPU behind the step and is not
+    counted."""
     tokens = layout.tokens_per_rank * accumulation
     # each checkpointed block runs its forward twice
     again = 1.0 + (rates.recompute - 1.0) * checkpointed / facts.n_layers
@@ -278,6 +354,11 @@ def step_time(facts: ModelFacts, layout: Layout, checkpointed: int, accumulation
     flops = tokens * facts.flops_per_token(layout.seq_len) * again
     parts = {"compute": flops / (peak * rates.compute_efficiency),
              "layers": accumulation * facts.n_layers * rates.layer_overhead_s * again}
+    # trainer.recompute_modules=[moe_act]: each whole block's backward makes its experts' weight copies
+    # and SwiGLU outputs again, the bytes it did not keep, at the rate measured for them
+    remade = (expert_weight_copies(facts, layout, checkpointed) + swiglu_bytes(facts, layout, checkpointed)
+              if layout.moe_act else 0)
+    parts["moe_act recompute"] = accumulation * remade / rates.moe_act_bytes_per_s
     ep, world = layout.ep, layout.world
     # each routed copy of a token goes out and its result comes back, in the forward and again in
     # the backward, bf16; (ep - 1) / ep of it leaves the rank
@@ -324,17 +405,21 @@ def step_time(facts: ModelFacts, layout: Layout, checkpointed: int, accumulation
 
 @dataclass
 class RankPlan:
-    """One layout and what its fullest rank holds (bytes)."""
+    """One layout and what its fullest rank holds (bytes): each part at its largest, and the peak, the
+    sum of those it holds at once."""
     layout: Layout
     checkpointed: int  # blocks with activation checkpointing (the first ones)
     parts: dict[str, int]
     engram_table_bytes: int
     capacity: int
     host_bytes: int = 0  # this rank's Engram row shards in host memory (not counted against capacity)
+    peak: str = "forward"  # when the peak comes: the end of a forward, or the optimizer step
+    # parts not held at the peak: the gradients, at the end of a forward of one micro-step a step
+    absent: frozenset = frozenset()
 
     @property
     def total(self) -> int:
-        return sum(self.parts.values())
+        return sum(v for name, v in self.parts.items() if name not in self.absent)
 
     @property
     def fits(self) -> bool:
@@ -342,7 +427,8 @@ class RankPlan:
 
     def why_not(self) -> str:
         """The one-line reason a layout does not fit: the total, the capacity and the largest part."""
-        name, size = max(self.parts.items(), key=lambda kv: kv[1])
+        held = {k: v for k, v in self.parts.items() if k not in self.absent}
+        name, size = max(held.items(), key=lambda kv: kv[1])
         line = (f"needs {self.total / GIB:,.1f} GiB of {self.capacity / GIB:,.1f}; largest: {name} "
                 f"{size / GIB:,.1f} GiB")
         if name in ("parameters", "optimizer") and self.engram_table_bytes:
@@ -352,15 +438,26 @@ class RankPlan:
 
 def plan_rank(facts: ModelFacts, layout: Layout, checkpointed: int, rates: ActivationRates,
               capacity: int, accumulation: int = 1, state: dict[str, int] | None = None) -> RankPlan:
-    """Per-rank memory of one layout: the kept state (`state`: the layout's `state_bytes`, when
-    already computed), then the larger of a micro-step's activations (with the EP exchange buffers)
-    and the optimizer step's workspace."""
+    """Per-rank memory of one layout at its peak (`peak`: when; `absent`: the parts not held then). The
+    kept state (`state`: the layout's `state_bytes`, when already computed) is there throughout but for
+    the composite optimizer's gradients: with one micro-step a step they do not exist until the backward
+    (the step sets them to None), which frees the activations as it makes them, so the peak is the
+    larger of the end of the forward (the activations, with the EP exchange buffers) and the optimizer
+    step (the gradients and the step's workspace). With several micro-steps the gradients are there from
+    the first backward on, under both; DeepSpeed's engine allocates its gradient buffers up front."""
     parts = dict(state) if state is not None else state_bytes(facts, layout, accumulation)
     acts = activation_bytes(facts, layout, checkpointed, rates) + dispatch_bytes(facts, layout)
     workspace = int(rates.optimizer_workspace * FP32 * optimizer_workspace_elements(facts, layout.ep))
-    parts["activations" if acts >= workspace else "optimizer workspace"] = max(acts, workspace)
+    grads = parts["gradients"]
+    up_front = accumulation > 1 or not facts.holds_whole_parameters(layout.ep)
+    if (grads if up_front else 0) + acts > grads + workspace:
+        parts["activations"], peak = acts, "forward"
+        absent = frozenset() if up_front else frozenset({"gradients"})
+    else:
+        parts["optimizer workspace"], peak, absent = workspace, "optimizer step", frozenset()
     on_gpu = 0 if layout.engram_host else FP32 * facts.of_kind("engram")
-    return RankPlan(layout, checkpointed, parts, on_gpu, capacity, host_table_bytes(facts, layout))
+    return RankPlan(layout, checkpointed, parts, on_gpu, capacity, host_table_bytes(facts, layout), peak,
+                    absent)
 
 
 def fewest_checkpointed(facts: ModelFacts, layout: Layout, rates: ActivationRates, capacity: int,
@@ -373,9 +470,12 @@ def fewest_checkpointed(facts: ModelFacts, layout: Layout, rates: ActivationRate
         return plan
     if not plan_rank(facts, layout, facts.n_layers, rates, capacity, accumulation, state).fits:
         return None
-    # activations fall linearly with the checkpointed blocks: start from the count that covers the
-    # excess, then step up past rounding (the optimizer workspace may be the larger part)
-    saved = (rates.full - rates.checkpointed) * facts.dim * layout.tokens_per_rank
+    # activations fall with each checkpointed block by at most its rate's difference and its experts'
+    # weight copies: start from the count that covers the excess at that, then step up past rounding
+    # (the optimizer step may be the peak)
+    copies = max((expert_weight_copies(facts, layout, k) - expert_weight_copies(facts, layout, k + 1)
+                  for k in range(facts.n_layers)), default=0)
+    saved = (rates.full - rates.checkpointed) * facts.dim * layout.tokens_per_rank + copies
     k = max(0, min(facts.n_layers, int((plan.total - capacity) // saved)))
     while not (plan := plan_rank(facts, layout, k, rates, capacity, accumulation, state)).fits:
         k += 1
@@ -384,13 +484,15 @@ def fewest_checkpointed(facts: ModelFacts, layout: Layout, rates: ActivationRate
 
 def candidate_layouts(facts: ModelFacts, world: int, model_cfg, seq_len: int, micro_batches, expert_parallel,
                       zero_stages, context_parallel=(1,), engram_tables=("gpu",),
-                      grad_accum_dtypes=("fp32",), param_dtypes=("fp32",)) -> list[Layout]:
+                      grad_accum_dtypes=("fp32",), param_dtypes=("fp32",), recompute_modules=("none",),
+                      images: bool = False) -> list[Layout]:
     """Every layout the trainer can run on `world` ranks among the given options: EP degrees that
     divide both the routed experts and the world (all of them when none are given), each CP degree
     (checked as a run checks it: it divides the world and cuts the sequence into valid slices),
     the ZeRO stages the optimizer path accepts (0-2 for the composite optimizer, 0-3 for
     DeepSpeed's) and, at the composite optimizer's ZeRO-2, each gradient dtype; at its ZeRO-1 and 2,
-    each parameter dtype (trainer.param_dtype)."""
+    each parameter dtype (trainer.param_dtype); each trainer.recompute_modules setting (none or
+    moe_act). images: the run trains the vision tower (data.image_text_ratio > 0)."""
     from trainer.parallelize import check_training_layout
 
     experts = model_cfg.n_routed_experts
@@ -405,15 +507,18 @@ def candidate_layouts(facts: ModelFacts, world: int, model_cfg, seq_len: int, mi
             # host tables need a whole-sequence slice to hash (trainer/engram_host.py)
             places = [t for t in engram_tables if t == "gpu" or (cp == 1 and facts.of_kind("engram"))]
             out += [Layout(world, ep=ep, cp=cp, zero_stage=z, micro_batch=mb, seq_len=seq_len,
-                           engram_host=t == "host", grad_accum_dtype=g, param_dtype=pd)
+                           engram_host=t == "host", grad_accum_dtype=g, param_dtype=pd,
+                           moe_act=rc == "moe_act", images=images)
                     for z in zero_stages if z in allowed for mb in micro_batches for t in places
                     for g in (grad_accum_dtypes if z == 2 and whole else ("fp32",))
-                    for pd in (param_dtypes if z in (1, 2) and whole else ("fp32",))]
+                    for pd in (param_dtypes if z in (1, 2) and whole else ("fp32",))
+                    for rc in recompute_modules]
     return out
 
 
-# The planner's peaks were within 10% of every measured one (bench/reports/2026-12-06-planner.md):
-# a layout is refused only when even that error could not make it fit.
+# The planner's peaks are within 10% of every measured one (tests/test_plan.py,
+# bench/reports/2026-12-07-planner-memory-refit.md): a layout is refused only when even that error
+# could not make it fit.
 REFUSE_OVER = 1.10
 
 
@@ -424,7 +529,8 @@ def check_layout_fits(model: nn.Module, optim: OptimConfig, layout: Layout, chec
     rank = plan_rank(ModelFacts.of(model, optim), layout, checkpointed, ActivationRates(), capacity,
                      accumulation)
     if rank.total > REFUSE_OVER * capacity:
-        parts = ", ".join(f"{name} {size / GIB:,.1f}" for name, size in rank.parts.items())
+        parts = ", ".join(f"{name} {size / GIB:,.1f}" for name, size in rank.parts.items()
+                          if name not in rank.absent)
         raise ConfigError(f"trainer: this layout needs about {rank.total / GIB:,.1f} GiB a GPU ({parts}) "
                           f"and the {gpu} has {capacity / GIB:,.1f} GiB; `flashtrain plan` lists the layouts "
                           "that fit (trainer.plan_check=false runs it anyway)")

@@ -248,7 +248,9 @@ class Trainer:
         layout = Layout(self.dist.world_size, ep=tc.expert_parallel, cp=tc.context_parallel,
                         zero_stage=tc.zero_stage, micro_batch=tc.micro_batch_size, seq_len=cfg.data.seq_len,
                         engram_host=tc.engram_tables == "host", grad_accum_dtype=tc.grad_accum_dtype,
-                        param_dtype=tc.param_dtype)
+                        param_dtype=tc.param_dtype, moe_act="moe_act" in tc.recompute_modules,
+                        # the vision tower trains on image-text documents or SFT image turns
+                        images=cfg.data.image_text_ratio > 0 or getattr(self.train_ds, "has_images", False))
         gpu = torch.cuda.get_device_properties(self.dist.device)
         checkpointed = (checkpointed_count(meta.cfg.n_layers, tc.checkpointed_layers)
                         if tc.activation_checkpointing else 0)

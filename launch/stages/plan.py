@@ -57,10 +57,13 @@ def plan(cfg: PlanConfig, run_dir: Path, config_yaml: str):
     bad = [m for m in o.checkpointing if m not in ("none", "fewest", "full")]
     if bad or not o.checkpointing:
         raise ConfigError(f"plan.checkpointing={list(o.checkpointing)}: expected none, fewest and/or full")
+    bad = [m for m in o.recompute_modules if m not in ("none", "moe_act")]
+    if bad or not o.recompute_modules:
+        raise ConfigError(f"plan.recompute_modules={list(o.recompute_modules)}: expected none and/or moe_act")
     n_layers = model_cfg.n_layers
     for layout in candidate_layouts(facts, world, model_cfg, o.seq_len, o.micro_batches, o.expert_parallel,
                                     o.zero_stages, o.context_parallel, o.engram_tables, o.grad_accum_dtypes,
-                                    o.param_dtypes):
+                                    o.param_dtypes, o.recompute_modules, o.images):
         accumulation = accumulation_steps(layout, o.global_batch)
         state = state_bytes(facts, layout, accumulation)  # the same for every checkpointing choice
         listed = set()
@@ -72,7 +75,10 @@ def plan(cfg: PlanConfig, run_dir: Path, config_yaml: str):
             else:
                 row = plan_rank(facts, layout, 0 if mode == "none" else n_layers, ActivationRates(), capacity,
                                 accumulation, state)
-            if row.checkpointed in listed:
+            # moe_act acts on the blocks not checkpointed whole: with all of them checkpointed the row is
+            # the one without it
+            if row.checkpointed in listed or (layout.moe_act and row.checkpointed == n_layers
+                                              and "none" in o.recompute_modules):
                 continue
             listed.add(row.checkpointed)
             parts = step_time(facts, layout, row.checkpointed, accumulation, gpu, c.gpus_per_node,
@@ -88,12 +94,14 @@ def plan(cfg: PlanConfig, run_dir: Path, config_yaml: str):
     # fitting layouts first, the fastest (estimated tokens/s per GPU) first; then the nearest to fitting
     rows.sort(key=lambda r: (False, -times[id(r)]["tokens_per_s_per_gpu"]) if r.fits else (True, r.total))
     summary = {"model": model_cfg.name, "world": world, "gpu": c.gpu, "capacity_gib": capacity / GIB,
-               "feasible": sum(r.fits for r in rows), "layouts": len(rows),
+               "images": o.images, "feasible": sum(r.fits for r in rows), "layouts": len(rows),
                "rows": [{"ep": r.layout.ep, "cp": r.layout.cp, "zero_stage": r.layout.zero_stage,
                          "grad_accum_dtype": r.layout.grad_accum_dtype, "param_dtype": r.layout.param_dtype,
                          "micro_batch": r.layout.micro_batch, "seq_len": r.layout.seq_len,
                          "activation_checkpointing": r.checkpointed > 0,
                          "checkpointed_layers": r.checkpointed,
+                         "recompute_modules": "moe_act" if r.layout.moe_act else "none",
+                         "peak": r.peak, "not_at_peak": sorted(r.absent),
                          "engram_tables": "host" if r.layout.engram_host else "gpu",
                          "host_engram_gib": r.host_bytes / GIB,
                          "fits": r.fits, "total_gib": r.total / GIB,
@@ -106,12 +114,13 @@ def plan(cfg: PlanConfig, run_dir: Path, config_yaml: str):
     print(f"flashtrain plan: model {model_cfg.name} on {c.nodes} x {c.gpus_per_node} {c.gpu.upper()} "
           f"({world} ranks, {capacity / GIB:,.1f} GiB usable each), {o.seq_len}-token sequences: "
           f"{summary['feasible']} of {len(rows)} layouts fit")
-    print(f"  {'EP':>4} {'CP':>3} {'ZeRO':>4} {'grads':>5} {'param':>5} {'mb':>3} {'AC':>3} {'tables':>6} "
-          f"{'GiB':>8} "
+    print(f"  {'EP':>4} {'CP':>3} {'ZeRO':>4} {'grads':>5} {'param':>5} {'mb':>3} {'AC':>3} {'recomp':>7} "
+          f"{'tables':>6} {'GiB':>8} "
           f"{'step s':>7} {'tok/s/GPU':>9} {'MFU':>5}  parameters / gradients / optimizer / "
-          "[host-table rows in flight /] activations or optimizer workspace (GiB)")
+          "[host-table rows in flight /] activations or optimizer workspace (GiB), whichever peaks")
     for r in rows[:o.top]:
-        parts = " / ".join(f"{v / GIB:,.1f}" for v in r.parts.values())
+        parts = " / ".join(f"({v / GIB:,.1f})" if k in r.absent else f"{v / GIB:,.1f}"
+                           for k, v in r.parts.items())
         verdict = "fits" if r.fits else r.why_not()
         if r.host_bytes:
             verdict += f" (+{r.host_bytes / GIB:,.1f} GiB of Engram shards in host memory)"
@@ -119,13 +128,16 @@ def plan(cfg: PlanConfig, run_dir: Path, config_yaml: str):
         print(f"  {r.layout.ep:>4} {r.layout.cp:>3} {r.layout.zero_stage:>4} {r.layout.grad_accum_dtype:>5} "
               f"{r.layout.param_dtype:>5} "
               f"{r.layout.micro_batch:>3} "
-              f"{_blocks(r.checkpointed, n_layers):>3} {'host' if r.layout.engram_host else 'gpu':>6} "
+              f"{_blocks(r.checkpointed, n_layers):>3} {'moe_act' if r.layout.moe_act else '-':>7} "
+              f"{'host' if r.layout.engram_host else 'gpu':>6} "
               f"{r.total / GIB:>8,.1f} {t['step_s']:>7.2f} "
               f"{t['tokens_per_s_per_gpu']:>9,.0f} {t['mfu']:>5.1%}  {parts}  {verdict}")
     print("  step time: the model's FLOPs and each layer's rest at rates measured on one GPU, the EP "
           "all-to-all and the gradient reduction at link bandwidth, the optimizer per element updated; "
           "nothing overlapped (plan.json=true gives each part); AC: the blocks checkpointed, all or the "
-          "first N (trainer.activation_checkpointing=true trainer.checkpointed_layers=N)")
+          "first N (trainer.activation_checkpointing=true trainer.checkpointed_layers=N); recomp: "
+          "trainer.recompute_modules=[moe_act] in the other blocks; (gradients): not held at the peak, "
+          "the end of the forward of one micro-step a step, before the backward makes them")
     if len(rows) > o.top:
         print(f"  ... {len(rows) - o.top} more (plan.top, plan.json=true)")
     return summary
