@@ -97,7 +97,8 @@ class PlanOptions:
     # re-made in the backward of the blocks not checkpointed whole, as Megatron's --recompute-modules)
     recompute_modules: list[str] = field(default_factory=lambda: ["none", "moe_act"])
     # data.image_text_ratio > 0: the vision tower trains, with gradients and optimizer state (a text-only
-    # run gives it none but at ZeRO-2); its activations for the images are not modelled
+    # run gives it no state, and gradient buffers only at ZeRO-2); its activations for the images are
+    # not modelled
     images: bool = False
     top: int = 12  # rows of the table (feasible first)
     json: bool = False  # one JSON object instead of the table

@@ -13,7 +13,10 @@ EP=64 (trainer/plan.py).
 Buckets are reduced strictly in order, so every rank issues the same collectives in the same order
 whatever order its hooks fire in; a bucket that waits on a gradient this micro-batch never
 produces (a tower that saw no image, an unused branch) waits until `finish_micro_batch`, which
-reduces what is left, zeros standing in for the missing gradients. Engram tables with sparse row
+reduces what is left, zeros standing in for the missing gradients. Each reduce also counts, per
+parameter, the ranks whose gradient was real: a parameter no rank had a gradient for in any
+micro-batch of the step gets none (None), as at zero_stage=1 and 0, so the optimiser leaves it
+alone (no momentum, no weight decay) rather than stepping a zero gradient. Engram tables with sparse row
 gradients are left to trainer/parallelize.py reduce_gradients, as at zero_stage=1.
 
 grad_dtype=bfloat16 halves both the held gradients and the bytes reduced (DeepSpeed's
@@ -27,7 +30,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch._utils import _flatten_dense_tensors
 
 from conf.errors import ConfigError
 from trainer.parallelize import ParallelLayout
@@ -60,6 +63,9 @@ class BackwardReducer:
             size += p.numel() * 4
         self.bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
         self.accumulated: dict[int, torch.Tensor] = {}  # id(param) -> the owner's running sum
+        # the owner's reduced counts of real gradients: (parameters, [len] counts) per reduce of the step,
+        # read at its end (reading them during the backward would wait for the device there)
+        self.real: list[tuple[list[nn.Parameter], torch.Tensor]] = []
         self._arrived: list[set[int]] = [set() for _ in self.buckets]
         self._next = 0  # the first bucket not yet reduced this micro-batch
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
@@ -90,7 +96,11 @@ class BackwardReducer:
             # each in grad_dtype first: bf16 parameters' gradients sit beside fp32 ones
             grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).to(self.grad_dtype)
                      for p in params]
+            # one more element a parameter: 1 where this rank's gradient was real, summed with them
+            grads.append(torch.tensor([p.grad is not None for p in params], dtype=self.grad_dtype,
+                                      device=params[0].device))
             flat = _flatten_dense_tensors(grads)
+            sizes = [g.numel() for g in grads]
             for p in params:
                 p.grad = None
             del grads
@@ -99,7 +109,10 @@ class BackwardReducer:
                 dist.reduce(flat, dst=owner, group=self.layout.expert_dp_group if expert else None)
             if owner != self.layout.rank:
                 continue
-            for p, g in zip(params, _unflatten_dense_tensors(flat, params)):
+            *reduced, real = flat.split(sizes)
+            self.real.append((params, real.clone()))
+            for p, part in zip(params, reduced):
+                g = part.view_as(p)
                 acc = self.accumulated.get(id(p))
                 if acc is None:
                     self.accumulated[id(p)] = g.clone()
@@ -117,11 +130,14 @@ class BackwardReducer:
     def finish_step(self) -> None:
         """At the accumulation boundary: each owned parameter's gradient is its reduced sum over the
         step, averaged over the world (as trainer/parallelize.py reduce_gradients does), in fp32: on
-        the parameter, or on its master where it is stored in bf16."""
+        the parameter, or on its master where it is stored in bf16; none where no rank produced one."""
+        counts = torch.cat([c for _, c in self.real]).tolist() if self.real else []
+        produced = {id(p) for p, n in zip((p for params, _ in self.real for p in params), counts) if n > 0}
+        self.real = []
         for bucket in self.buckets:
             for p in bucket:
                 acc = self.accumulated.pop(id(p), None)
-                if acc is None:
+                if acc is None or id(p) not in produced:
                     continue
                 if id(p) in self.masters:
                     self.masters[id(p)].grad = acc.float().div_(self.layout.world_size)

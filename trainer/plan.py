@@ -12,8 +12,9 @@ The trainer has two ways of holding a model (trainer/engine.py, optim/__init__.p
                    parameter that more than one rank holds in bf16 (but those the model needs in
                    fp32: trainer/master_weights.py) and its fp32 master on its owner alone.
                    Engram tables take sparse row gradients. A text-only run (data.image_text_ratio
-                   = 0) gives the vision tower no gradient, so it holds no gradients or optimizer
-                   state for it but at ZeRO-2, whose backward reducer stands zeros in for them. With
+                   = 0) gives the vision tower no gradient, so it holds no optimizer state for
+                   it, nor gradients but at ZeRO-2, whose backward reducer accumulates zeros for
+                   them (and then leaves the parameters without one). With
                    trainer.engram_tables=host (Layout.engram_host) the tables and their momentum
                    are fp32 row shards in host memory (8 bytes a parameter over the world, off
                    the GPU); the GPU holds a step's fetched rows, their gradients and momentum.
@@ -152,10 +153,15 @@ class ModelFacts:
         return sum(r.param.numel() for r in self.routes if self.kinds[r.name] == kind)
 
     def trained(self, name: str, layout: Layout) -> bool:
-        """Whether the parameter gets a gradient (and so optimizer state): all but the vision tower's in
-        a text-only run, where ZeRO-2's backward reducer still hands its owners zeros for them
-        (trainer/backward_reduce.py)."""
-        return name not in self.vision or layout.images or layout.zero_stage == 2
+        """Whether the parameter gets a gradient and so optimizer state: all but the vision tower's in a
+        text-only run."""
+        return name not in self.vision or layout.images
+
+    def gradient_held(self, name: str, layout: Layout) -> bool:
+        """Whether a rank holds a gradient buffer for it: the trained ones, and at ZeRO-2 every one,
+        since the backward reducer accumulates zeros for a missing gradient before the step knows
+        that no rank had one (trainer/backward_reduce.py)."""
+        return self.trained(name, layout) or layout.zero_stage == 2
 
     def head_numel(self) -> int:
         return next(r.param.numel() for r in self.routes if r.name == self.head)
@@ -178,7 +184,7 @@ def state_bytes(facts: ModelFacts, layout: Layout, accumulation: int = 1) -> dic
     local = {r.name: facts.local(r.name, r.param.numel(), layout.ep) for r in facts.routes
              if not (layout.engram_host and facts.kinds[r.name] == "engram")}
     held = {name: n for name, n in local.items()  # dense gradients
-            if facts.kinds[name] != "engram" and facts.trained(name, layout)}
+            if facts.kinds[name] != "engram" and facts.gradient_held(name, layout)}
     if layout.zero_stage == 2:
         # each gradient on its owner alone, plus one bucket in flight: autograd's fp32 gradients and
         # their flat copy in the reduced dtype (trainer/backward_reduce.py)
