@@ -375,7 +375,12 @@ def step_time(facts: ModelFacts, layout: Layout, checkpointed: int, accumulation
     # rank, ZeRO-1's reduce of each owner's bucket (n - 1) / n
     zero1 = layout.zero_stage >= 1
     passes = 1 if zero1 else 2
-    dense = sum(r.param.numel() for r in facts.routes if facts.kinds[r.name] == "dense")
+    # gradients reduced (a text-only run's vision tower has none, but at ZeRO-2, whose reducer sends
+    # zeros for it) and parameters stepped (the tower only with images)
+    dense = sum(r.param.numel() for r in facts.routes
+                if facts.kinds[r.name] == "dense" and facts.gradient_held(r.name, layout))
+    stepped = sum(r.param.numel() for r in facts.routes
+                  if facts.kinds[r.name] == "dense" and facts.trained(r.name, layout))
     routed = sum(facts.local(r.name, r.param.numel(), ep) for r in facts.routes
                  if facts.kinds[r.name] == "routed")
     replicas = world // ep
@@ -390,7 +395,7 @@ def step_time(facts: ModelFacts, layout: Layout, checkpointed: int, accumulation
                                    + per_step * gb * routed * passes * (replicas - 1) / replicas / link)
     # ZeRO-1: a rank updates its share of what it holds (the owners balance it), then each owner
     # broadcasts its new weights to the other replicas
-    updated = dense / world + routed / replicas if zero1 else dense + routed
+    updated = stepped / world + routed / replicas if zero1 else stepped + routed
     parts["optimizer"] = updated * rates.optimizer_s_per_element
     # bf16 parameters (trainer.param_dtype=bf16) travel in bf16
     dense_b = sum((BF16 if facts.low_precision(r.name, layout) else FP32) * r.param.numel()
