@@ -57,10 +57,9 @@ class StepRates:
     layer_overhead_s: float = 0.0079
     optimizer_s_per_element: float = 0.086e-9
     # trainer.recompute_modules=[moe_act]: the bytes it does not keep (the experts' bf16 weight copies
-    # and the SwiGLU output) are made again in the backward at this rate: measured at flash-L2 (8,192
-    # tokens a micro-step, 4 micro-steps, H100), 1.076 GB a block and micro-step for 2.08 ms more
-    # (bench/reports/2026-12-07-moe-act-recompute.md); a cast, a stacking copy and an elementwise
-    # pass read and write each such byte several times, hence well under the card's bandwidth
+    # and the SwiGLU output) are made again in the backward at this rate, an effective one: a cast, a
+    # stacking copy and an elementwise pass read and write each such byte several times, hence well
+    # under the card's copy bandwidth (fitted in bench/reports/2026-12-07-moe-act-recompute.md)
     moe_act_bytes_per_s: float = 5.17e11
     # with every block checkpointed the forward runs twice: 4/3 of the FLOPs and of the layer cost
     recompute: float = 4 / 3
