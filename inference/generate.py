@@ -123,11 +123,14 @@ def invert_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 def _prefill(model: Transformer, prompt: list[int], replay: Optional[int], packed: bool,
              prefix_cache: Optional[PrefixCache], device,
-             vision: Optional[tuple[list[int], ImageBatch]] = None) -> tuple[DecodeCache, torch.Tensor]:
+             vision: Optional[tuple[list[int], ImageBatch]] = None,
+             replay_prefix: bool = False) -> tuple[DecodeCache, torch.Tensor]:
     """A 1-sequence cache holding `prompt` and the logits [1, V] after its last token: from the
     longest cached prefix when there is one, else CED prefill (or a plain forward: replay=None).
     `vision`: the prompt's token types and images, prefilled by one plain forward over every layer
-    (image spans must lie in one forward, and CED's bounded replay reads token ids only)."""
+    (image spans must lie in one forward, and CED's bounded replay reads token ids only).
+    `replay_prefix`: a prefix-cache hit also replays the prefix's last `replay` (or 128) tokens
+    through every layer, for a caller that reads the layers' outputs there."""
     ids = to_device([prompt], device)
     if vision is not None:
         types, images = vision
@@ -137,7 +140,7 @@ def _prefill(model: Transformer, prompt: list[int], replay: Optional[int], packe
     hit = prefix_cache.longest_prefix(prompt) if prefix_cache is not None else None
     if hit is not None:
         prefix_cache.hits += 1
-        cache = prefix_cache.restore(model, hit, replay or 128, packed, device)
+        cache = prefix_cache.restore(model, hit, packed, device, (replay or 128) if replay_prefix else None)
         return cache, forward_new(model, cache, ids[:, len(hit):])[:, -1]
     if prefix_cache is not None:
         prefix_cache.misses += 1

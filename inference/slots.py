@@ -255,12 +255,17 @@ class SlotCache(SequenceShard):
         self.lengths[slot] = self._covered[slot] = 0
 
     def extract(self, slot: int) -> DecodeCache:
-        """The slot's global entries, pending block rows and history as a 1-sequence DecodeCache
-        (window rows are not copied: the prefix cache rebuilds them)."""
+        """The slot's state as a 1-sequence DecodeCache: global entries, pending block rows, window
+        rows and history (what `insert` takes; the prefix cache keeps it)."""
         c = DecodeCache(1, packed=self.packed)
         L = c.length = self.lengths[slot]
         device = self.pos.device
         row = torch.tensor([slot], device=device)
+        n = self.window_ring - self.lookahead  # the W-1 rows before the next token (zeros before 0)
+        at = torch.arange(L - n, L, device=device) % self.window_ring
+        for layer, parts in self.window.items():
+            store = c.window[layer] = _Store("window", self.packed)
+            store.parts = tuple(p[slot, at][None].clone() for p in parts)
         for key, paged in self.entries.items():
             store = c.entries[key] = _Store(key[1], self.packed)
             n = L // self.ratio[key[0]]

@@ -218,7 +218,7 @@ def generate_speculative(model: Transformer, drafter: DSpark, prompts: list[list
     dtype = drafter.main_proj.weight.dtype
     def prefill(i: int) -> tuple:
         """Prompt i's cache, last logits and drafter context rows."""
-        cache, logits = _prefill(model, prompts[i], replay, packed, prefix_cache, device)
+        cache, logits = _prefill(model, prompts[i], replay, packed, prefix_cache, device, replay_prefix=True)
         # the positions whose decoder layers ran: the last min(replay, N), or from a cached prefix's
         # replayed tokens to the end
         return cache, logits, drafter.context(rec.take().to(dtype))[0]

@@ -291,9 +291,9 @@ def test_speculative_copies_of_a_prompt_share_its_prefill(engine_target, monkeyp
     prompts = [a, [4, 5, 6], a]
     calls, real = [], speculative._prefill
 
-    def counted(model, prompt, *args):
+    def counted(model, prompt, *args, **kwargs):
         calls.append(tuple(prompt))
-        return real(model, prompt, *args)
+        return real(model, prompt, *args, **kwargs)
 
     monkeypatch.setattr(speculative, "_prefill", counted)
     torch.manual_seed(5)

@@ -137,8 +137,8 @@ def test_bounded_replay_matches_the_boundary_forward(model):
 
 def test_prefix_cache_hit_skips_the_prefix_and_matches(model):
     """Agent loop: a request continues a finished one (its prompt + generation + new tool output).
-    The hit restores the global KV, replays the prefix's last tokens to rebuild window rows, and
-    runs only the new tokens; within the replay span it gives the uncached greedy result."""
+    The hit restores the finished sequence's cache and runs only the new tokens: the uncached
+    greedy result, with no prefix token run again."""
     from inference.prefix import PrefixCache
     prefix_cache = PrefixCache(max_bytes=10**9)
     first_prompt = _ids(21, seed=3)[0].tolist()
@@ -153,10 +153,31 @@ def test_prefix_cache_hit_skips_the_prefix_and_matches(model):
     assert prefix_cache.hits == 1 and hit.tokens == miss.tokens
     P = len(first_prompt) + len(first.tokens) - 1  # the last sampled token was never fed
     n = len(model.layers)
-    assert hit.token_layer_passes == P * n + (len(prompt) - P) * n + 4 * n  # replay (P <= 128), new, decode
+    assert hit.token_layer_passes == (len(prompt) - P) * n + 4 * n  # the new tokens, then decode
     small = PrefixCache(max_bytes=1)
     generate(model, [first_prompt], max_new_tokens=2, temperature=0, prefix_cache=small)
     assert small.nbytes() == 0  # evicted: over its byte budget
+
+
+def test_a_prefix_hit_beyond_the_replay_span_continues_the_cached_sequence_exactly(model):
+    """A cached prefix of 141 tokens, at a window (32) whose reach through 6 layers (186 tokens)
+    exceeds any replay: the hit's greedy tokens and log-probs are the exact forward's over the whole
+    prompt (plain prefill, so the first call is exact too), which rebuilding the window rows by a
+    bounded replay of 128 tokens only approximates; and no prefix token runs again."""
+    from inference.prefix import PrefixCache
+    torch.manual_seed(0)
+    wide = Transformer(dataclasses.replace(model.cfg, window=32)).double().eval()
+    cache = PrefixCache(max_bytes=10**9)
+    first_prompt = _ids(135, seed=7)[0].tolist()
+    kw = dict(temperature=0, packed=model.packed_cache, replay=None)
+    (first,) = generate(wide, [first_prompt], max_new_tokens=7, prefix_cache=cache, **kw)
+    prompt = first_prompt + first.tokens + _ids(5, seed=8)[0].tolist()
+    (hit,) = generate(wide, [prompt], max_new_tokens=6, prefix_cache=cache, **kw)
+    (miss,) = generate(wide, [prompt], max_new_tokens=6, **kw)
+    assert cache.hits == 1 and hit.tokens == miss.tokens
+    torch.testing.assert_close(torch.tensor(hit.logprobs), torch.tensor(miss.logprobs), rtol=0, atol=1e-10)
+    n = len(wide.layers)
+    assert hit.token_layer_passes == (len(prompt) - 141) * n + 5 * n  # the new tokens, then decode
 
 
 @pytest.mark.parametrize("name,owners,want", [
