@@ -187,8 +187,8 @@ def check_generate_args(prompts: list[list[int]], max_new_tokens: int, max_batch
 
 class _Rows:
     """The sampling state of every slot on the device: the stream each row draws from, how many
-    tokens it drew, the token it feeds next, and every token it drew (with its log-probability),
-    read back to the host only when the loop needs to look at them."""
+    tokens it drew, the token it feeds next, every token it drew (with its log-probability), and
+    whether it drew one of the stop ids; read back to the host only when the loop needs them."""
 
     def __init__(self, slots: int, max_new_tokens: int, temperature: float, top_p: float, device):
         self.temperature, self.top_p, self.width = temperature, top_p, max(max_new_tokens, 1)
@@ -197,6 +197,18 @@ class _Rows:
         self.last = torch.zeros(slots, dtype=torch.long, device=device)
         self.tokens = torch.zeros(slots, self.width, dtype=torch.long, device=device)
         self.logps = torch.zeros(slots, self.width, dtype=torch.float32, device=device)
+        self.ended = torch.zeros(slots, dtype=torch.bool, device=device)
+        self.is_stop: Optional[torch.Tensor] = None  # [V] the call's stop ids (None: none flagged)
+
+    def set_stop(self, stop: Optional[set[int]], vocab: int) -> None:
+        """A call's stop ids, as a mask over the vocabulary that each step reads: written in place,
+        since captured steps hold it (so it exists before a step is captured)."""
+        if self.is_stop is None:
+            self.is_stop = torch.zeros(vocab, dtype=torch.bool, device=self.ended.device)
+        self.is_stop.zero_()
+        ids = [t for t in stop or () if 0 <= t < vocab]  # others are never drawn
+        if ids:
+            self.is_stop[to_device(ids, self.ended.device)] = True
 
     def feed(self, rows: torch.Tensor) -> torch.Tensor:
         return self.last[rows][:, None]  # [B, 1]
@@ -210,14 +222,43 @@ class _Rows:
         self.logps[rows, col] = logp
         self.drawn[rows] = drawn + 1
         self.last[rows] = token
+        if self.is_stop is not None:
+            self.ended[rows] = self.ended[rows] | self.is_stop[token]
         return token, logp
 
     def start(self, slot: int, seed: int, logits: torch.Tensor) -> None:
         """A prefilled sequence takes `slot`: its first token from the prefill's logits [1, V]."""
         self.seed[slot] = seed
         self.drawn[slot] = 0
+        self.ended[slot] = False
         rows = torch.full((1,), slot, dtype=torch.long, device=logits.device)
         self.post(logits, rows)
+
+
+class _EndedWatch:
+    """Which slots drew a stop token, known on the host without waiting for the device: after a
+    step, a copy of the device's flags goes to pinned memory behind it, and the host takes it once
+    it has landed (a step or two later; one copy in flight). On the CPU the flags are read at once."""
+
+    def __init__(self, ended: torch.Tensor):
+        self.ended, self.cuda = ended, ended.is_cuda
+        self.host = torch.zeros(ended.shape, dtype=torch.bool, pin_memory=self.cuda)
+        self.copied: Optional[torch.cuda.Event] = None
+
+    def after_step(self) -> None:
+        if self.cuda and self.copied is None:
+            self.host.copy_(self.ended, non_blocking=True)
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+
+    def take(self) -> list[int]:
+        """The slots flagged in the newest copy that has landed (none when none has)."""
+        if not self.cuda:
+            return self.ended.nonzero()[:, 0].tolist()
+        if self.copied is None or not self.copied.query():
+            return []
+        self.copied = None
+        return self.host.nonzero()[:, 0].tolist()
 
 
 class DecodeEngines:
@@ -265,7 +306,7 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
              policy_version: int = 0, packed: bool = True, replay: Optional[int] = 128,
              prefix_cache: Optional[PrefixCache] = None, max_batch: int = 64,
              vision: Optional[list[Optional[tuple[list[int], ImageBatch]]]] = None,
-             graphs: Optional[bool] = None, check_every: int = 16,
+             graphs: Optional[bool] = None, check_every: Optional[int] = None,
              engines: Optional[DecodeEngines] = None) -> list[Generation]:
     """Continuous batching: up to `max_batch` sequences decode together, one token each per
     forward (inference/slots.py); a finished sequence frees its slot for the next waiting prompt,
@@ -283,13 +324,15 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
     model, False runs every step eagerly (the reference the graphs are tested against).
     `engines`: decode state kept across calls with this model (`DecodeEngines`); None: the call's own.
 
-    Sampled tokens stay on the device. The host reads them when a sequence reaches
-    max_new_tokens (it knows when without looking) and, when `stop` is given, every `check_every`
-    steps: a sequence that drew a stop token may run up to check_every - 1 steps more, whose
-    tokens are dropped. With both `stop` and `prefix_cache` it looks after every token, so the
-    cache offered holds exactly the tokens kept."""
+    Sampled tokens stay on the device. The host reads a sequence's tokens when it reaches
+    max_new_tokens (it knows when without looking) and when it drew a stop token: the device flags
+    that in the step, the flags go to the host behind each step and are read once they have landed,
+    without waiting for the device (`_EndedWatch`), so a sequence runs a step or two past its stop
+    token (those tokens are dropped) and its slot goes to the next prompt. `check_every`: it also
+    reads every running sequence every that many steps (1: after every token). With both `stop` and
+    `prefix_cache` it looks after every token, so the cache offered holds exactly the tokens kept."""
     check_generate_args(prompts, max_new_tokens, max_batch)
-    if check_every < 1:
+    if check_every is not None and check_every < 1:
         raise ValueError(f"check_every={check_every}: must be >= 1")
     device = next(model.parameters()).device
     model.eval()
@@ -304,6 +347,8 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
     slots, rows, step = engines.take(n_slots, packed, max_new_tokens, temperature, top_p, graphs)
     if stop and prefix_cache is not None:
         check_every = 1
+    rows.set_stop(stop, model.cfg.vocab_size)
+    watch = _EndedWatch(rows.ended) if stop and check_every != 1 else None
     free = list(range(n_slots))[::-1]
     running: dict[int, int] = {}  # slot -> prompt index
     drawn = [0] * len(prompts)  # tokens drawn per prompt (the host knows without reading them)
@@ -328,9 +373,9 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
         del running[slot]
         return True
 
-    def check(only_full: bool) -> None:
-        """Read the running sequences' tokens (one transfer) and end those that are over."""
-        busy = sorted(s for s in running if not only_full or drawn[running[s]] == max_new_tokens)
+    def check(busy: list[int]) -> None:
+        """Read the tokens of the running sequences in slots `busy` (one transfer) and end those
+        that are over."""
         if not busy:
             return
         at = torch.tensor(busy, device=device)
@@ -375,9 +420,13 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
         for s in busy:
             drawn[running[s]] += 1
         since += 1
-        if stop and since >= check_every:
-            check(only_full=False)
+        if stop and check_every is not None and since >= check_every:
+            check(sorted(running))
             since = 0
-        elif any(drawn[running[s]] == max_new_tokens for s in busy):
-            check(only_full=True)
+            continue
+        look = {s for s in busy if drawn[running[s]] == max_new_tokens}
+        if watch is not None:
+            look.update(s for s in watch.take() if s in running)
+            watch.after_step()
+        check(sorted(look))
     return out

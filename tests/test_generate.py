@@ -521,19 +521,50 @@ def test_decode_step_with_padding_rows_equals_the_whole_sequence(model):
     assert step.counts["eager"] == 16
 
 
-def test_stop_tokens_read_late_are_cut_as_if_read_at_once(model):
-    """A stop token is seen up to check_every - 1 steps after it is drawn; what a generation keeps
-    (tokens, log-probs, finish, work) is what looking after every token keeps."""
+def test_stop_tokens_read_late_are_cut_as_if_read_at_once(model, monkeypatch):
+    """Stop flags that reach the host steps after the step that drew the token (as behind CUDA
+    graph replays; here the host sees them only every fifth step), and polling every 16 steps: what
+    a generation keeps (tokens, log-probs, finish, work) is what looking after every token keeps."""
+    from inference import generate as generate_module
     prompts = [_ids(n, seed=20 + n)[0].tolist() for n in (4, 13, 7)]
     kw = dict(max_new_tokens=10, temperature=1.0, seed=2, max_batch=2, packed=model.packed_cache)
     free = generate(model, prompts, **kw)
-    stop = {free[0].tokens[3], free[2].tokens[1]}
-    late = generate(model, prompts, stop=stop, check_every=16, **kw)
+    stop = {free[0].tokens[3], free[2].tokens[1], 1000}  # 1000: past the vocabulary, never drawn
     at_once = generate(model, prompts, stop=stop, check_every=1, **kw)
-    assert any(g.finish == "stop" for g in at_once)
-    for a, b in zip(late, at_once):
-        assert (a.tokens, a.logprobs, a.finish, a.token_layer_passes) == (b.tokens, b.logprobs, b.finish,
-                                                                          b.token_layer_passes)
+    polled = generate(model, prompts, stop=stop, check_every=16, **kw)
+    real, calls = generate_module._EndedWatch.take, [0]
+
+    def late(self):
+        calls[0] += 1
+        return real(self) if calls[0] % 5 == 0 else []
+
+    monkeypatch.setattr(generate_module._EndedWatch, "take", late)
+    flagged_late = generate(model, prompts, stop=stop, **kw)
+    assert any(g.finish == "stop" for g in at_once) and calls[0] > 5
+    for run in (polled, flagged_late):
+        for a, b in zip(run, at_once):
+            assert (a.tokens, a.logprobs, a.finish, a.token_layer_passes) == (b.tokens, b.logprobs, b.finish,
+                                                                              b.token_layer_passes)
+
+
+def test_a_sequence_that_drew_a_stop_token_leaves_without_a_poll(model):
+    """The device flags a drawn stop token and the host reads the flags behind the steps (on the CPU
+    at once): a sequence leaves right after the step that drew it, so four prompts decoding together
+    run as many steps as the longest needs, not until a poll (the host used to look every 16 steps);
+    and each keeps what looking after every token keeps."""
+    from inference.generate import DecodeEngines
+    prompts = [_ids(n, seed=40 + n)[0].tolist() for n in (4, 13, 7, 10)]
+    kw = dict(max_new_tokens=30, temperature=1.0, seed=3, max_batch=4, packed=model.packed_cache)
+    free = generate(model, prompts, **kw)
+    stop = {free[0].tokens[3], free[1].tokens[5], free[2].tokens[2], free[3].tokens[4]}
+    engines = DecodeEngines(model)
+    flagged = generate(model, prompts, stop=stop, engines=engines, **kw)
+    at_once = generate(model, prompts, stop=stop, check_every=1, **kw)
+    assert all(g.finish == "stop" for g in flagged)
+    for a, b in zip(flagged, at_once):
+        assert (a.tokens, a.logprobs, a.token_layer_passes) == (b.tokens, b.logprobs, b.token_layer_passes)
+    ((_, _, step),) = engines._kept.values()
+    assert step.counts["eager"] == max(len(g.tokens) for g in flagged) - 1 < 16  # the first token: prefill
 
 
 @pytest.mark.gpu
@@ -573,6 +604,34 @@ def test_cuda_graph_decode_equals_eager_on_gpu():
         runs[graphs] = (state.tokens[:3].tolist(), step.counts, step.failed)
     assert runs[True][0] == runs[False][0]
     assert not runs[True][2] and runs[True][1]["replayed"] > 40, runs[True][1:]
+
+
+@pytest.mark.gpu
+def test_stop_flags_read_behind_graph_replays_keep_what_looking_after_every_token_keeps_on_gpu():
+    """With CUDA graphs the stop flags reach the host a step or two late, behind the replays: each
+    generation still keeps (tokens, log-probs, finish) what an eager run looking after every token
+    keeps, and the steps were replayed."""
+    from inference.generate import DecodeEngines
+    from model.ops import OPS, KernelPolicy
+
+    torch.manual_seed(0)
+    cfg = dataclasses.replace(CFG, window=32, index_topk=16, pool_block=4, pool_blocks=4)
+    with torch.device("cuda"):
+        model = KernelPolicy(OPS).apply(Transformer(cfg)).to(torch.bfloat16).eval()
+    prompts = [_ids(n, seed=60 + n)[0].tolist() for n in (5, 70, 33, 9, 21, 48)]
+    kw = dict(max_new_tokens=24, temperature=0.0, max_batch=4)
+    free = generate(model, prompts, graphs=False, **kw)
+    stop = {free[0].tokens[6], free[2].tokens[3], free[4].tokens[9]}
+    engines = DecodeEngines(model)
+    for _ in range(3):  # the later calls replay what the first ones captured
+        flagged = generate(model, prompts, stop=stop, graphs=True, engines=engines, **kw)
+    polled = generate(model, prompts, stop=stop, graphs=False, check_every=1, **kw)
+    assert any(g.finish == "stop" for g in polled)
+    assert [(g.tokens, g.finish) for g in flagged] == [(g.tokens, g.finish) for g in polled]
+    for a, b in zip(flagged, polled):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-5)
+    ((_, _, step),) = engines._kept.values()
+    assert step.counts["replayed"] > 0 and not step.failed, (step.counts, step.failed)
 
 
 @pytest.mark.gpu
