@@ -8,8 +8,12 @@
             at each batch size
   prefix    latency of a prompt that extends a cached sequence (hit: replay + new tokens) vs the
             same prompt without the prefix cache (miss: CED prefill of everything)
+  rollout   RL-like generate calls (groups of samples of short prompts, stop tokens ending
+            samples after ~9 tokens, decode state kept across calls): tokens/s, decode steps per
+            call and the prefill's share, with the step's stop flags against polling every 16 steps
 
     python -m bench.system.generate [--model small] [--prefill 8192,32768] [--batches 1,64]
+        [--sections prefill,decode,prefix,rollout] [--rollout CALLS,ROWS,GROUP,SLOTS,PROMPT,MAX_NEW,MEAN_LEN]
 
 With --drafter RUN (a finished `flashtrain dspark` run), it measures speculative decoding instead:
   speculative  at each batch size, the same prompts (the first --prompt-len tokens of validation
@@ -246,6 +250,64 @@ def bench_prefix(model, prefix_len, new_tokens, vocab, device, profile: Optional
             "miss_over_hit": miss / hit, "hits": cache.hits, "timed_calls": 3}
 
 
+@torch.no_grad()
+def bench_rollout(model, calls: int, rows: int, group: int, max_batch: int, prompt_len: int,
+                  max_new_tokens: int, mean_len: float, vocab: int, device, graphs) -> dict:
+    """RL rollout calls: `calls` generate calls of `rows` samples (rows // group prompts, each
+    sampled `group` times, temperature 1) through `max_batch` slots, with a stop set of
+    round(vocab / mean_len) ids, so that a sample of a random model ends after ~mean_len tokens
+    (geometrically distributed), each call with decode state kept from the last (a rollout worker's
+    `DecodeEngines`). Two ways the host learns that a sample ended, side by
+    side: the step's stop flags read behind the steps (`flags`, the engine's way) and polling every
+    16 steps (`poll16`, the way before it). Per way: tokens drawn per second, decode steps and
+    tokens per call, and the share of the time in prefill (timed with a sync around each)."""
+    import inference.generate as engine
+    from inference.generate import DecodeEngines
+
+    stop = set(range(max(1, round(vocab / mean_len))))
+    real_prefill, real_take = engine._prefill, engine._EndedWatch.take
+    spent = {"prefill": 0.0}
+
+    def timed_prefill(*args, **kwargs):
+        box = []
+        spent["prefill"] += _seconds(lambda: box.append(real_prefill(*args, **kwargs)), device)
+        return box[0]
+
+    out = {"calls": calls, "rows": rows, "group": group, "max_batch": max_batch, "prompt_len": prompt_len,
+           "max_new_tokens": max_new_tokens, "stop_ids": len(stop)}
+    engine._prefill = timed_prefill
+    try:
+        for name, check_every in (("flags", None), ("poll16", 16)):
+            engines = DecodeEngines(model)
+            # poll16: the flags never reach the host, so it learns of stops by polling alone
+            engine._EndedWatch.take = real_take if check_every is None else (lambda self: [])
+
+            def call(c: int, engines=engines, check_every=check_every) -> list:
+                prompts = [_ids(1, prompt_len + c % 3, vocab, device, seed=100 * c + p)[0].tolist()
+                           for p in range(max(rows // group, 1)) for _ in range(group)][:rows]
+                return generate(model, prompts, max_new_tokens, temperature=1.0, stop=stop, seed=c,
+                                max_batch=max_batch, graphs=graphs, engines=engines, check_every=check_every)
+
+            for c in range(3):  # untimed: each shape runs eagerly once, then is captured
+                call(c)
+            ((_, _, step),) = engines._kept.values()
+            before, spent["prefill"] = dict(step.counts), 0.0
+            tokens, seconds = 0, 0.0
+            for c in range(3, 3 + calls):
+                gens, dt = _timed(lambda c=c: call(c), device)
+                tokens += sum(len(g.tokens) for g in gens)
+                seconds += dt
+            steps = {k: step.counts[k] - before[k] for k in step.counts}
+            out[name] = {"tokens_per_s": tokens / seconds, "s_per_call": seconds / calls,
+                         "tokens_per_call": tokens / calls, "steps_per_call": sum(steps.values()) / calls,
+                         "prefill_share": spent["prefill"] / seconds, "timed_steps": steps}
+            print(json.dumps({"rollout": {name: out[name]}}), file=sys.stderr, flush=True)
+    finally:
+        engine._prefill, engine._EndedWatch.take = real_prefill, real_take
+    out["flags_over_poll16"] = out["flags"]["tokens_per_s"] / out["poll16"]["tokens_per_s"]
+    return out
+
+
 def _timed(fn, device):
     """(fn's result, seconds)."""
     box = []
@@ -332,7 +394,11 @@ def main() -> None:
                     help="decode steps replayed from CUDA graphs (auto: on CUDA)")
     ap.add_argument("--plain-steps", type=int, default=4,
                     help="steps of the plain whole-sequence loop per batch size (0: skip it)")
-    ap.add_argument("--sections", default="prefill,decode,prefix", help="which sections to run")
+    ap.add_argument("--rollout", default="8,32,8,16,128,40,9",
+                    help="the rollout section: calls, rows, group, slots, prompt length, max new tokens, "
+                         "mean sample length")
+    ap.add_argument("--sections", default="prefill,decode,prefix",
+                    help="which sections to run: prefill, decode, prefix, rollout")
     ap.add_argument("--profile", default=None,
                     help="a folder: torch.profiler tables of a few decode steps per batch size, one CED "
                          "prefill and one prefix hit per length")
@@ -361,8 +427,8 @@ def main() -> None:
               "torch": torch.__version__, "date": datetime.date.today().isoformat(), "commit": commit,
               "model": args.model, "kernels": args.kernels}
     sections = set(args.sections.split(","))
-    if unknown := sections - {"prefill", "decode", "prefix"}:
-        sys.exit(f"--sections: unknown {sorted(unknown)}; expected some of prefill, decode, prefix")
+    if unknown := sections - {"prefill", "decode", "prefix", "rollout"}:
+        sys.exit(f"--sections: unknown {sorted(unknown)}; expected some of prefill, decode, prefix, rollout")
     profile = Path(args.profile) if args.profile else None
     if device.type == "cuda":
         from bench.timing import copy_bandwidth_gbs
@@ -381,6 +447,14 @@ def main() -> None:
                                         profile)
     if "prefix" in sections:
         result["prefix"] = bench_prefix(model, args.prefix_len, args.new_tokens, args.vocab, device, profile)
+    if "rollout" in sections:
+        try:
+            calls, rows, group, slots, prompt_len, max_new, mean_len = map(float, args.rollout.split(","))
+        except ValueError:
+            sys.exit(f"--rollout={args.rollout}: expected seven numbers: calls, rows, group, slots, prompt "
+                     f"length, max new tokens, mean sample length")
+        result["rollout"] = bench_rollout(model, int(calls), int(rows), int(group), int(slots),
+                                          int(prompt_len), int(max_new), mean_len, args.vocab, device, graphs)
     print(json.dumps(result, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
