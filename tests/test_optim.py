@@ -1,5 +1,6 @@
 """Optimiser routing, the composite optimiser and its whole-parameter ZeRO-1 sharding."""
 import dataclasses
+import datetime
 import os
 from pathlib import Path
 
@@ -312,6 +313,63 @@ def _reduction_worker(rank: int, world: int, ep: int, port: int, out_dir: str) -
     dist.barrier()
     dist.destroy_process_group()
     os._exit(0)
+
+
+def _uneven_gradients_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    """Rank 1 alone reaches `only_one` and the table's rows; no rank reaches `neither`."""
+    from trainer.parallelize import build_layout, reduce_gradients
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # mismatched buckets wait in a collective: the deadline turns that into this worker's failure
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"both": torch.nn.Linear(3, 2), "only_one": torch.nn.Linear(3, 2),
+                                 "neither": torch.nn.Linear(3, 2),
+                                 "table": torch.nn.Embedding(5, 2, sparse=True)}).double()
+    layout = build_layout(rank, world, 1, TINY.n_routed_experts)
+    out = {}
+    for stage, owners in ((0, None), (1, {id(p): i % world for i, p in enumerate(model.parameters())})):
+        x = torch.full((1, 3), float(rank + 1), dtype=torch.float64)
+        loss = model["both"](x).sum()
+        if rank == 1:
+            loss = loss + model["only_one"](x).sum() + model["table"](torch.tensor([1, 3])).sum()
+        loss.backward()
+        reduce_gradients(model, layout, set(), owners)
+        out[stage] = {n: None if p.grad is None else p.grad.to_dense() if p.grad.is_sparse else p.grad.clone()
+                      for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+    torch.save(out, os.path.join(out_dir, f"uneven{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def test_ranks_that_differ_in_which_parameters_got_a_gradient_reduce_them_alike(tmp_path, port_base):
+    """A parameter only some ranks have a gradient for (the vision tower when only some ranks' batches
+    held images; an Engram table whose rows only one rank touched) is averaged with zeros for the
+    ranks without one, at zero_stage 0 and 1 (to its owner), where the ranks' buckets used to differ
+    in size and the collectives waited for each other forever; one no rank has a gradient for keeps
+    none."""
+    mp.start_processes(_uneven_gradients_worker, args=(2, port_base(), str(tmp_path)), nprocs=2, join=True,
+                       start_method="spawn")
+    got = [torch.load(tmp_path / f"uneven{r}.pt") for r in range(2)]
+    f64 = dict(dtype=torch.float64)
+    x = [torch.full((1, 3), r + 1.0, **f64) for r in range(2)]
+    want = {"both.weight": (x[0] + x[1]).expand(2, 3) / 2, "both.bias": torch.ones(2, **f64),
+            "only_one.weight": x[1].expand(2, 3) / 2, "only_one.bias": torch.full((2,), 0.5, **f64),
+            "table.weight": torch.tensor([[0, 0], [0.5, 0.5], [0, 0], [0.5, 0.5], [0, 0]], **f64)}
+    names = list(want) + ["neither.weight", "neither.bias"]
+    owner = {n: i % 2 for i, n in enumerate(["both.weight", "both.bias", "only_one.weight", "only_one.bias",
+                                              "neither.weight", "neither.bias", "table.weight"])}
+    for rank in range(2):
+        assert got[rank][0]["neither.weight"] is None and got[rank][1]["neither.bias"] is None
+        for name in want:
+            torch.testing.assert_close(got[rank][0][name], want[name], rtol=0, atol=1e-15, msg=name)
+            if owner[name] == rank:
+                torch.testing.assert_close(got[rank][1][name], want[name], rtol=0, atol=1e-15, msg=name)
+            else:
+                assert got[rank][1][name] is None, (rank, name)
+    assert set(got[0][0]) == set(names)
 
 
 @pytest.mark.slow

@@ -467,23 +467,28 @@ def reduce_gradients(model: nn.Module, layout: ParallelLayout, expert_params: se
 
     fp32_grads (id(param) -> fp32 gradient, trainer/master_weights.py Fp32Grads) stand in for the
     bf16 `.grad` of parameters stored in bf16; masters (id(param) -> fp32 master, the optimiser's
-    `master_of`) receive such a reduced gradient on their `.grad`, on the owner."""
+    `master_of`) receive such a reduced gradient on their `.grad`, on the owner.
+
+    Ranks may differ in which parameters got a gradient (the vision tower in a step where only some
+    ranks' batches held images): a parameter any rank of its group has a gradient for is reduced on
+    every rank of the group, zeros standing in where a rank has none, so the ranks' buckets match;
+    one no rank has a gradient for keeps none (the optimiser does not step it)."""
     fp32_grads, masters = fp32_grads or {}, masters or {}
     if layout.world_size == 1:
         for key, grad in fp32_grads.items():
             masters[key].grad = grad
         return
     owners = owners or {}
+    params = list(model.parameters())
+    held, sparse = _gradients_held(params, fp32_grads, expert_params, layout)
     buckets: dict[tuple[bool, Optional[int]], list[nn.Parameter]] = defaultdict(list)
-    for p in model.parameters():
-        if id(p) in fp32_grads:
-            buckets[(id(p) in expert_params, owners.get(id(p)))].append(p)
-            continue
-        if p.grad is None:
+    for p, any_rank, is_sparse in zip(params, held, sparse):
+        if not any_rank:
             continue
         owner = owners.get(id(p))
-        if p.grad.is_sparse:
-            p.grad = _all_reduce_sparse(p.grad, None, layout.world_size) / layout.world_size
+        if is_sparse:
+            grad = p.grad if p.grad is not None else _no_rows(p)
+            p.grad = _all_reduce_sparse(grad, None, layout.world_size) / layout.world_size
             if owner is not None and owner != layout.rank:
                 p.grad = None
         else:
@@ -495,6 +500,10 @@ def reduce_gradients(model: nn.Module, layout: ParallelLayout, expert_params: se
         params = buckets[(expert, owner)]
         group = layout.expert_dp_group if expert else None
         from_buffers = {id(p) for p in params if id(p) in fp32_grads}
+        absent = {id(p) for p in params if id(p) not in from_buffers and p.grad is None}
+        for p in params:  # no gradient here, one on another rank: this rank's share is zero
+            if id(p) in absent:
+                p.grad = torch.zeros_like(p, dtype=torch.float32 if id(p) in masters else p.dtype)
         grads = [fp32_grads.pop(id(p)) if id(p) in from_buffers else p.grad for p in params]
         flat = _flatten_dense_tensors(grads)
         if owner is None:
@@ -509,8 +518,34 @@ def reduce_gradients(model: nn.Module, layout: ParallelLayout, expert_params: se
         for p, g, new in zip(params, grads, _unflatten_dense_tensors(flat, grads)):
             if id(p) in from_buffers:
                 masters[id(p)].grad = g.copy_(new)
+            elif id(p) in absent and id(p) in masters:  # a bf16 parameter's gradient is its master's
+                masters[id(p)].grad = g.copy_(new)
+                p.grad = None
             else:
                 g.copy_(new)
+
+
+def _gradients_held(params: list[nn.Parameter], fp32_grads: dict, expert_params: set[int],
+                    layout: ParallelLayout) -> tuple[list[bool], list[bool]]:
+    """Per parameter: whether any rank of the group that reduces it holds a gradient for it (the
+    world for dense parameters, the expert-data-parallel group for expert stacks), and whether that
+    gradient is row-sparse (an Engram table's). Small all-reduces: the same answer on every rank."""
+    has = torch.tensor([float(id(p) in fp32_grads or p.grad is not None) for p in params])
+    world = torch.stack((has, torch.tensor([float(p.grad is not None and p.grad.is_sparse) for p in params])))
+    all_reduce_sum_(world)
+    expert = torch.tensor([id(p) in expert_params for p in params])
+    held = world[0] > 0
+    if expert.any():
+        in_group = has * expert
+        all_reduce_sum_(in_group, layout.expert_dp_group)
+        held = torch.where(expert, in_group > 0, held)
+    return held.tolist(), (world[1] > 0).tolist()
+
+
+def _no_rows(p: nn.Parameter) -> torch.Tensor:
+    """An empty row-sparse gradient for p: a rank whose batch touched none of a table's rows."""
+    return torch.sparse_coo_tensor(torch.zeros(1, 0, dtype=torch.long, device=p.device),
+                                   p.new_zeros(0, *p.shape[1:]), p.shape)
 
 
 @torch.no_grad()
