@@ -261,8 +261,8 @@ class SlotCache(SequenceShard):
         L = c.length = self.lengths[slot]
         device = self.pos.device
         row = torch.tensor([slot], device=device)
-        n = self.window_ring - self.lookahead  # the W-1 rows before the next token (zeros before 0)
-        at = torch.arange(L - n, L, device=device) % self.window_ring
+        rows_before = self.window_ring - self.lookahead  # the W-1 rows before the next token
+        at = torch.arange(L - rows_before, L, device=device) % self.window_ring
         for layer, parts in self.window.items():
             store = c.window[layer] = _Store("window", self.packed)
             store.parts = tuple(p[slot, at][None].clone() for p in parts)

@@ -500,11 +500,12 @@ def reduce_gradients(model: nn.Module, layout: ParallelLayout, expert_params: se
         params = buckets[(expert, owner)]
         group = layout.expert_dp_group if expert else None
         from_buffers = {id(p) for p in params if id(p) in fp32_grads}
+        # no gradient here, one on another rank: this rank's share is zero (fp32 for a bf16
+        # parameter with a master, as the other ranks' come from their fp32 buffers)
         absent = {id(p) for p in params if id(p) not in from_buffers and p.grad is None}
-        for p in params:  # no gradient here, one on another rank: this rank's share is zero
-            if id(p) in absent:
-                p.grad = torch.zeros_like(p, dtype=torch.float32 if id(p) in masters else p.dtype)
-        grads = [fp32_grads.pop(id(p)) if id(p) in from_buffers else p.grad for p in params]
+        grads = [fp32_grads.pop(id(p)) if id(p) in from_buffers
+                 else torch.zeros_like(p, dtype=torch.float32 if id(p) in masters else p.dtype)
+                 if id(p) in absent else p.grad for p in params]
         flat = _flatten_dense_tensors(grads)
         if owner is None:
             dist.all_reduce(flat, group=group)
@@ -516,11 +517,10 @@ def reduce_gradients(model: nn.Module, layout: ParallelLayout, expert_params: se
                 continue
         flat /= layout.world_size
         for p, g, new in zip(params, grads, _unflatten_dense_tensors(flat, grads)):
-            if id(p) in from_buffers:
+            if id(p) in from_buffers or (id(p) in absent and id(p) in masters):
                 masters[id(p)].grad = g.copy_(new)
-            elif id(p) in absent and id(p) in masters:  # a bf16 parameter's gradient is its master's
-                masters[id(p)].grad = g.copy_(new)
-                p.grad = None
+            elif id(p) in absent:
+                p.grad = g.copy_(new)
             else:
                 g.copy_(new)
 
