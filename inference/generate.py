@@ -264,7 +264,7 @@ class _EndedWatch:
 class DecodeEngines:
     """generate()'s decode state, kept across calls by a caller that generates again and again with
     one model (a rollout worker, every policy version): per setting (slots, packed cache, max new
-    tokens, temperature, top-p, graphs), the slot cache, the sampling rows and the decode step with
+    tokens, temperature, top-p, graphs, compile), the slot cache, the sampling rows and the decode step with
     the CUDA graphs it captured. A call whose setting an earlier call had reuses them, so its steps
     replay those graphs instead of running each shape eagerly and capturing it again. The graphs read
     the weights where they are: load new weights in place (`load_state_dict`), never by replacing
@@ -277,13 +277,13 @@ class DecodeEngines:
         self._kept: dict[tuple, tuple[SlotCache, _Rows, DecodeStep]] = {}
 
     def take(self, slots: int, packed: bool, max_new_tokens: int, temperature: float, top_p: float,
-             graphs: Optional[bool]) -> tuple[SlotCache, _Rows, DecodeStep]:
-        key = (slots, packed, max(max_new_tokens, 1), temperature, top_p, graphs)
+             graphs: Optional[bool], compile: Optional[str] = None) -> tuple[SlotCache, _Rows, DecodeStep]:
+        key = (slots, packed, max(max_new_tokens, 1), temperature, top_p, graphs, compile)
         if key not in self._kept:
             device = next(self.model.parameters()).device
             cache = SlotCache(self.model, slots, packed)
             rows = _Rows(slots, max_new_tokens, temperature, top_p, device)
-            step = DecodeStep(self.model, cache, rows.feed, rows.post, graphs=graphs)
+            step = DecodeStep(self.model, cache, rows.feed, rows.post, graphs=graphs, compile=compile)
             self._kept[key] = (cache, rows, step)
         return self._kept[key]
 
@@ -307,7 +307,7 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
              prefix_cache: Optional[PrefixCache] = None, max_batch: int = 64,
              vision: Optional[list[Optional[tuple[list[int], ImageBatch]]]] = None,
              graphs: Optional[bool] = None, check_every: Optional[int] = None,
-             engines: Optional[DecodeEngines] = None) -> list[Generation]:
+             engines: Optional[DecodeEngines] = None, compile: Optional[str] = None) -> list[Generation]:
     """Continuous batching: up to `max_batch` sequences decode together, one token each per
     forward (inference/slots.py); a finished sequence frees its slot for the next waiting prompt,
     which is prefilled on its own first. Prompt i draws from its own counter-based stream (seeded
@@ -321,7 +321,8 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
     prompt given more than once is prefilled once (`SharedPrefills`; its copies count no prefill
     token-layer passes).
     `graphs`: replay each decode step from a CUDA graph (inference/graphs.py); None: on for a CUDA
-    model, False runs every step eagerly (the reference the graphs are tested against).
+    model, False runs every step eagerly (the reference the graphs are tested against). `compile`: a
+    torch.compile backend ("inductor") the decode step's forward runs through before it is captured.
     `engines`: decode state kept across calls with this model (`DecodeEngines`); None: the call's own.
 
     Sampled tokens stay on the device. The host reads a sequence's tokens when it reaches
@@ -344,7 +345,7 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
         engines = DecodeEngines(model)
     elif engines.model is not model:
         raise ValueError("generate: `engines` holds another model's decode state")
-    slots, rows, step = engines.take(n_slots, packed, max_new_tokens, temperature, top_p, graphs)
+    slots, rows, step = engines.take(n_slots, packed, max_new_tokens, temperature, top_p, graphs, compile)
     if stop and prefix_cache is not None:
         check_every = 1
     rows.set_stop(stop, model.cfg.vocab_size)

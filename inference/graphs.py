@@ -13,6 +13,14 @@ policy run. A step runs eagerly the first time its shapes come up (Triton compil
 there: nothing that synchronises may run inside a capture), is captured the second time, and
 replayed from then on. A capture that fails says why once, on stderr, and that shape stays eager;
 `graphs=False` (or a CPU model) runs every step eagerly, the reference the graphs are tested against.
+
+A graph removes the host's launches, not the kernels: a step of `small` is ~2,100 of them, most
+under 10 us, and their count bounds the step (bench/reports/2026-12-07-decode-engram-profiles-h100.md).
+`compile` (a torch.compile backend, e.g. "inductor") runs the step's forward through torch.compile
+first, as vLLM and SGLang do before they capture: inductor fuses the PyTorch ops between the Triton
+kernels (the cache's index arithmetic, gathers, norms, routing) into fewer kernels, and the graph
+then records those. The first run at new shapes compiles; dynamo's automatic dynamic shapes make
+the batch and the read width symbolic once they change, so later shapes reuse the compiled code.
 """
 from __future__ import annotations
 
@@ -25,6 +33,7 @@ import torch
 
 from inference.slots import SlotCache, to_device
 from model.moe import RoutedExperts
+from model.ops import compile_with_limits
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
@@ -61,7 +70,7 @@ class DecodeStep:
     also write device state (the next ids). Both run inside the step, and so inside its graph."""
 
     def __init__(self, model, slots: SlotCache, feed: Callable, post: Callable,
-                 graphs: Optional[bool] = None):
+                 graphs: Optional[bool] = None, compile: Optional[str] = None):
         device = next(model.parameters()).device
         if graphs and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA model, this one is on {device}")
@@ -74,6 +83,15 @@ class DecodeStep:
         self.pool = None  # one memory pool for every graph: they never run at the same time
         self.rows: dict[int, tuple[tuple[int, ...], torch.Tensor]] = {}  # bucket -> (slots, static rows)
         self.counts = {"eager": 0, "captured": 0, "replayed": 0}
+        # a layer's guards (its spec, the entries it reads) and the kernels cutting it into several
+        # frames make ~8 compiled versions of the shared layer code per layer
+        self.forward = (self._forward if compile is None else
+                        compile_with_limits(self._forward, compile, 8 * len(model.layers),
+                                            64 * len(model.layers)))
+
+    def _forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [B, 1] -> next-token logits [B, V], over the rows `begin_rows` set."""
+        return self.model(ids, shard=self.slots).logits[:, -1]
 
     def _rows(self, busy: list[int], bucket: int) -> torch.Tensor:
         """The static [bucket] rows tensor holding busy, then free slots as padding."""
@@ -92,7 +110,7 @@ class DecodeStep:
         ids = self.feed(rows)  # [B, 1]
         self.slots.begin_rows(rows, cap)
         with decode_experts(self.model):
-            logits = self.model(ids, shard=self.slots).logits[:, -1]
+            logits = self.forward(ids)
         self.slots.end_rows(ids)
         return self.post(logits, rows)
 

@@ -28,6 +28,7 @@ imports `model.kernels`; the kernels import the reference math, never the other 
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from collections.abc import Callable, Iterable
@@ -251,3 +252,25 @@ class KernelPolicy:
             out["head_loss"] = self._guarded("cross_entropy", fused_loss, chunked_head_loss, refuse_loss)
         return out
 
+
+
+def compile_with_limits(fn: Callable, backend: str, recompiles: int, total_recompiles: int) -> Callable:
+    """torch.compile(fn), with dynamo's recompile limits raised to at least these while it runs.
+    Layers share their code, so each layer's guards (its spec, what it reads) make another compiled
+    version of the same functions, and every Triton kernel (`torch.compiler.disable`d) cuts a layer
+    into frames. A frame dynamo fails to compile runs eagerly with a logged warning
+    (suppress_errors): compiling changes how the model runs, never what it computes. The settings
+    hold only during the call, so a user's own torch.compile elsewhere keeps dynamo's."""
+    import torch._dynamo
+
+    compiled = torch.compile(fn, backend=backend)
+    config = torch._dynamo.config
+    settings = {"recompile_limit": max(config.recompile_limit, recompiles),
+                "accumulated_recompile_limit": max(config.accumulated_recompile_limit, total_recompiles),
+                "suppress_errors": True}
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        with torch._dynamo.config.patch(**settings):
+            return compiled(*args, **kwargs)
+    return call

@@ -567,6 +567,62 @@ def test_a_sequence_that_drew_a_stop_token_leaves_without_a_poll(model):
     assert step.counts["eager"] == max(len(g.tokens) for g in flagged) - 1 < 16  # the first token: prefill
 
 
+@pytest.mark.slow
+def test_a_compiled_decode_step_gives_the_eager_steps_tokens_and_compiles_once():
+    """The decode step's forward through torch.compile (dynamo's "eager" backend on a CPU: what is
+    checked is dynamo's tracing of the model and of the slot cache's hooks, their per-step index
+    tensors shared across layers and their writes into the cache) gives the eager step's greedy
+    tokens and log-probs exactly, at a batch of two and of one; a second call with the kept decode
+    state compiles nothing new. The experts run grouped, as on a GPU (their per-expert
+    loop reads the routing counts on the host: a graph break and a recompile every step)."""
+    from torch._dynamo.utils import counters
+
+    from inference.generate import DecodeEngines
+    from model.moe import RoutedExperts
+
+    torch.manual_seed(0)
+    model = Transformer(dataclasses.replace(CFG, window=16, pool_block=4)).eval()
+    for module in model.modules():
+        if isinstance(module, RoutedExperts):
+            module.grouped = True
+    prompts = [_ids(n, seed=70 + n)[0].tolist() for n in (5, 41, 19)]
+    kw = dict(max_new_tokens=8, temperature=0.0, max_batch=2)
+    eager = generate(model, prompts, **kw)
+    engines = DecodeEngines(model)
+    compiled = generate(model, prompts, compile="eager", engines=engines, **kw)
+    graphs = counters["stats"]["unique_graphs"]
+    again = generate(model, prompts, compile="eager", engines=engines, **kw)
+    assert graphs > 0 and counters["stats"]["unique_graphs"] == graphs
+    for run in (compiled, again):
+        assert [g.tokens for g in run] == [g.tokens for g in eager]
+        assert [g.logprobs for g in run] == [g.logprobs for g in eager]
+
+
+@pytest.mark.gpu
+def test_inductor_compiled_decode_captured_in_graphs_equals_the_eager_forward_on_gpu():
+    """The step's forward compiled by inductor, then captured and replayed (kernels on, bf16): the
+    greedy tokens of the eager-forward graphs, log-probs within bf16 fusion noise, and the steps
+    replayed with no capture failing."""
+    from inference.generate import DecodeEngines
+    from model.ops import OPS, KernelPolicy
+
+    torch.manual_seed(0)
+    cfg = dataclasses.replace(CFG, window=32, index_topk=16, pool_block=4, pool_blocks=4)
+    with torch.device("cuda"):
+        model = KernelPolicy(OPS).apply(Transformer(cfg)).to(torch.bfloat16).eval()
+    prompts = [_ids(n, seed=80 + n)[0].tolist() for n in (5, 70, 33, 140, 9)]
+    kw = dict(max_new_tokens=32, temperature=0.0, max_batch=4, graphs=True)
+    plain = generate(model, prompts, **kw)
+    engines = DecodeEngines(model)
+    for _ in range(2):  # the second call replays what the first compiled and captured
+        compiled = generate(model, prompts, compile="inductor", engines=engines, **kw)
+    assert [g.tokens for g in compiled] == [g.tokens for g in plain]
+    for a, b in zip(compiled, plain):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=2e-2)
+    ((_, _, step),) = engines._kept.values()
+    assert step.counts["replayed"] > 0 and not step.failed, (step.counts, step.failed)
+
+
 @pytest.mark.gpu
 def test_cuda_graph_decode_equals_eager_on_gpu():
     """The decode step replayed from CUDA graphs (kernels on, bf16) gives eager's greedy tokens and

@@ -29,6 +29,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from conf.errors import ConfigError
 from model.moe import MoE, RoutedExperts, routing_order
+from model.ops import compile_with_limits
 from optim import Replicas
 from trainer.distributed import all_reduce_sum_
 
@@ -339,34 +340,15 @@ def compile_blocks(model: nn.Module, backend: str = "inductor", start: int = 0) 
     A frame dynamo fails to compile (torch 2.11 trips a guard assertion on the MoE call) runs
     eagerly with a logged warning (suppress_errors) rather than stopping the run: compiling
     is an optimisation, never a change in what is computed. Those settings hold only while a
-    block runs (`_with_dynamo_config`): the rest of the process keeps dynamo's own. Not combined with
-    checkpoint_blocks on one block (the trainer compiles only the blocks after the checkpointed ones):
-    dynamo compiles nothing under a forward that checkpoint already wraps, and checkpointing a
-    compiled forward saves a different set of tensors in the recomputation than in the forward
-    (torch 2.13: CheckpointError)."""
-    import torch._dynamo
-
+    block runs (`model.ops.compile_with_limits`): the rest of the process keeps dynamo's own. Not
+    combined with checkpoint_blocks on one block (the trainer compiles only the blocks after the
+    checkpointed ones): dynamo compiles nothing under a forward that checkpoint already wraps, and
+    checkpointing a compiled forward saves a different set of tensors in the recomputation than in
+    the forward (torch 2.13: CheckpointError)."""
     blocks = list(getattr(model, "layers", []))
-    dynamo = torch._dynamo.config
-    settings = {"recompile_limit": max(dynamo.recompile_limit, 2 * len(blocks)),
-                "accumulated_recompile_limit": max(dynamo.accumulated_recompile_limit, 8 * len(blocks)),
-                "suppress_errors": True}
     for block in blocks[start:]:  # patch the forward, as checkpoint_blocks does, not the module call
-        block.forward = _with_dynamo_config(torch.compile(block.forward, backend=backend), settings)
+        block.forward = compile_with_limits(block.forward, backend, 2 * len(blocks), 8 * len(blocks))
     return len(blocks[start:])
-
-
-def _with_dynamo_config(fn, settings: dict):
-    """fn, with dynamo's config patched to `settings` for the duration of each call (dynamo reads
-    them while it evaluates the frame, i.e. inside the call), so a user's own torch.compile
-    elsewhere in the process keeps its settings."""
-    import torch._dynamo
-
-    @functools.wraps(fn)
-    def call(*args, **kwargs):
-        with torch._dynamo.config.patch(**settings):
-            return fn(*args, **kwargs)
-    return call
 
 
 def _expert_stacks(model: nn.Module):

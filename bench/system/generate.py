@@ -5,7 +5,8 @@
             generation loop needs), at each prompt length
   decode    tokens/s of the engine's continuous-batching decode step (every busy slot of a
             SlotCache, FP4-packed, one token each) vs re-running the whole sequences per token,
-            at each batch size
+            at each batch size; --compile both adds the step with its forward through torch.compile
+            (inductor) before capture, beside it
   prefix    latency of a prompt that extends a cached sequence (hit: replay + new tokens) vs the
             same prompt without the prefix cache (miss: CED prefill of everything)
   rollout   RL-like generate calls (groups of samples of short prompts, stop tokens ending
@@ -13,7 +14,8 @@
             call and the prefill's share, with the step's stop flags against polling every 16 steps
 
     python -m bench.system.generate [--model small] [--prefill 8192,32768] [--batches 1,64]
-        [--sections prefill,decode,prefix,rollout] [--rollout CALLS,ROWS,GROUP,SLOTS,PROMPT,MAX_NEW,MEAN_LEN]
+        [--sections prefill,decode,prefix,rollout] [--compile off|on|both]
+        [--rollout CALLS,ROWS,GROUP,SLOTS,PROMPT,MAX_NEW,MEAN_LEN]
 
 With --drafter RUN (a finished `flashtrain dspark` run), it measures speculative decoding instead:
   speculative  at each batch size, the same prompts (the first --prompt-len tokens of validation
@@ -150,22 +152,31 @@ def step_bytes(model, slots: SlotCache, busy: list[int], experts_touched: dict[i
 
 @torch.no_grad()
 def bench_decode(model, batches, prompt_len, steps, vocab, device, graphs, plain_steps: int,
-                 copy_gbs: Optional[float], profile: Optional[Path]) -> dict:
+                 copy_gbs: Optional[float], profile: Optional[Path], compile_modes=(None,)) -> dict:
     """Per batch size: prompts prefilled (CED) into a SlotCache, then the engine's decode step
     (inference/graphs.py: greedy sampling in the step, no host sync between steps) run `steps`
     times untimed (each new shape runs eagerly once, then is captured) and `steps` times timed.
-    Against the step's memory floor: `step_bytes` at the copy bandwidth."""
+    Against the step's memory floor: `step_bytes` at the copy bandwidth. compile_modes: the
+    step's forward eager (None) and/or through torch.compile ("inductor"): the second mode's row
+    sits under the first's as "compiled", measured at the same prompts."""
     out = {}
     for b in batches:
-        out[b] = _decode_row(model, b, prompt_len, steps, vocab, device, graphs, plain_steps, copy_gbs,
-                             profile)
+        for i, mode in enumerate(compile_modes):
+            row = _decode_row(model, b, prompt_len, steps, vocab, device, graphs,
+                              plain_steps if i == 0 else 0, copy_gbs, profile, mode)
+            if i == 0:
+                out[b] = row
+            else:
+                out[b]["compiled"] = row
+                out[b]["compiled_speedup"] = row["tokens_per_s"] / out[b]["tokens_per_s"]
         print(json.dumps({"decode": {b: out[b]}}), file=sys.stderr, flush=True)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return out
 
 
-def _decode_row(model, b, prompt_len, steps, vocab, device, graphs, plain_steps, copy_gbs, profile) -> dict:
+def _decode_row(model, b, prompt_len, steps, vocab, device, graphs, plain_steps, copy_gbs, profile,
+                compile: Optional[str] = None) -> dict:
     ids = _ids(b, prompt_len, vocab, device)
     slots = SlotCache(model, b)
     state = _Rows(b, 2 * steps + 2, 0.0, 1.0, device)  # greedy
@@ -174,7 +185,7 @@ def _decode_row(model, b, prompt_len, steps, vocab, device, graphs, plain_steps,
         logits = prefill_ced(model, cache, ids[row:row + 1])[:, -1]
         state.start(row, row, logits.float())
         slots.insert(row, cache)
-    step = DecodeStep(model, slots, state.feed, state.post, graphs=graphs)
+    step = DecodeStep(model, slots, state.feed, state.post, graphs=graphs, compile=compile)
     busy = list(range(b))
 
     def run(n: int) -> None:
@@ -182,7 +193,7 @@ def _decode_row(model, b, prompt_len, steps, vocab, device, graphs, plain_steps,
             step(busy)
 
     hooks, chosen = _routed_choices(model)
-    run(1)  # eager: the first time at these shapes
+    first = _seconds(lambda: run(1), device)  # eager: the first time at these shapes (compiles)
     for h in hooks:
         h.remove()
     touched = {i: int(torch.cat(c).unique().numel()) for i, c in chosen.items()}
@@ -193,14 +204,16 @@ def _decode_row(model, b, prompt_len, steps, vocab, device, graphs, plain_steps,
     row = {"tokens_per_s": b * steps / seconds, "step_ms": 1e3 * seconds / steps,
            "timed_steps": {k: step.counts[k] - before[k] for k in step.counts}, "bytes_per_step": nbytes,
            "experts_touched_per_layer": sum(touched.values()) / max(len(touched), 1),
-           "context_tokens": slots.lengths[0]}
+           "context_tokens": slots.lengths[0], "first_step_s": first}
+    if compile is not None:
+        row["compile"] = compile
     if step.failed:
         row["graph_capture_failed"] = sorted(set(step.failed.values()))
     if copy_gbs:
         row["floor_ms"] = nbytes["total"] / copy_gbs / 1e6
         row["fraction_of_floor"] = row["floor_ms"] / row["step_ms"]
     if profile is not None:
-        _profile(lambda: run(4), profile / f"decode-b{b}.txt", device)
+        _profile(lambda: run(4), profile / f"decode-b{b}{'-compiled' if compile else ''}.txt", device)
     if plain_steps:
         at = slots.lengths[0]
         plain_ids = _ids(b, at + plain_steps, vocab, device, seed=1)
@@ -392,6 +405,9 @@ def main() -> None:
                     help="speculative rows: verify this many drafts every step (default: the rule's choice)")
     ap.add_argument("--graphs", choices=["auto", "on", "off"], default="auto",
                     help="decode steps replayed from CUDA graphs (auto: on CUDA)")
+    ap.add_argument("--compile", choices=["off", "on", "both"], default="off",
+                    help="decode rows: the step's forward through torch.compile (inductor) before capture; "
+                         "both: the eager-forward row and the compiled one side by side")
     ap.add_argument("--plain-steps", type=int, default=4,
                     help="steps of the plain whole-sequence loop per batch size (0: skip it)")
     ap.add_argument("--rollout", default="8,32,8,16,128,40,9",
@@ -444,7 +460,8 @@ def main() -> None:
     if "decode" in sections:
         result["decode"] = bench_decode(model, [int(x) for x in args.batches.split(",")], args.prompt_len,
                                         args.steps, args.vocab, device, graphs, args.plain_steps, copy_gbs,
-                                        profile)
+                                        profile, {"off": (None,), "on": ("inductor",),
+                                                  "both": (None, "inductor")}[args.compile])
     if "prefix" in sections:
         result["prefix"] = bench_prefix(model, args.prefix_len, args.new_tokens, args.vocab, device, profile)
     if "rollout" in sections:
