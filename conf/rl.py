@@ -53,6 +53,9 @@ class RLLoopConfig:
     # rollout_replay (null: every layer over the whole prompt, exactly the training forward)
     rollout_replay: Optional[int] = 128
     rollout_threads: int = 1  # torch threads per rollout worker (CPU)
+    # a rollout worker on a GPU runs its decode step's forward through torch.compile (inductor) before
+    # capturing it in a CUDA graph: fewer, fused kernels a step, paid for by compiling once per worker
+    rollout_compile: bool = False
     # a `flashtrain dspark` run (or checkpoint), the drafter dir `convert import` writes, or a public-layout
     # dir (its mtp.* drafter): the rollout workers decode with that drafter (inference/speculative.py:
     # the samples' distribution and log-probs stay the policy's); null: none

@@ -236,20 +236,35 @@ class _Rows:
 
 
 class _EndedWatch:
-    """Which slots drew a stop token, known on the host without waiting for the device: after a
-    step, a copy of the device's flags goes to pinned memory behind it, and the host takes it once
-    it has landed (a step or two later; one copy in flight). On the CPU the flags are read at once."""
+    """Which slots drew a stop token, known on the host without waiting for each step: after a step,
+    a copy of the device's flags goes to pinned memory behind it, and the host takes it once it has
+    landed (one copy in flight). On the CPU the flags are read at once.
 
-    def __init__(self, ended: torch.Tensor):
-        self.ended, self.cuda = ended, ended.is_cuda
+    The host also stays at most `lead` steps ahead of the device: before it goes on, it waits for
+    the step `lead` back to finish. Without that bound a host that only replays CUDA graphs runs
+    tens of steps ahead, the flags land that late, and finished sequences keep decoding and hold
+    their slots, more steps than polling every 16 would cost. With it a flag is read at most
+    lead + 1 steps after its step, while the device still has `lead` steps queued, so it does not
+    idle."""
+
+    def __init__(self, ended: torch.Tensor, lead: int = 2):
+        self.ended, self.cuda, self.lead = ended, ended.is_cuda, lead
         self.host = torch.zeros(ended.shape, dtype=torch.bool, pin_memory=self.cuda)
         self.copied: Optional[torch.cuda.Event] = None
+        self.steps: deque = deque()  # an event after each step still in the queue
 
     def after_step(self) -> None:
-        if self.cuda and self.copied is None:
+        if not self.cuda:
+            return
+        if self.copied is None:
             self.host.copy_(self.ended, non_blocking=True)
             self.copied = torch.cuda.Event()
             self.copied.record()
+        done = torch.cuda.Event()
+        done.record()
+        self.steps.append(done)
+        if len(self.steps) > self.lead:
+            self.steps.popleft().synchronize()
 
     def take(self) -> list[int]:
         """The slots flagged in the newest copy that has landed (none when none has)."""

@@ -83,7 +83,9 @@ class RolloutWorker:
         else:
             if self.engines is None:
                 self.engines = DecodeEngines(self.model)
-            gens = generate(self.model, prompt_ids, self.rl.max_new_tokens, engines=self.engines, **kwargs)
+            compile = "inductor" if self.rl.rollout_compile and self.rl.rollout_gpus > 0 else None
+            gens = generate(self.model, prompt_ids, self.rl.max_new_tokens, engines=self.engines,
+                            compile=compile, **kwargs)
         samples = [{"id": p["id"], "effort": p["effort"], "prompt": p["ids"], "response": g.tokens,
                     "behaviour": g.logprobs, "version": g.policy_version, "finish": g.finish}
                    for p, g in zip(flat, gens)]

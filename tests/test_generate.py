@@ -666,7 +666,9 @@ def test_cuda_graph_decode_equals_eager_on_gpu():
 def test_stop_flags_read_behind_graph_replays_keep_what_looking_after_every_token_keeps_on_gpu():
     """With CUDA graphs the stop flags reach the host a step or two late, behind the replays: each
     generation still keeps (tokens, log-probs, finish) what an eager run looking after every token
-    keeps, and the steps were replayed."""
+    keeps, and the steps were replayed. The host runs at most two steps ahead of the device, so a
+    call takes at most three more steps per prompt than one that reads every token at once (a host
+    free to run ahead reads the flags tens of steps late)."""
     from inference.generate import DecodeEngines
     from model.ops import OPS, KernelPolicy
 
@@ -688,6 +690,14 @@ def test_stop_flags_read_behind_graph_replays_keep_what_looking_after_every_toke
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-5)
     ((_, _, step),) = engines._kept.values()
     assert step.counts["replayed"] > 0 and not step.failed, (step.counts, step.failed)
+    before = sum(step.counts.values())
+    generate(model, prompts, stop=stop, graphs=True, engines=engines, **kw)
+    flagged_steps = sum(step.counts.values()) - before
+    at_once = DecodeEngines(model)
+    generate(model, prompts, stop=stop, graphs=True, check_every=1, engines=at_once, **kw)
+    ((_, _, step_at_once),) = at_once._kept.values()
+    assert flagged_steps <= sum(step_at_once.counts.values()) + 3 * len(prompts), (
+        flagged_steps, step_at_once.counts)
 
 
 @pytest.mark.gpu

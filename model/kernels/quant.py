@@ -559,6 +559,7 @@ def _kernel_out_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
 
 
+@torch.compiler.disable  # a compiled decode step: a graph break, launched as is (model/kernels/__init__.py)
 def _pack(name: str, x: Tensor) -> tuple[Tensor, Tensor]:
     fmt, block, bits, min_bits = _spec(name)
     x2, in_bf16 = _input_rows(name, x)
@@ -574,6 +575,7 @@ def _pack(name: str, x: Tensor) -> tuple[Tensor, Tensor]:
     return codes.reshape(*lead, d * bits // 8), scales.reshape(*lead, n_blocks)
 
 
+@torch.compiler.disable  # a compiled decode step: a graph break, launched as is (model/kernels/__init__.py)
 def _unpack(name: str, codes: Tensor, scales: Tensor, dtype: torch.dtype) -> Tensor:
     fmt, block, bits, _ = _spec(name)
     if codes.dim() == 0 or scales.dim() == 0:
