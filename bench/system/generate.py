@@ -169,7 +169,8 @@ def bench_decode(model, batches, prompt_len, steps, vocab, device, graphs, plain
             else:
                 out[b]["compiled"] = row
                 out[b]["compiled_speedup"] = row["tokens_per_s"] / out[b]["tokens_per_s"]
-        print(json.dumps({"decode": {b: out[b]}}), file=sys.stderr, flush=True)
+            # each row as it is done: a compile that outruns a time limit still leaves the rows before it
+            print(json.dumps({"decode": {b: row}, "compile": mode}), file=sys.stderr, flush=True)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return out
