@@ -176,6 +176,26 @@ def bench_decode(model, batches, prompt_len, steps, vocab, device, graphs, plain
     return out
 
 
+class _TimedInductor:
+    """A torch.compile backend: inductor, with each graph's compile time kept and said on stderr as
+    it finishes (which graph a slow compile is stuck in, even when the run is cut off)."""
+
+    def __init__(self):
+        self.seconds: list[float] = []
+
+    def __call__(self, gm, example_inputs):
+        from torch._inductor.compile_fx import compile_fx
+
+        start = time.perf_counter()
+        compiled = compile_fx(gm, example_inputs)
+        self.seconds.append(time.perf_counter() - start)
+        ops = sorted({getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes
+                      if n.op == "call_function"})
+        print(json.dumps({"inductor_graph": len(self.seconds), "s": round(self.seconds[-1], 2),
+                          "nodes": len(gm.graph.nodes), "ops": ops[:30]}), file=sys.stderr, flush=True)
+        return compiled
+
+
 def _decode_row(model, b, prompt_len, steps, vocab, device, graphs, plain_steps, copy_gbs, profile,
                 compile: Optional[str] = None) -> dict:
     ids = _ids(b, prompt_len, vocab, device)
@@ -186,7 +206,8 @@ def _decode_row(model, b, prompt_len, steps, vocab, device, graphs, plain_steps,
         logits = prefill_ced(model, cache, ids[row:row + 1])[:, -1]
         state.start(row, row, logits.float())
         slots.insert(row, cache)
-    step = DecodeStep(model, slots, state.feed, state.post, graphs=graphs, compile=compile)
+    backend = _TimedInductor() if compile == "inductor" else compile
+    step = DecodeStep(model, slots, state.feed, state.post, graphs=graphs, compile=backend)
     busy = list(range(b))
 
     def run(n: int) -> None:
@@ -208,6 +229,9 @@ def _decode_row(model, b, prompt_len, steps, vocab, device, graphs, plain_steps,
            "context_tokens": slots.lengths[0], "first_step_s": first}
     if compile is not None:
         row["compile"] = compile
+    if isinstance(backend, _TimedInductor):
+        row["inductor_graphs"], row["inductor_s"] = len(backend.seconds), sum(backend.seconds)
+        row["inductor_s_max"] = max(backend.seconds, default=0.0)
     if step.failed:
         row["graph_capture_failed"] = sorted(set(step.failed.values()))
     if copy_gbs:
