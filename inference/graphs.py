@@ -14,8 +14,8 @@ there: nothing that synchronises may run inside a capture), is captured the seco
 replayed from then on. A capture that fails says why once, on stderr, and that shape stays eager;
 `graphs=False` (or a CPU model) runs every step eagerly, the reference the graphs are tested against.
 
-A graph removes the host's launches, not the kernels: a step of `small` is ~2,100 of them, most
-under 10 us, and their count bounds the step (bench/reports/2026-12-07-decode-engram-profiles-h100.md).
+A graph removes the host's launches, not the kernels: a step is thousands of short kernels, and
+their count bounds it (the profile in bench/reports/2026-12-07-decode-engram-profiles-h100.md).
 `compile` (a torch.compile backend, e.g. "inductor") runs the step's forward through torch.compile
 first, as vLLM and SGLang do before they capture: inductor fuses the PyTorch ops between the Triton
 kernels (the cache's index arithmetic, gathers, norms, routing) into fewer kernels, and the graph
@@ -70,7 +70,7 @@ class DecodeStep:
     also write device state (the next ids). Both run inside the step, and so inside its graph."""
 
     def __init__(self, model, slots: SlotCache, feed: Callable, post: Callable,
-                 graphs: Optional[bool] = None, compile: Optional[str] = None):
+                 graphs: Optional[bool] = None, compile: Optional[str | Callable] = None):
         device = next(model.parameters()).device
         if graphs and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA model, this one is on {device}")

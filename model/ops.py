@@ -253,8 +253,8 @@ class KernelPolicy:
         return out
 
 
-
-def compile_with_limits(fn: Callable, backend: str, recompiles: int, total_recompiles: int) -> Callable:
+def compile_with_limits(fn: Callable, backend: str | Callable, recompiles: int,
+                        total_recompiles: int) -> Callable:
     """torch.compile(fn), with dynamo's recompile limits raised to at least these while it runs.
     Layers share their code, so each layer's guards (its spec, what it reads) make another compiled
     version of the same functions, and every Triton kernel (`torch.compiler.disable`d) cuts a layer
