@@ -256,12 +256,13 @@ class _EndedWatch:
     def after_step(self) -> None:
         if not self.cuda:
             return
-        if self.copied is None:
+        copying = self.copied is None
+        if copying:
             self.host.copy_(self.ended, non_blocking=True)
-            self.copied = torch.cuda.Event()
-            self.copied.record()
         done = torch.cuda.Event()
-        done.record()
+        done.record()  # after the step, and after the copy when one was queued
+        if copying:
+            self.copied = done
         self.steps.append(done)
         if len(self.steps) > self.lead:
             self.steps.popleft().synchronize()
