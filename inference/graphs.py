@@ -84,10 +84,12 @@ class DecodeStep:
         self.rows: dict[int, tuple[tuple[int, ...], torch.Tensor]] = {}  # bucket -> (slots, static rows)
         self.counts = {"eager": 0, "captured": 0, "replayed": 0}
         # a layer's guards (its spec, the entries it reads) and the kernels cutting it into several
-        # frames make ~8 compiled versions of the shared layer code per layer
+        # frames make ~8 compiled versions of the shared layer code per layer. Static shapes: a
+        # captured step's shapes are fixed per bucket anyway, and symbolic ones (the layers' cache
+        # lengths differ) make inductor reason about shapes in every graph
         self.forward = (self._forward if compile is None else
                         compile_with_limits(self._forward, compile, 8 * len(model.layers),
-                                            64 * len(model.layers)))
+                                            64 * len(model.layers), dynamic=False))
 
     def _forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [B, 1] -> next-token logits [B, V], over the rows `begin_rows` set."""

@@ -254,16 +254,18 @@ class KernelPolicy:
 
 
 def compile_with_limits(fn: Callable, backend: str | Callable, recompiles: int,
-                        total_recompiles: int) -> Callable:
+                        total_recompiles: int, dynamic: Optional[bool] = None) -> Callable:
     """torch.compile(fn), with dynamo's recompile limits raised to at least these while it runs.
     Layers share their code, so each layer's guards (its spec, what it reads) make another compiled
     version of the same functions, and every Triton kernel (`torch.compiler.disable`d) cuts a layer
     into frames. A frame dynamo fails to compile runs eagerly with a logged warning
     (suppress_errors): compiling changes how the model runs, never what it computes. The settings
-    hold only during the call, so a user's own torch.compile elsewhere keeps dynamo's."""
+    hold only during the call, so a user's own torch.compile elsewhere keeps dynamo's. dynamic is
+    torch.compile's: False keeps every shape static, so layers whose shapes differ (each layer's
+    cache length) recompile instead of turning into one symbolic graph."""
     import torch._dynamo
 
-    compiled = torch.compile(fn, backend=backend)
+    compiled = torch.compile(fn, backend=backend, dynamic=dynamic)
     config = torch._dynamo.config
     settings = {"recompile_limit": max(config.recompile_limit, recompiles),
                 "accumulated_recompile_limit": max(config.accumulated_recompile_limit, total_recompiles),
