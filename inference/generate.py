@@ -6,6 +6,7 @@ distribution it was sampled from (temperature and top-p applied), as RL needs th
 """
 from __future__ import annotations
 
+import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -245,10 +246,11 @@ class _EndedWatch:
     tens of steps ahead, the flags land that late, and finished sequences keep decoding and hold
     their slots, more steps than polling every 16 would cost. With it a flag is read at most
     lead + 1 steps after its step, while the device still has `lead` steps queued, so it does not
-    idle."""
+    idle. That wait has a deadline, `hung_s`: a step still queued after it means a hung device,
+    which raises instead of holding the rollout worker forever."""
 
-    def __init__(self, ended: torch.Tensor, lead: int = 2):
-        self.ended, self.cuda, self.lead = ended, ended.is_cuda, lead
+    def __init__(self, ended: torch.Tensor, lead: int = 2, hung_s: float = 300.0):
+        self.ended, self.cuda, self.lead, self.hung_s = ended, ended.is_cuda, lead, hung_s
         self.host = torch.zeros(ended.shape, dtype=torch.bool, pin_memory=self.cuda)
         self.copied: Optional[torch.cuda.Event] = None
         self.steps: deque = deque()  # an event after each step still in the queue
@@ -265,7 +267,16 @@ class _EndedWatch:
             self.copied = done
         self.steps.append(done)
         if len(self.steps) > self.lead:
-            self.steps.popleft().synchronize()
+            self._wait(self.steps.popleft())
+
+    def _wait(self, step: torch.cuda.Event) -> None:
+        # polled rather than Event.synchronize(), which has no timeout; a step takes milliseconds
+        deadline = time.monotonic() + self.hung_s
+        while not step.query():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"a decode step queued {self.lead} steps back has not finished on "
+                                   f"{self.ended.device} after {self.hung_s:.0f} s: the device looks hung")
+            time.sleep(20e-6)
 
     def take(self) -> list[int]:
         """The slots flagged in the newest copy that has landed (none when none has)."""

@@ -547,6 +547,24 @@ def test_stop_tokens_read_late_are_cut_as_if_read_at_once(model, monkeypatch):
                                                                               b.token_layer_passes)
 
 
+def test_a_step_the_device_never_finishes_raises_at_the_deadline_naming_it():
+    """The host's wait for the step two back polls with a deadline: a step whose event never
+    completes (a hung device) raises a TimeoutError naming the wait, instead of blocking forever."""
+    import time
+
+    from inference.generate import _EndedWatch
+
+    class NeverDone:
+        def query(self):
+            return False
+
+    watch = _EndedWatch(torch.zeros(4, dtype=torch.bool), hung_s=0.2)
+    began = time.monotonic()
+    with pytest.raises(TimeoutError, match="decode step queued 2 steps back has not finished.*hung"):
+        watch._wait(NeverDone())
+    assert 0.2 <= time.monotonic() - began < 5
+
+
 def test_a_sequence_that_drew_a_stop_token_leaves_without_a_poll(model):
     """The device flags a drawn stop token and the host reads the flags behind the steps (on the CPU
     at once): a sequence leaves right after the step that drew it, so four prompts decoding together
