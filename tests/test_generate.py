@@ -619,8 +619,10 @@ def test_a_compiled_decode_step_gives_the_eager_steps_tokens_and_compiles_once()
 @pytest.mark.gpu
 def test_inductor_compiled_decode_captured_in_graphs_equals_the_eager_forward_on_gpu():
     """The step's forward compiled by inductor, then captured and replayed (kernels on, bf16): the
-    greedy tokens of the eager-forward graphs, log-probs within bf16 fusion noise, and the steps
-    replayed with no capture failing."""
+    greedy tokens of the eager-forward graphs, log-probs within 1/16 nats (inductor keeps fp32
+    between the ops it fuses where the eager forward rounds each op's output to bf16, so the two
+    hidden states part by a bf16 rounding in every layer), and the steps replayed with no capture
+    failing."""
     from inference.generate import DecodeEngines
     from model.ops import OPS, KernelPolicy
 
@@ -636,7 +638,7 @@ def test_inductor_compiled_decode_captured_in_graphs_equals_the_eager_forward_on
         compiled = generate(model, prompts, compile="inductor", engines=engines, **kw)
     assert [g.tokens for g in compiled] == [g.tokens for g in plain]
     for a, b in zip(compiled, plain):
-        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=2e-2)
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1 / 16)
     ((_, _, step),) = engines._kept.values()
     assert step.counts["replayed"] > 0 and not step.failed, (step.counts, step.failed)
 
