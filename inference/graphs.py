@@ -19,8 +19,12 @@ their count bounds it (the profile in bench/reports/2026-12-07-decode-engram-pro
 `compile` (a torch.compile backend, e.g. "inductor") runs the step's forward through torch.compile
 first, as vLLM and SGLang do before they capture: inductor fuses the PyTorch ops between the Triton
 kernels (the cache's index arithmetic, gathers, norms, routing) into fewer kernels, and the graph
-then records those. The first run at new shapes compiles; dynamo's automatic dynamic shapes make
-the batch and the read width symbolic once they change, so later shapes reuse the compiled code.
+then records those. Shapes stay static (torch.compile's dynamic=False): each (batch bucket, read
+width) compiles its own code the first time it comes up, as it is captured once anyway. Symbolic
+shapes would let later shapes reuse the code, but the layers' cache lengths differ, so dynamo made
+them symbolic within the first step and inductor's shape reasoning then took minutes per graph.
+The price is a compile (tens of seconds) per new shape, bounded by dynamo's recompile limits,
+past which a frame runs eagerly, uncompiled but still captured.
 """
 from __future__ import annotations
 
@@ -84,9 +88,8 @@ class DecodeStep:
         self.rows: dict[int, tuple[tuple[int, ...], torch.Tensor]] = {}  # bucket -> (slots, static rows)
         self.counts = {"eager": 0, "captured": 0, "replayed": 0}
         # a layer's guards (its spec, the entries it reads) and the kernels cutting it into several
-        # frames make ~8 compiled versions of the shared layer code per layer. Static shapes: a
-        # captured step's shapes are fixed per bucket anyway, and symbolic ones (the layers' cache
-        # lengths differ) make inductor reason about shapes in every graph
+        # frames make ~8 compiled versions of the shared layer code per layer; static shapes: see
+        # the module's docstring
         self.forward = (self._forward if compile is None else
                         compile_with_limits(self._forward, compile, 8 * len(model.layers),
                                             64 * len(model.layers), dynamic=False))
