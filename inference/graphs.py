@@ -21,10 +21,11 @@ first, as vLLM and SGLang do before they capture: inductor fuses the PyTorch ops
 kernels (the cache's index arithmetic, gathers, norms, routing) into fewer kernels, and the graph
 then records those. Shapes stay static (torch.compile's dynamic=False): each (batch bucket, read
 width) compiles its own code the first time it comes up, as it is captured once anyway. Symbolic
-shapes would let later shapes reuse the code, but the layers' cache lengths differ, so dynamo made
-them symbolic within the first step and inductor's shape reasoning then took minutes per graph.
-The price is a compile (tens of seconds) per new shape, bounded by dynamo's recompile limits,
-past which a frame runs eagerly, uncompiled but still captured.
+shapes would let later shapes reuse the code, but the layers' cache lengths differ, so dynamo
+would make them symbolic within the first step and inductor would reason about symbolic shapes in
+every graph, where compiling `small`'s step has stalled for minutes. The price is a compile (tens
+of seconds) per new shape, bounded by dynamo's recompile limits, past which a frame runs eagerly,
+uncompiled but still captured.
 """
 from __future__ import annotations
 
